@@ -1,0 +1,3 @@
+from lowbit.cli import main
+
+raise SystemExit(main())

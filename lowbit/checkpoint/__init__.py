@@ -1,0 +1,1 @@
+"""Reading and writing weights: HF directories, safetensors shards, lowbit artifacts."""

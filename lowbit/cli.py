@@ -1,0 +1,110 @@
+"""The `lowbit` command: one parser, subcommands calling into the packages."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lowbit.config import EngineConfig
+from lowbit.errors import LowbitError
+
+
+def _fmt_count(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from lowbit import LLM, SamplingParams
+
+    cfg = EngineConfig.from_cli(args)
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+                        stop=args.stop or [], ignore_eos=args.ignore_eos)
+    llm = LLM(**cfg.llm_kwargs())
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], sp)
+    else:
+        out = llm.generate(args.prompt if llm.tokenizer else [1], sp)[0]
+    m = out.metrics
+    print(args.prompt + out.outputs[0].text if not args.chat else out.outputs[0].text)
+    print(
+        f"\n[{m['output_tokens']} tokens, prompt {m['prompt_tokens']} | prefill {m['prefill_s'] * 1e3:.0f} ms | "
+        f"decode {m['decode_tok_s']:.1f} tok/s | weights {llm.loaded.weight_format} | "
+        f"device {llm.device} | finish {out.outputs[0].finish_reason}]",
+        file=sys.stderr if args.quiet_stats else sys.stdout,
+    )
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from lowbit.checkpoint.hf import CheckpointReader, resolve_model_dir
+    from lowbit.models.config import load_config
+
+    if args.random_weights or args.config:
+        cfg = load_config(args.config or args.model)
+        path = None
+    else:
+        path = resolve_model_dir(args.model)
+        cfg = load_config(path)
+    total, active = cfg.param_counts()
+    print(f"architecture     {cfg.model_type} ({cfg.raw.get('architectures', ['?'])[0]})")
+    print(f"layers           {cfg.num_layers}, hidden {cfg.hidden_size}, heads {cfg.num_heads}:{cfg.num_kv_heads}, vocab {cfg.vocab_size}")
+    if cfg.is_moe:
+        print(f"experts          {cfg.num_experts} (top-{cfg.num_experts_per_tok}), width {cfg.moe_intermediate_size}, "
+              f"shared {cfg.num_shared_experts}, MoE layers {sum(cfg.moe_layers)}")
+    print(f"parameters       {_fmt_count(total)} total, {_fmt_count(active)} active per token")
+    if path is not None:
+        reader = CheckpointReader(path)
+        by_dtype: dict[str, list[int]] = {}
+        for name in reader.names():
+            t = reader.get(name)
+            e = by_dtype.setdefault(str(t.dtype).replace("torch.", ""), [0, 0])
+            e[0] += t.numel()
+            e[1] += t.numel() * t.element_size()
+        for dt, (n, b) in sorted(by_dtype.items()):
+            print(f"bytes {dt:<10} {b / 2**20:.1f} MiB ({_fmt_count(n)} elements)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lowbit", description="Run quantized MoE language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="load a model, generate, print text and speed")
+    g.add_argument("model", help="HF model directory or built-in name (demo)")
+    g.add_argument("prompt")
+    EngineConfig.add_cli_args(g)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--quiet-stats", action="store_true", help="print the speed line to stderr")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="architecture, parameter counts, bytes per format")
+    i.add_argument("model")
+    i.add_argument("--config", default=None)
+    i.add_argument("--random-weights", action="store_true")
+    i.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except LowbitError as e:
+        print(f"lowbit: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

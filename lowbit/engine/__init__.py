@@ -1,0 +1,1 @@
+"""Requests, batches, KV cache, sampling and the generation loop."""

@@ -1,0 +1,1 @@
+"""Building blocks the model families are made of."""

@@ -1,0 +1,40 @@
+"""Linear layer whose weight is a bf16/fp32 tensor or a QuantizedTensor.
+
+Shapes: T tokens, K in_features, N out_features. weight [N, K] (row n is output n),
+the HF convention, so checkpoints load without transposes.
+The matmul goes through `lowbit.kernels.linear`, which picks a route (a Triton kernel
+reading the packed payload, or the torch reference) and counts which one ran.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowbit.layers.loading import default_loader
+
+
+def kernel_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, layer: str) -> torch.Tensor:
+    try:
+        from lowbit.kernels import linear
+    except ImportError:  # kernels package not importable: plain torch matmul
+        return nn.functional.linear(x, weight.to(x.dtype), bias)
+    return linear(x, weight, bias, layer=layer)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, prefix: str = "") -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.prefix = in_features, out_features, prefix
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = default_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = default_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, K] -> [T, N]
+        return kernel_linear(x, self.weight, self.bias, self.prefix)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}->{self.out_features}, bias={self.bias is not None}"

@@ -1,0 +1,128 @@
+"""Sparse MoE block: router -> dispatch -> experts -> combine.
+
+Shapes: T tokens, D hidden, E experts, A active experts per token (top-k), I expert width.
+  logits = gate(x)                      # [T, E]
+  ids, w = route(logits)                # [T, A] int32, [T, A] float32
+  y = experts(x, ids, w)                # [T, D]  sum_a w[t,a] * expert_{ids[t,a]}(x[t])
+Expert weights are stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lowbit.layers.linear import Linear
+from lowbit.layers.loading import expert_loader
+from lowbit.layers.mlp import GatedMLP
+
+
+@dataclass
+class RouterSpec:
+    top_k: int
+    scoring: str = "softmax"  # softmax | sigmoid
+    norm_topk: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2sum"  # top2sum (deepseek_v3) | max (deepseek_v2)
+    scaling: float = 1.0
+
+
+def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None):
+    """logits [T, E] -> (ids [T, A] int32, weights [T, A] float32). Runs on the device."""
+    scores = torch.sigmoid(logits.float()) if spec.scoring == "sigmoid" else torch.softmax(logits.float(), -1)
+    choice = scores if bias is None else scores + bias.float()
+    if spec.n_group > 1:
+        T, E = choice.shape
+        grouped = choice.view(T, spec.n_group, E // spec.n_group)
+        if spec.group_score == "top2sum":
+            gscore = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+        else:
+            gscore = grouped.max(dim=-1).values
+        keep = torch.zeros_like(gscore).scatter_(1, gscore.topk(spec.topk_group, dim=-1).indices, 1.0)
+        mask = keep[:, :, None].expand_as(grouped).reshape(T, E)
+        choice = choice.masked_fill(mask == 0, 0.0)
+    ids = choice.topk(spec.top_k, dim=-1).indices  # [T, A]
+    w = scores.gather(1, ids)
+    if spec.norm_topk:
+        w = w / (w.sum(-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
+    return ids.to(torch.int32), w * spec.scaling
+
+
+class Experts(nn.Module):
+    """E stacked experts. activation: "silu" (SiLU(gate) * up) or "swiglu_oai" (gpt-oss:
+    clamped gate/up, gate * sigmoid(1.702 gate) * (up + 1))."""
+
+    def __init__(self, E: int, D: int, inter: int, prefix: str, bias: bool = False,
+                 activation: str = "silu", limit: float | None = None) -> None:
+        super().__init__()
+        self.prefix, self.activation, self.limit = prefix, activation, limit
+        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, D, inter), requires_grad=False)
+        self.b13 = nn.Parameter(torch.empty(E, 2 * inter), requires_grad=False) if bias else None
+        self.b2 = nn.Parameter(torch.empty(E, D), requires_grad=False) if bias else None
+        for p in (self.w13, self.w2, self.b13, self.b2):
+            if p is not None:
+                p.weight_loader = expert_loader
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:  # h [*, 2I] -> [*, I]
+        gate, up = h.chunk(2, dim=-1)
+        if self.activation == "silu":
+            return nn.functional.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(gate * 1.702) * (up + 1)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.b13 is None and self.activation == "silu":
+            try:
+                from lowbit.kernels import moe_experts
+            except ImportError:
+                moe_experts = None
+            if moe_experts is not None:
+                return moe_experts(x, ids, w, self.w13, self.w2, layer=self.prefix)
+        return self.reference(x, ids, w)
+
+    def reference(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():  # host sync: reference path only
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)
+            h = nn.functional.linear(x[tok], _dense(self.w13, e, x.dtype), _bias(self.b13, e))
+            y = nn.functional.linear(self.act(h), _dense(self.w2, e, x.dtype), _bias(self.b2, e))
+            out.index_add_(0, tok, y.float() * w[tok, slot, None])
+        return out.to(x.dtype)
+
+
+def _dense(w, e: int, dtype: torch.dtype) -> torch.Tensor:
+    we = w[e]
+    return we.to(dtype) if isinstance(we, torch.Tensor) else we.dequantize(dtype)
+
+
+def _bias(b, e: int):
+    return None if b is None else b[e]
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, D: int, E: int, inter: int, spec: RouterSpec, prefix: str, *,
+                 gate_bias: bool = False, score_bias: bool = False, expert_bias: bool = False,
+                 activation: str = "silu", limit: float | None = None,
+                 shared_inter: int = 0) -> None:
+        super().__init__()
+        self.spec = spec
+        self.gate = Linear(D, E, gate_bias, f"{prefix}.gate")
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(E), requires_grad=False) if score_bias else None
+        )
+        self.experts = Experts(E, D, inter, f"{prefix}.experts", expert_bias, activation, limit)
+        self.shared_experts = GatedMLP(D, shared_inter, f"{prefix}.shared_experts") if shared_inter else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D]
+        logits = nn.functional.linear(x.float(), self.gate.weight.float(),
+                                      None if self.gate.bias is None else self.gate.bias.float())
+        ids, w = route(logits, self.spec, self.e_score_correction_bias)
+        y = self.experts(x, ids, w)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
