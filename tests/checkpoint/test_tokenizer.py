@@ -1,0 +1,43 @@
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lowbit.checkpoint.tokenizer import Tokenizer
+from lowbit.errors import LowbitError
+
+QWEN3 = Path(__file__).resolve().parents[2].parent / "shared" / "tokenizers" / "qwen3"
+
+
+@pytest.fixture
+def qwen3_dir(tmp_path):
+    if not QWEN3.exists():
+        pytest.skip("shared/tokenizers/qwen3 is not beside the checkout")
+    for f in QWEN3.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    return tmp_path
+
+
+def test_qwen3_tokenizer_round_trip_and_chat_template(qwen3_dir):
+    tok = Tokenizer(qwen3_dir)
+    ids = tok.encode("Hello, world! Ünïcödé 你好")
+    assert tok.decode(ids) == "Hello, world! Ünïcödé 你好"
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text.startswith("<|im_start|>user\nHi<|im_end|>\n") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_chat_template_file_overrides_config(qwen3_dir):
+    (qwen3_dir / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert Tokenizer(qwen3_dir).apply_chat_template([{"role": "user", "content": "x"}]) == "[x]"
+
+
+def test_missing_tokenizer_and_template(qwen3_dir):
+    cfg = json.loads((qwen3_dir / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template")
+    (qwen3_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LowbitError, match="no chat template"):
+        Tokenizer(qwen3_dir).apply_chat_template([{"role": "user", "content": "x"}])
+    (qwen3_dir / "tokenizer.json").unlink()
+    with pytest.raises(LowbitError, match="no tokenizer.json"):
+        Tokenizer(qwen3_dir)
