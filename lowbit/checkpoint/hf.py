@@ -86,6 +86,20 @@ class CheckpointReader:
         with safe_open(str(self._where[name]), "pt") as h:
             return h.get_tensor(name)
 
+    def storage_format(self) -> str:
+        """The dtype holding most of the weight bytes ("bf16", "fp32", "float8_e4m3fn", ...)."""
+        by: dict[str, int] = {}
+        for f in self.files:
+            with safe_open(str(f), "pt") as h:
+                for k in h.keys():
+                    sl = h.get_slice(k)
+                    n = 1
+                    for d in sl.get_shape():
+                        n *= d
+                    by[sl.get_dtype()] = by.get(sl.get_dtype(), 0) + n
+        top = max(by, key=by.get) if by else "?"
+        return {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(top, top.lower())
+
     def nbytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 

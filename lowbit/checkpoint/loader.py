@@ -16,6 +16,7 @@ from lowbit.models.config import ArchConfig, load_config
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @dataclass
@@ -76,12 +77,11 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "bfloat16", devi
         cfg = load_config(config)
         m = allocate(cfg, dt, device)
         random_init_(m, seed)
-        return LoadedModel(m, cfg, None, {}, "bf16-random" if dt == torch.bfloat16 else f"{dt}-random")
+        return LoadedModel(m, cfg, None, {}, f"{SHORT[dt]} (random)")
     path = resolve_model_dir(model)
     cfg = load_config(path)
     reader = CheckpointReader(path)
     m = allocate(cfg, dt, device)
     m.load_weights(reader.tensors(desc=f"loading {path.name}"))
     gen = read_generation_config(path)
-    fmt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dt]
-    return LoadedModel(m, cfg, path, gen, fmt)
+    return LoadedModel(m, cfg, path, gen, reader.storage_format())

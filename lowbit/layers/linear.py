@@ -8,18 +8,30 @@ reading the packed payload, or the torch reference) and counts which one ran.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from lowbit.layers.loading import default_loader
 
 
-def kernel_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, layer: str) -> torch.Tensor:
+@functools.cache
+def kernel_ops():
+    """lowbit.kernels when importable (it routes and counts), else None."""
     try:
-        from lowbit.kernels import linear
-    except ImportError:  # kernels package not importable: plain torch matmul
+        import lowbit.kernels as k
+
+        return k if hasattr(k, "linear") and hasattr(k, "moe_experts") else None
+    except ImportError:
+        return None
+
+
+def kernel_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, layer: str) -> torch.Tensor:
+    ops = kernel_ops()
+    if ops is None:
         return nn.functional.linear(x, weight.to(x.dtype), bias)
-    return linear(x, weight, bias, layer=layer)
+    return ops.linear(x, weight, bias, layer=layer)
 
 
 class Linear(nn.Module):

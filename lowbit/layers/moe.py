@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowbit.layers.linear import Linear
+from lowbit.layers.linear import Linear, kernel_ops
 from lowbit.layers.loading import expert_loader
 from lowbit.layers.mlp import GatedMLP
 
@@ -77,12 +77,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.b13 is None and self.activation == "silu":
-            try:
-                from lowbit.kernels import moe_experts
-            except ImportError:
-                moe_experts = None
-            if moe_experts is not None:
-                return moe_experts(x, ids, w, self.w13, self.w2, layer=self.prefix)
+            ops = kernel_ops()
+            if ops is not None:
+                return ops.moe_experts(x, ids, w, self.w13, self.w2, layer=self.prefix)
         return self.reference(x, ids, w)
 
     def reference(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

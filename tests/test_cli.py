@@ -1,0 +1,46 @@
+import json
+
+from lowbit.cli import main
+
+
+def test_generate_prints_text_speed_and_format(tiny_moe_dir, capsys):
+    rc = main(["generate", str(tiny_moe_dir), "It is a truth", "--max-tokens", "5", "--ignore-eos"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.startswith("It is a truth")
+    assert "tok/s" in out and "weights bf16" in out and "5 tokens" in out
+
+
+def test_generate_is_deterministic_greedy(tiny_moe_dir, capsys):
+    args = ["generate", str(tiny_moe_dir), "In the beginning", "--max-tokens", "6", "--ignore-eos"]
+    main(args)
+    a = capsys.readouterr().out.splitlines()[0]
+    main(args)
+    assert capsys.readouterr().out.splitlines()[0] == a
+
+
+def test_bad_sampling_values_give_one_sentence(tiny_moe_dir, capsys):
+    for flag, val, msg in [("--temperature", "-1", "temperature"), ("--top-p", "0", "top_p"),
+                           ("--top-p", "nan", "top_p"), ("--max-tokens", "0", "max_tokens")]:
+        rc = main(["generate", str(tiny_moe_dir), "hi", flag, val])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("lowbit: error:") and msg in err and "Traceback" not in err
+
+
+def test_prompt_longer_than_context(tiny_moe_dir, capsys):
+    rc = main(["generate", str(tiny_moe_dir), "word " * 400])
+    assert rc == 2 and "context" in capsys.readouterr().err
+
+
+def test_unknown_model_and_architecture(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "nope"), "hi"]) == 2
+    assert "neither a built-in name" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert main(["info", str(tmp_path)]) == 2
+    assert "unknown architecture model_type='bert'" in capsys.readouterr().err
+
+
+def test_info_counts_parameters(tiny_moe_dir, capsys):
+    assert main(["info", str(tiny_moe_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3_moe" in out and "active per token" in out and "bytes" in out
