@@ -24,12 +24,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                         stop=args.stop or [], ignore_eos=args.ignore_eos)
     llm = LLM(**cfg.llm_kwargs())
-    if args.chat:
+    if llm.tokenizer is None:  # random weights and no --tokenizer: the prompt's bytes are the ids
+        ids = [b % llm.config.vocab_size for b in args.prompt.encode()]
+        out = llm.generate([ids], sp)[0]
+        print(f"token ids: {out.outputs[0].token_ids}")
+    elif args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], sp)
+        print(out.outputs[0].text)
     else:
-        out = llm.generate(args.prompt if llm.tokenizer else [1], sp)[0]
+        out = llm.generate(args.prompt, sp)[0]
+        print(args.prompt + out.outputs[0].text)
     m = out.metrics
-    print(args.prompt + out.outputs[0].text if not args.chat else out.outputs[0].text)
     print(
         f"\n[{m['output_tokens']} tokens, prompt {m['prompt_tokens']} | prefill {m['prefill_s'] * 1e3:.0f} ms | "
         f"decode {m['decode_tok_s']:.1f} tok/s | weights {llm.loaded.weight_format} | "
