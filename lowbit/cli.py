@@ -61,7 +61,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"experts          {cfg.num_experts} (top-{cfg.num_experts_per_tok}), width {cfg.moe_intermediate_size}, "
               f"shared {cfg.num_shared_experts}, MoE layers {sum(cfg.moe_layers)}")
     print(f"parameters       {_fmt_count(total)} total, {_fmt_count(active)} active per token")
-    if path is not None:
+    if path is not None and (path / "lowbit.json").exists():
+        from lowbit.checkpoint.artifact import bytes_by_format
+
+        for fmt, (n, b) in sorted(bytes_by_format(path).items()):
+            print(f"bytes {fmt:<10} {b / 2**20:.1f} MiB ({_fmt_count(n)} weights, {8 * b / max(n, 1):.2f} bits/weight)")
+    elif path is not None:
         reader = CheckpointReader(path)
         by_dtype: dict[str, list[int]] = {}
         for name in reader.names():
@@ -72,6 +77,22 @@ def cmd_info(args: argparse.Namespace) -> int:
         for dt, (n, b) in sorted(by_dtype.items()):
             print(f"bytes {dt:<10} {b / 2**20:.1f} MiB ({_fmt_count(n)} elements)")
     return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from lowbit.quantize.export import quantize_model, summary_table
+
+    manifest = quantize_model(args.model, args.format, args.out, quantize_lm_head=args.quantize_lm_head,
+                              max_shard_size=args.max_shard_size, device=args.device, dtype=args.dtype)
+    print(summary_table(manifest))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from lowbit.bench.eval import main_eval
+
+    return main_eval(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +120,53 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--config", default=None)
     i.add_argument("--random-weights", action="store_true")
     i.set_defaults(func=cmd_info)
+
+    q = sub.add_parser("quantize", help="write a quantized artifact (safetensors + lowbit.json)")
+    q.add_argument("model", help="HF model directory or built-in name (demo)")
+    q.add_argument("--format", required=True, help="weight format (nvfp4, mxfp4, fp8, int4, nf4, lut4, ...)")
+    q.add_argument("--out", required=True, help="artifact directory to create")
+    q.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head too (kept dense by default)")
+    q.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (e.g. 2GB, 500MB)")
+    q.add_argument("--device", default=None, help="where weights are encoded (default: cuda when present)")
+    q.add_argument("--dtype", default="bfloat16", help="dtype of the weights kept dense")
+    q.set_defaults(func=cmd_quantize)
+
+    from lowbit.bench.eval import add_eval_args
+
+    e = sub.add_parser("eval", help="quality against a teacher: perplexity, KL, top-1 agreement")
+    add_eval_args(e)
+    e.set_defaults(func=cmd_eval)
+    _add_bench(sub)
+    _add_serve(sub)
     return p
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from lowbit.bench.commands import add_subcommands
+
+    b = sub.add_parser("bench", help="benchmarks: latency, serve, fingerprint, ab, report, kernels")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    add_subcommands(bsub)
+    try:  # `lowbit bench kernels` lives with the kernels and registers itself when present
+        from lowbit.bench import kernels
+    except ImportError:
+        return
+    register = getattr(kernels, "add_subcommand", None) or getattr(kernels, "add_parser", None)
+    if register is not None:
+        register(bsub)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (port 8000)")
+    s.add_argument("model", help="HF model directory or built-in name (demo)")
+    EngineConfig.add_cli_args(s, server=True)
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from lowbit.server.launch import run_server
+
+    return run_server(EngineConfig.from_cli(args))
 
 
 def main(argv: list[str] | None = None) -> int:

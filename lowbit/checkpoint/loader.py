@@ -1,22 +1,54 @@
-"""Build a model and fill it: from an HF directory, or with seeded random weights."""
+"""Build a model and fill it: from an HF directory, a lowbit artifact, or seeded random weights.
+
+The model is built with its parameters on the `meta` device (buffers such as rotary
+frequencies are real), then each parameter is materialised on the device only when its
+tensor arrives, so the device never holds more than the finished model plus one weight in
+flight. With `quantization`, each weight the policy selects (lowbit.quantize.policy) is
+assembled on the CPU (an expert stack one layer at a time), moved to the device, encoded
+there, and only its payload is kept. Third-party quantized checkpoints (DeepSeek FP8,
+gpt-oss MXFP4, NVFP4, AWQ, GPTQ) arrive as QuantizedTensors and are kept as they are.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from lowbit.checkpoint.hf import CheckpointReader, read_generation_config, resolve_model_dir
+from lowbit.distributed.driver import drive_workers
+from lowbit.distributed.sharding import shard_if_parallel, shard_stream
 from lowbit.errors import LowbitError
+from lowbit.formats import QuantizedTensor
+from lowbit.formats.base import ACCEPTED_DTYPES
+from lowbit.layers.linear import set_quantized
+from lowbit.layers.loading import default_loader
 from lowbit.models import build_model
 from lowbit.models.config import ArchConfig, load_config
+from lowbit.quantize.policy import QuantPlan, describe_weights, plan_quantization, swappable
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass
+class LoadStats:
+    """Device bytes held by parameters and payloads: at the end, and at the worst moment."""
+
+    device_bytes: int = 0
+    peak_device_bytes: int = 0
+    quantized: int = 0  # weights encoded while loading
+    source_bytes: int = 0  # bytes the same weights take in the source dtype
+
+    def add(self, n: int, transient: int = 0) -> None:
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes + n + transient)
+        self.device_bytes += n
 
 
 @dataclass
@@ -26,6 +58,8 @@ class LoadedModel:
     path: Path | None
     generation_config: dict = field(default_factory=dict)
     weight_format: str = "bf16"
+    plan: QuantPlan | None = None
+    stats: LoadStats = field(default_factory=LoadStats)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -51,37 +85,192 @@ def allocate(cfg: ArchConfig, dtype: torch.dtype, device: str | torch.device) ->
         return build_model(cfg).eval()
 
 
+@contextlib.contextmanager
+def _params_on_meta():
+    """Every parameter registered inside goes to the meta device (attributes kept)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            param = meta
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def allocate_empty(cfg: ArchConfig, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
+    """The model with parameters on `meta` and everything else (buffers) on `device`."""
+    # built on the CPU: an untouched torch.empty costs no memory there, and no parameter
+    # ever lands on the device before its tensor is read
+    with _params_on_meta(), default_dtype(dtype), torch.device("cpu"):
+        m = build_model(cfg).eval()
+    shard_if_parallel(m)  # under tensor / expert parallelism: this rank's part only
+    for mod in m.modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None:
+                mod._buffers[name] = buf.to(device)
+    return m
+
+
+class DeviceFiller:
+    """The sink of CausalLM.load_weights: materialises dense parameters on the device,
+    assembles and encodes the ones the plan quantizes, keeps third-party payloads."""
+
+    def __init__(self, model: nn.Module, device: str | torch.device, plan: QuantPlan | None = None) -> None:
+        self.model, self.device, self.plan = model, torch.device(device), plan
+        self.targets = swappable(model)
+        self.stats = LoadStats()
+        self._dense: dict[str, nn.Parameter] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._pieces: dict[str, dict] = {}
+
+    def dense(self, pname: str, meta: nn.Parameter) -> nn.Parameter:
+        """The device parameter for `pname`, materialised on first use."""
+        if pname not in self._dense:
+            mod_name, _, attr = pname.rpartition(".")
+            p = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=self.device),
+                             requires_grad=False)
+            p.__dict__.update(meta.__dict__)
+            setattr(self.model.get_submodule(mod_name), attr, p)
+            self._dense[pname] = p
+            self.stats.add(p.numel() * p.element_size())
+        return self._dense[pname]
+
+    def swap(self, pname: str, qt: QuantizedTensor, transient: int = 0) -> None:
+        """Install `qt` (moved to the device) in place of parameter `pname`."""
+        if pname not in self.targets:
+            raise AssertionError(f"{pname} cannot hold a QuantizedTensor")
+        mod, attr = self.targets[pname]
+        qt = qt.to(self.device)
+        set_quantized(mod, attr, qt)
+        self.stats.add(qt.nbytes, transient)
+
+    def __call__(self, pname: str, meta: nn.Parameter, tensor, shard, name: str, complete: bool) -> None:
+        loader = getattr(meta, "weight_loader", default_loader)
+        fmt = self.plan.format_of(pname) if self.plan is not None else None
+        if fmt is not None:
+            buf = self._buffers.get(pname)
+            if buf is None:
+                dt = tensor.dtype if isinstance(tensor, torch.Tensor) and tensor.dtype in ACCEPTED_DTYPES \
+                    else torch.bfloat16
+                buf = self._buffers[pname] = torch.empty(meta.shape, dtype=dt)
+            loader(buf, _dense_of(tensor, buf.dtype), shard, name)
+            if complete:
+                self._encode(pname, self._buffers.pop(pname), fmt)
+        elif isinstance(tensor, QuantizedTensor) and pname in self.targets:
+            self._pieces.setdefault(pname, {})[shard] = tensor
+            if complete:
+                from lowbit.checkpoint.thirdparty import assemble
+
+                qt = assemble(self.model, pname, tuple(meta.shape), self._pieces.pop(pname), name)
+                self.swap(pname, qt)
+        else:
+            p = self.dense(pname, meta)
+            loader(p, _dense_of(tensor, p.dtype), shard, name)
+
+    def _encode(self, pname: str, w: torch.Tensor, fmt) -> None:
+        dev = w.to(self.device)  # the one dense weight on the device at a time
+        qt = fmt.quantize(dev)
+        self.stats.quantized += 1
+        self.stats.source_bytes += w.numel() * w.element_size()
+        self.swap(pname, qt, transient=dev.numel() * dev.element_size())
+
+
+def _dense_of(tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(tensor, QuantizedTensor):
+        return tensor.dequantize(dtype)
+    return tensor.to(dtype)
+
+
 def random_init_(model: torch.nn.Module, seed: int = 0) -> None:
     """Seeded weights that keep activations finite at any depth: matrices ~ N(0, 1/fan_in)/2,
     norms 1, biases and router score biases 0."""
     dev = next(model.parameters()).device
     g = torch.Generator(device=dev).manual_seed(seed)
     for name, p in model.named_parameters():
-        if p.dim() >= 2:
-            p.data.normal_(0.0, 0.5 / math.sqrt(p.shape[-1]), generator=g)
-        elif name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm"):
-            p.data.fill_(1.0)
-        else:
-            p.data.zero_()
+        _random_(name, p, g)
+
+
+def _random_(name: str, p: torch.Tensor, g: torch.Generator) -> None:
+    if p.dim() >= 2:
+        p.data.normal_(0.0, 0.5 / math.sqrt(p.shape[-1]), generator=g)
+    elif name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm"):
+        p.data.fill_(1.0)
+    else:
+        p.data.zero_()
+
+
+def _fill_random(model: nn.Module, filler: DeviceFiller, seed: int) -> None:
+    """random_init_'s values, one parameter at a time; planned ones are encoded at once."""
+    g = torch.Generator(device=filler.device).manual_seed(seed)
+    for name, meta in list(model.named_parameters()):
+        fmt = filler.plan.format_of(name) if filler.plan is not None else None
+        if fmt is None:
+            _random_(name, filler.dense(name, meta), g)
+            continue
+        w = torch.empty(meta.shape, dtype=meta.dtype, device=filler.device)
+        _random_(name, w, g)
+        filler.stats.quantized += 1
+        filler.stats.source_bytes += w.numel() * w.element_size()
+        filler.swap(name, fmt.quantize(w), transient=w.numel() * w.element_size())
 
 
 def load_model(model: str | Path, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
                random_weights: bool = False, config: str | Path | None = None,
-               seed: int = 0) -> LoadedModel:
-    """`model` is a built-in name or an HF directory; with random_weights, `config` (a
-    config.json) alone decides the shape and no checkpoint is read."""
+               seed: int = 0, quantization: str | None = None,
+               quantize_lm_head: bool = False) -> LoadedModel:
+    """`model` is a built-in name, an HF directory or a lowbit artifact; with random_weights,
+    `config` (a config.json) alone decides the shape and no checkpoint is read.
+    `quantization` (a format name) encodes every eligible weight while loading."""
     dt = parse_dtype(dtype)
     if random_weights:
         if config is None:
             raise LowbitError("--random-weights needs --config FILE (a model's config.json)")
         cfg = load_config(config)
-        m = allocate(cfg, dt, device)
-        random_init_(m, seed)
-        return LoadedModel(m, cfg, None, {}, f"{SHORT[dt]} (random)")
+        m = allocate_empty(cfg, dt, device)
+        filler = DeviceFiller(m, device, _plan(m, quantization, quantize_lm_head))
+        _fill_random(m, filler, seed)
+        return _loaded(m, cfg, None, {}, f"{SHORT[dt]} (random)", filler)
     path = resolve_model_dir(model)
     cfg = load_config(path)
+    m = allocate_empty(cfg, dt, device)
+    if (path / "lowbit.json").exists():
+        from lowbit.checkpoint.artifact import load_artifact
+
+        if quantization:
+            raise LowbitError(f"{path} is a lowbit artifact, already quantized; drop --quantization")
+        if getattr(m, "parallel_layout", None) is not None:
+            raise LowbitError("lowbit artifacts do not load sharded yet; run them on one GPU, or load the HF checkpoint")
+        filler = DeviceFiller(m, device)
+        load_artifact(path, m, filler)
+        return _loaded(m, cfg, path, read_generation_config(path), SHORT[dt], filler)
     reader = CheckpointReader(path)
-    m = allocate(cfg, dt, device)
-    m.load_weights(reader.tensors(desc=f"loading {path.name}"))
-    gen = read_generation_config(path)
-    return LoadedModel(m, cfg, path, gen, reader.storage_format())
+    filler = DeviceFiller(m, device, _plan(m, quantization, quantize_lm_head))
+    m.load_weights(shard_stream(m, _checkpoint_tensors(reader, cfg, path)), sink=filler)
+    return _loaded(m, cfg, path, read_generation_config(path), reader.storage_format(), filler)
+
+
+def _checkpoint_tensors(reader: CheckpointReader, cfg: ArchConfig, path: Path) -> Iterator:
+    from lowbit.checkpoint.thirdparty import detect, quantized_tensors
+
+    layout = detect(cfg.quantization_config)
+    stream = reader.tensors(desc=f"loading {path.name}")
+    return stream if layout is None else quantized_tensors(reader, layout, stream)
+
+
+def _plan(m: nn.Module, quantization: str | None, quantize_lm_head: bool) -> QuantPlan | None:
+    if quantize_lm_head and not quantization:
+        raise LowbitError("--quantize-lm-head needs --quantization FORMAT")
+    return plan_quantization(m, quantization, quantize_lm_head) if quantization else None
+
+
+def _loaded(m: nn.Module, cfg: ArchConfig, path: Path | None, gen: dict, dense_format: str,
+            filler: DeviceFiller) -> LoadedModel:
+    fmt = describe_weights(m) or dense_format
+    return LoadedModel(drive_workers(m), cfg, path, gen, fmt, filler.plan, filler.stats)

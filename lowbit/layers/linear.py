@@ -13,6 +13,7 @@ import functools
 import torch
 from torch import nn
 
+from lowbit.formats.base import QuantizedTensor
 from lowbit.layers.loading import default_loader
 
 
@@ -30,8 +31,20 @@ def kernel_ops():
 def kernel_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, layer: str) -> torch.Tensor:
     ops = kernel_ops()
     if ops is None:
-        return nn.functional.linear(x, weight.to(x.dtype), bias)
+        w = weight.dequantize(x.dtype) if isinstance(weight, QuantizedTensor) else weight.to(x.dtype)
+        return nn.functional.linear(x, w, bias)
     return ops.linear(x, weight, bias, layer=layer)
+
+
+def set_quantized(module: nn.Module, attr: str, qt: QuantizedTensor) -> None:
+    """Replace parameter `attr` of `module` by a QuantizedTensor of the same logical shape.
+    The tensor becomes a plain attribute: it leaves named_parameters() and module.to()."""
+    old = module._parameters.get(attr)
+    if old is None:
+        raise AssertionError(f"{type(module).__name__} has no parameter {attr!r} to quantize")
+    assert tuple(old.shape) == qt.shape, f"{attr}: {tuple(old.shape)} != {qt.shape}"
+    del module._parameters[attr]
+    setattr(module, attr, qt)
 
 
 class Linear(nn.Module):
@@ -47,6 +60,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, K] -> [T, N]
         return kernel_linear(x, self.weight, self.bias, self.prefix)
+
+    def set_quantized_weight(self, qt: QuantizedTensor) -> None:
+        """Hold the weight in a format from now on (`self.weight` is the QuantizedTensor)."""
+        set_quantized(self, "weight", qt)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}->{self.out_features}, bias={self.bias is not None}"

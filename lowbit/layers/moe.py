@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowbit.layers.linear import Linear, kernel_ops
+from lowbit.formats.base import QuantizedTensor
+from lowbit.layers.linear import Linear, kernel_ops, set_quantized
 from lowbit.layers.loading import expert_loader
 from lowbit.layers.mlp import GatedMLP
 
@@ -66,6 +67,11 @@ class Experts(nn.Module):
         for p in (self.w13, self.w2, self.b13, self.b2):
             if p is not None:
                 p.weight_loader = expert_loader
+
+    def set_quantized_weight(self, name: str, qt: QuantizedTensor) -> None:
+        """Hold the stack `name` ("w13" or "w2") in a format from now on."""
+        assert name in ("w13", "w2"), name
+        set_quantized(self, name, qt)
 
     def act(self, h: torch.Tensor) -> torch.Tensor:  # h [*, 2I] -> [*, I]
         gate, up = h.chunk(2, dim=-1)

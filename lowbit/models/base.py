@@ -89,7 +89,11 @@ class CausalLM(nn.Module):
             return param.shape[0]
         return 1
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], sink=None) -> None:
+        """Fill every parameter from (checkpoint name, tensor) pairs. With `sink`, each
+        tensor goes to sink(pname, param, tensor, shard, name, complete) instead of the
+        parameter's loader (the model may live on the meta device; the tensor may be a
+        QuantizedTensor); `complete` says this was the parameter's last shard."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         for name, tensor in weights:
@@ -108,6 +112,9 @@ class CausalLM(nn.Module):
                 filled[pname] = filled.get(pname, 0) + self.expected_shards(pname, param)
             else:
                 filled[pname] = filled.get(pname, 0) + 1
+            if sink is not None:
+                sink(pname, param, tensor, shard, name, filled[pname] >= self.expected_shards(pname, param))
+                continue
             loader(param, tensor.to(param.dtype), shard, name)
         missing = [n for n, p in params.items() if filled.get(n, 0) < self.expected_shards(n, p)]
         if missing:

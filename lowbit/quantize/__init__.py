@@ -1,0 +1,1 @@
+"""Quantization: which weights take a format (the policy) and the artifact exporter."""
