@@ -44,7 +44,7 @@ def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = No
             gscore = grouped.max(dim=-1).values
         keep = torch.zeros_like(gscore).scatter_(1, gscore.topk(spec.topk_group, dim=-1).indices, 1.0)
         mask = keep[:, :, None].expand_as(grouped).reshape(T, E)
-        choice = choice.masked_fill(mask == 0, 0.0)
+        choice = choice.masked_fill(mask == 0, float("-inf"))  # biased scores may be < 0
     ids = choice.topk(spec.top_k, dim=-1).indices  # [T, A]
     w = scores.gather(1, ids)
     if spec.norm_topk:

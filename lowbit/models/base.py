@@ -3,7 +3,9 @@
 A family subclasses `CausalLM`, builds `self.model.layers` from lowbit.layers, and maps
 checkpoint names to parameters in `map_name` (name -> (param_name, shard) or None to
 skip). Loading is strict: a tensor with no parameter, a parameter no tensor filled, or a
-shape mismatch raises LowbitError naming the tensor.
+shape mismatch raises LowbitError naming the tensor. The one exception is a submodule
+named in `optional_modules` (a draft head such as DeepSeek's MTP layer): a checkpoint may
+omit it entirely, and then it is dropped (set to None); a partial one is still an error.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Body(nn.Module):
 
 class CausalLM(nn.Module):
     skip_patterns: tuple[str, ...] = (r"rotary_emb\.inv_freq$",)
+    optional_modules: tuple[str, ...] = ()  # attribute names of submodules a checkpoint may omit
 
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
@@ -58,6 +61,11 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             h, residual = layer(h, residual, batch)
         return self.model.norm(h + residual if residual is not None else h)
+
+    @property
+    def num_cache_layers(self) -> int:
+        """KV-cache layer slots the model writes (a draft head adds its own)."""
+        return self.config.num_layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -108,17 +116,24 @@ class CausalLM(nn.Module):
                     f"(looked for parameter {pname!r}); the checkpoint does not match config.json"
                 )
             loader = getattr(param, "weight_loader", default_loader)
-            if shard is None and loader is not default_loader and tensor.shape == param.shape:
-                filled[pname] = filled.get(pname, 0) + self.expected_shards(pname, param)
-            else:
-                filled[pname] = filled.get(pname, 0) + 1
+            # shard None: the tensor fills the whole parameter (the loader may re-lay it out)
+            whole = self.expected_shards(pname, param) if shard is None else 1
+            filled[pname] = filled.get(pname, 0) + whole
             if sink is not None:
                 sink(pname, param, tensor, shard, name, filled[pname] >= self.expected_shards(pname, param))
                 continue
             loader(param, tensor.to(param.dtype), shard, name)
+        for mod in self._absent_optional(filled):
+            params = {n: p for n, p in params.items() if not n.startswith(f"{mod}.")}
+            setattr(self, mod, None)
         missing = [n for n, p in params.items() if filled.get(n, 0) < self.expected_shards(n, p)]
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise LowbitError(
                 f"checkpoint is missing tensors for: {', '.join(missing[:5])}{more}"
             )
+
+    def _absent_optional(self, filled: dict[str, int]) -> list[str]:
+        """Optional submodules the checkpoint held no tensor for."""
+        return [m for m in self.optional_modules if getattr(self, m, None) is not None
+                and not any(n.startswith(f"{m}.") for n in filled)]

@@ -54,6 +54,7 @@ class ArchConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"  # greedy | group_limited_greedy (deepseek_v2) | noaux_tc (deepseek_v3)
     swiglu_limit: float | None = None
     # MLA (deepseek)
     q_lora_rank: int | None = None
@@ -61,6 +62,7 @@ class ArchConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary pairs are (2i, 2i+1) instead of (i, i + R/2)
     num_nextn_predict_layers: int = 0
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -100,14 +102,19 @@ class ArchConfig:
         layer_types = raw.get("layer_types") or [
             "sliding_attention" if window else "full_attention"
         ] * n_layers
+        mla = mt in ("deepseek_v2", "deepseek_v3")
+        kv_heads = heads if mla else int(_first(raw, "num_key_value_heads", default=heads))
+        head_dim = int(_first(raw, "head_dim", default=hidden // heads))
+        if mla:  # every head has its own K/V; head_dim is the q/k head width
+            head_dim = int(raw["qk_nope_head_dim"]) + int(raw["qk_rope_head_dim"])
         c = cls(
             model_type=mt,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             num_layers=n_layers,
             num_heads=heads,
-            num_kv_heads=int(_first(raw, "num_key_value_heads", default=heads)),
-            head_dim=int(_first(raw, "head_dim", default=hidden // heads)),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             intermediate_size=int(_first(raw, "intermediate_size", default=0)),
             rms_norm_eps=float(_first(raw, "rms_norm_eps", default=1e-6)),
             max_position_embeddings=int(_first(raw, "max_position_embeddings", default=4096)),
@@ -122,17 +129,20 @@ class ArchConfig:
             moe_intermediate_size=int(_first(raw, "moe_intermediate_size", "intermediate_size", default=0)),
             norm_topk_prob=bool(raw.get("norm_topk_prob", mt == "mixtral")),
             num_shared_experts=int(_first(raw, "n_shared_experts", default=0)),
-            scoring_func=str(raw.get("scoring_func", "softmax")),
+            scoring_func=str(raw.get("scoring_func") or ("sigmoid" if mt == "deepseek_v3" else "softmax")),
             n_group=int(_first(raw, "n_group", default=1)),
             topk_group=int(_first(raw, "topk_group", default=1)),
             routed_scaling_factor=float(_first(raw, "routed_scaling_factor", default=1.0)),
-            swiglu_limit=raw.get("swiglu_limit"),
+            topk_method=str(raw.get("topk_method") or ("noaux_tc" if mt == "deepseek_v3" else "greedy")),
+            swiglu_limit=_first(raw, "swiglu_limit", default=7.0 if mt == "gpt_oss" else None),
             q_lora_rank=raw.get("q_lora_rank"),
             kv_lora_rank=int(_first(raw, "kv_lora_rank", default=0)),
             qk_nope_head_dim=int(_first(raw, "qk_nope_head_dim", default=0)),
             qk_rope_head_dim=int(_first(raw, "qk_rope_head_dim", default=0)),
             v_head_dim=int(_first(raw, "v_head_dim", default=0)),
-            num_nextn_predict_layers=int(_first(raw, "num_nextn_predict_layers", default=0)),
+            # deepseek_v2 always rotates interleaved pairs; deepseek_v3 unless told otherwise
+            rope_interleave=mt == "deepseek_v2" or (mt == "deepseek_v3" and bool(raw.get("rope_interleave", True))),
+            num_nextn_predict_layers=int(_first(raw, "num_nextn_predict_layers", "num_mtp_layers", default=0)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos,
             quantization_config=raw.get("quantization_config"),

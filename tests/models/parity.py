@@ -3,6 +3,8 @@ the same logits on the same tokens (float32)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lowbit.checkpoint.loader import load_model
@@ -22,7 +24,7 @@ def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
 def lowbit_logits(path, ids: torch.Tensor, chunks: tuple[int, ...] = ()) -> torch.Tensor:
     """Run lowbit on `ids`; `chunks` splits the prompt into cached steps (chunked prefill)."""
     lm = load_model(path, dtype="float32").model
-    cache = ContiguousKVCache(lm.config.num_layers, 1, len(ids))
+    cache = ContiguousKVCache(lm.num_cache_layers, 1, len(ids))
     bounds = [0, *chunks, len(ids)]
     outs = []
     with torch.no_grad():
@@ -32,20 +34,32 @@ def lowbit_logits(path, ids: torch.Tensor, chunks: tuple[int, ...] = ()) -> torc
     return torch.cat(outs)
 
 
-def save_tiny(hf_cls, config, tmp_path, seed: int = 0):
+def save_tiny(hf_cls, config, tmp_path, seed: int = 0, randomize: tuple[str, ...] = (),
+              prepare: Callable[[torch.nn.Module], None] | None = None):
+    """Build, randomise and save an HF model. Every 1-D parameter is randomised (HF inits many
+    to zero or one); so is any parameter or buffer whose name contains a `randomize` string.
+    `prepare(model)` may then set weights a test needs (e.g. large enough to reach a clamp)."""
     torch.manual_seed(seed)
     model = hf_cls(config).eval().float()
     with torch.no_grad():  # random init of everything, including biases HF inits to zero
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            elif p.dim() == 1:
+            elif p.dim() == 1 or any(r in name for r in randomize):
                 p.copy_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if b.is_floating_point() and any(r in name for r in randomize):
+                b.copy_(torch.randn_like(b) * 0.1)
+        if prepare is not None:
+            prepare(model)
     model.save_pretrained(tmp_path)
     return model
 
 
-def assert_parity(hf_model, path, vocab: int, n_tokens: int = 23, chunks: tuple[int, ...] = (9, 16)) -> None:
+def assert_parity(hf_model, path, vocab: int, n_tokens: int = 23,
+                  chunks: tuple[int, ...] = (9, 16)) -> tuple[float, float]:
+    """Returns the worst (max |logit diff|, top-1 agreement) over the runs."""
+    worst = (0.0, 1.0)
     ids = torch.randint(0, vocab, (n_tokens,), generator=torch.Generator().manual_seed(1))
     ref = hf_logits(hf_model, ids)
     for ch in ((), chunks):
@@ -54,3 +68,5 @@ def assert_parity(hf_model, path, vocab: int, n_tokens: int = 23, chunks: tuple[
         top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
         assert err < MAX_ABS_TOL, f"max |logit diff| {err:.2e} (chunks {ch})"
         assert top1 >= TOP1_MIN, f"top-1 agreement {top1:.3f} (chunks {ch})"
+        worst = (max(worst[0], err), min(worst[1], top1))
+    return worst

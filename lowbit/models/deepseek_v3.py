@@ -1,0 +1,198 @@
+"""DeepSeek-V2 and DeepSeek-V3: multi-head latent attention (MLA), DeepSeekMoE with shared
+experts, and V3's multi-token-prediction (MTP) layer as an optional draft head.
+
+Shapes: T tokens, D hidden, H heads, Q q_lora_rank, C kv_lora_rank, Dn qk_nope_head_dim,
+Dr qk_rope_head_dim, Dv v_head_dim, V vocab.
+  q       = q_b_proj(norm(q_a_proj(x)))  or  q_proj(x)  # [T, H, Dn + Dr]
+  kv_a    = kv_a_proj_with_mqa(x)                       # [T, C + Dr]: latent, one shared rope key
+  k_nope, v = kv_b_proj(norm(latent))                   # [T, H, Dn], [T, H, Dv]
+  k       = [k_nope, rope(k_rope) for every head]       # [T, H, Dn + Dr]
+The reference path caches this non-absorbed per-head K [S, H, Dn + Dr] and V [S, H, Dv].
+
+Rotary layout: checkpoints whose config says rope_interleave (V3's default; V2 always)
+rotate the pairs (2i, 2i+1) of the Dr dims. Transformers' V3 writes the rotated values
+de-interleaved (evens then odds), its V2 keeps them in place; both apply one fixed
+permutation to q and k alike, so q.k is the same. We de-interleave, then rotate halves.
+
+Routing: V3 (noaux_tc) scores experts with a sigmoid, adds e_score_correction_bias for the
+choice only, keeps the topk_group best groups (group score: sum of its top two), then the
+top-k experts; weights are the unbiased scores, renormalised, times routed_scaling_factor.
+V2 scores with a softmax, greedy or group_limited_greedy (group score: its max).
+
+MTP (checkpoint `model.layers.{num_hidden_layers}.*`): the main model's final hidden h_i and
+the embedding of token i+1 -> enorm/hnorm -> eh_proj -> one decoder layer ->
+shared_head.norm -> the main lm_head gives logits for token i+2. Its embed_tokens and
+shared_head.head are copies of the main model's (DeepSeek's weight notes say they are
+shared), so they are not loaded twice.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from lowbit.errors import LowbitError
+from lowbit.layers.attention import AttnSpec, attention
+from lowbit.layers.linear import Linear
+from lowbit.layers.mlp import GatedMLP
+from lowbit.layers.moe import RouterSpec, SparseMoE
+from lowbit.layers.norm import RMSNorm
+from lowbit.layers.rope import RotaryEmbedding, apply_rope
+from lowbit.models.base import CausalLM
+from lowbit.models.config import ArchConfig, yarn_mscale
+from lowbit.models.qwen3 import DecoderLayer
+
+LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_SHARED_WITH_MAIN = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def mla_softmax_scale(cfg: ArchConfig) -> float:
+    """1/sqrt(Dn + Dr), times mscale(factor, mscale_all_dim)^2 under a scaled rope."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    rope = cfg.rope
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, i: int, prefix: str) -> None:
+        super().__init__()
+        H, D, C = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank
+        self.H, self.Dn, self.Dr, self.Dv, self.C = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, C
+        Dq = self.Dn + self.Dr
+        bias = cfg.attention_bias
+        self.q_lora = cfg.q_lora_rank is not None
+        if not self.q_lora:
+            self.q_proj = Linear(D, H * Dq, False, f"{prefix}.q_proj")
+        else:
+            Q = cfg.q_lora_rank
+            self.q_a_proj = Linear(D, Q, bias, f"{prefix}.q_a_proj")
+            self.q_a_layernorm = RMSNorm(Q, LORA_NORM_EPS)
+            self.q_b_proj = Linear(Q, H * Dq, False, f"{prefix}.q_b_proj")
+        self.kv_a_proj_with_mqa = Linear(D, C + self.Dr, bias, f"{prefix}.kv_a_proj_with_mqa")
+        self.kv_a_layernorm = RMSNorm(C, LORA_NORM_EPS)
+        self.kv_b_proj = Linear(C, H * (self.Dn + self.Dv), False, f"{prefix}.kv_b_proj")
+        self.o_proj = Linear(H * self.Dv, D, bias, f"{prefix}.o_proj")
+        self.rotary = RotaryEmbedding(self.Dr, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope)
+        self.interleaved = cfg.rope_interleave
+        self.spec = AttnSpec(layer_idx=i, scale=mla_softmax_scale(cfg))
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:  # pairs (2i, 2i+1) -> (i, i + Dr/2)
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return apply_rope(x, cos, sin)
+
+    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+        T = x.shape[0]
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(T, self.H, self.Dn + self.Dr)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.C, self.Dr], dim=-1)  # [T, C], [T, Dr]
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, self.H, self.Dn + self.Dv)
+        k_nope, v = kv.split([self.Dn, self.Dv], dim=-1)  # [T, H, Dn], [T, H, Dv]
+        cos, sin = self.rotary(batch.positions)  # [T, Dr/2]
+        q_rope = self.rope(q[..., self.Dn:], cos, sin)  # [T, H, Dr]
+        k_rope = self.rope(k_rope.view(T, 1, self.Dr), cos, sin).expand(T, self.H, self.Dr)
+        q = torch.cat((q[..., :self.Dn], q_rope), dim=-1)  # [T, H, Dn + Dr]
+        k = torch.cat((k_nope, k_rope), dim=-1)  # [T, H, Dn + Dr]
+        o = attention(q, k, v.contiguous(), batch, self.spec)  # [T, H, Dv]
+        return self.o_proj(o.reshape(T, self.H * self.Dv))
+
+
+def router_spec(cfg: ArchConfig) -> RouterSpec:
+    grouped = cfg.topk_method in ("noaux_tc", "group_limited_greedy")
+    return RouterSpec(
+        top_k=cfg.num_experts_per_tok,
+        scoring=cfg.scoring_func,
+        norm_topk=cfg.norm_topk_prob,
+        n_group=cfg.n_group if grouped else 1,
+        topk_group=cfg.topk_group if grouped else 1,
+        group_score="top2sum" if cfg.topk_method == "noaux_tc" else "max",
+        scaling=cfg.routed_scaling_factor,
+    )
+
+
+def make_mlp(cfg: ArchConfig, i: int, prefix: str) -> nn.Module:
+    """Layer i's feed-forward: DeepSeekMoE (routed + shared experts) or a dense gated MLP."""
+    moe = cfg.moe_layers[i] if i < cfg.num_layers else cfg.is_moe  # i == num_layers: the MTP layer
+    if not moe:
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, prefix)
+    inter = cfg.moe_intermediate_size
+    return SparseMoE(cfg.hidden_size, cfg.num_experts, inter, router_spec(cfg), prefix,
+                     score_bias=cfg.topk_method == "noaux_tc",
+                     shared_inter=inter * cfg.num_shared_experts)
+
+
+def decoder_layer(cfg: ArchConfig, i: int) -> DecoderLayer:
+    p = f"model.layers.{i}"
+    return DecoderLayer(MLAttention(cfg, i, f"{p}.self_attn"), make_mlp(cfg, i, f"{p}.mlp"),
+                        cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, D: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(D, eps)
+
+
+class MTPLayer(DecoderLayer):
+    """A decoder layer (KV-cache slot num_layers) with the MTP input mix and output norm."""
+
+    def __init__(self, cfg: ArchConfig) -> None:
+        N, D, eps = cfg.num_layers, cfg.hidden_size, cfg.rms_norm_eps
+        p = f"model.layers.{N}"
+        super().__init__(MLAttention(cfg, N, f"{p}.self_attn"), make_mlp(cfg, N, f"{p}.mlp"), D, eps)
+        self.enorm = RMSNorm(D, eps)
+        self.hnorm = RMSNorm(D, eps)
+        self.eh_proj = Linear(2 * D, D, False, f"{p}.eh_proj")
+        self.shared_head = SharedHead(D, eps)
+
+    def predict(self, hidden: torch.Tensor, emb: torch.Tensor, batch) -> torch.Tensor:
+        """hidden [T, D] (main model output at i), emb [T, D] (token i+1) -> [T, D]."""
+        x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(hidden)), dim=-1))  # [T, D]
+        h, residual = self(x, None, batch)
+        return self.shared_head.norm(h + residual)
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    optional_modules = ("mtp",)
+
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__(cfg)
+        if cfg.num_nextn_predict_layers > 1:
+            raise LowbitError(
+                f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}: lowbit runs at most one "
+                "MTP layer; set it to 1 (or 0) in config.json"
+            )
+        self._finish([decoder_layer(cfg, i) for i in range(cfg.num_layers)])
+        self.mtp = MTPLayer(cfg) if cfg.num_nextn_predict_layers else None
+        self.requires_grad_(False)
+
+    @property
+    def num_cache_layers(self) -> int:
+        return self.config.num_layers + (self.mtp is not None)
+
+    def mtp_forward(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, batch) -> torch.Tensor:
+        """Draft logits [T, V] for the token after next: hidden [T, D] is this model's forward
+        output at positions p, next_token_ids [T] the tokens at p + 1; batch carries positions p
+        and a KV cache with num_cache_layers slots."""
+        if self.mtp is None:
+            raise LowbitError("this checkpoint has no MTP layer (num_nextn_predict_layers tensors)")
+        emb = self.model.embed_tokens(next_token_ids)  # [T, D]
+        return self.compute_logits(self.mtp.predict(hidden, emb, batch))
+
+    def map_name(self, name: str) -> tuple[str, object] | None:
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) == self.config.num_layers and self.config.num_nextn_predict_layers:
+            if m.group(2) in _SHARED_WITH_MAIN:
+                return None
+            name = f"mtp.{m.group(2)}"
+        name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+        return super().map_name(name)

@@ -1,0 +1,139 @@
+"""DeepSeek-V3 / V2 against transformers, and the V3 MTP draft head (which transformers
+drops on load and never saves) against a hand-written tensor set."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+)
+
+from lowbit.checkpoint.loader import allocate, load_model
+from lowbit.engine.batch import ForwardBatch
+from lowbit.engine.kv_cache import ContiguousKVCache
+from lowbit.errors import LowbitError
+from lowbit.models.config import load_config
+from tests.models.parity import assert_parity, save_tiny
+
+V3_VOCAB, V2_VOCAB = 107, 109
+INIT = 0.1  # weights large enough that attention is far from uniform (a wrong scale shows)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.9, "mscale_all_dim": 0.7}
+
+
+def v3_config(rope_interleave: bool = True) -> DeepseekV3Config:
+    # odd sizes (eager experts: transformers' grouped-mm path needs 16-byte strides);
+    # layer 0 dense, layers 1-2 MoE with 2 groups of 3 experts, 1 group kept
+    return DeepseekV3Config(
+        vocab_size=V3_VOCAB, hidden_size=44, intermediate_size=36, moe_intermediate_size=14,
+        num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=20,
+        kv_lora_rank=18, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=7, n_routed_experts=6,
+        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=dict(YARN), rope_interleave=rope_interleave,
+        max_position_embeddings=32, tie_word_embeddings=False, experts_implementation="eager",
+        initializer_range=INIT)
+
+
+def spread_score_bias(model) -> None:
+    """Correction biases of both signs, large enough that some biased scores in a kept
+    group fall below zero: masking dropped groups with 0 instead of -inf would then pick
+    experts from a dropped group."""
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.copy_(torch.tensor([-0.8, 0.4, -0.7, -0.75, 0.5, -0.9]))
+
+
+@pytest.mark.parametrize("rope_interleave", [True, False])
+def test_deepseek_v3_matches_transformers(tmp_path, rope_interleave):
+    hf = save_tiny(DeepseekV3ForCausalLM, v3_config(rope_interleave), tmp_path, prepare=spread_score_bias)
+    assert_parity(hf, tmp_path, V3_VOCAB)
+
+
+@pytest.mark.parametrize("topk_method", ["group_limited_greedy", "greedy"])
+def test_deepseek_v2_matches_transformers(tmp_path, topk_method):
+    # V2-Lite's shape: no q LoRA (plain q_proj), softmax routing, 2 shared experts.
+    # transformers' V2 router never renormalises (it ignores norm_topk_prob), so norm_topk_prob=False.
+    cfg = DeepseekV2Config(
+        vocab_size=V2_VOCAB, hidden_size=40, intermediate_size=30, moe_intermediate_size=10,
+        num_hidden_layers=2, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=14,
+        qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=5, n_routed_experts=6, num_experts_per_tok=2,
+        n_group=3, topk_group=2, topk_method=topk_method, n_shared_experts=2, first_k_dense_replace=1,
+        norm_topk_prob=False, routed_scaling_factor=1.5, max_position_embeddings=32,
+        rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 0.707}, experts_implementation="eager",
+        initializer_range=INIT)
+    hf = save_tiny(DeepseekV2ForCausalLM, cfg, tmp_path)
+    assert_parity(hf, tmp_path, V2_VOCAB)
+
+
+# -- MTP ---------------------------------------------------------------------------------
+
+def mtp_tensors(base: dict[str, torch.Tensor], N: int, D: int) -> dict[str, torch.Tensor]:
+    """The published MTP layout: model.layers.{N}.* = a decoder layer shaped like the last
+    (MoE) layer, enorm, hnorm, eh_proj [D, 2D], shared_head.norm, and copies of the main
+    embedding and head."""
+    g = torch.Generator().manual_seed(3)
+    last = f"model.layers.{N - 1}."
+    out = {f"model.layers.{N}.{k[len(last):]}": torch.randn(v.shape, generator=g) * 0.1
+           for k, v in base.items() if k.startswith(last)}
+    p = f"model.layers.{N}."
+    out |= {p + "enorm.weight": 1 + 0.1 * torch.randn(D, generator=g),
+            p + "hnorm.weight": 1 + 0.1 * torch.randn(D, generator=g),
+            p + "eh_proj.weight": torch.randn(D, 2 * D, generator=g) * 0.1,
+            p + "shared_head.norm.weight": 1 + 0.1 * torch.randn(D, generator=g),
+            p + "shared_head.head.weight": base["lm_head.weight"].clone(),
+            p + "embed_tokens.weight": base["model.embed_tokens.weight"].clone()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def v3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dsv3")
+    save_tiny(DeepseekV3ForCausalLM, v3_config(), path, prepare=spread_score_bias)
+    return path
+
+
+def test_transformers_checkpoint_without_mtp_loads(v3_dir):
+    lm = load_model(v3_dir, dtype="float32").model
+    assert lm.config.num_nextn_predict_layers == 1  # transformers writes it, yet saves no MTP tensors
+    assert lm.mtp is None and lm.num_cache_layers == lm.config.num_layers
+    with pytest.raises(LowbitError, match="no MTP layer"):
+        lm.mtp_forward(torch.zeros(1, 44), torch.zeros(1, dtype=torch.long), None)
+
+
+def test_mtp_layer_loads_and_drafts(v3_dir):
+    cfg = load_config(v3_dir)
+    base = load_file(str(v3_dir / "model.safetensors"))
+    extra = mtp_tensors(base, cfg.num_layers, cfg.hidden_size)
+    lm = allocate(cfg, torch.float32, "cpu")
+    lm.load_weights(iter({**base, **extra}.items()))
+    N, D = cfg.num_layers, cfg.hidden_size
+    assert lm.num_cache_layers == N + 1
+    assert lm.mtp.eh_proj.weight.shape == (D, 2 * D)
+    assert torch.equal(lm.mtp.eh_proj.weight, extra[f"model.layers.{N}.eh_proj.weight"])
+    assert lm.mtp.mlp.experts.w13.shape == (cfg.num_experts, 2 * cfg.moe_intermediate_size, D)
+
+    ids = torch.randint(0, V3_VOCAB, (13,), generator=torch.Generator().manual_seed(4))
+
+    def draft(bounds: list[int]) -> torch.Tensor:  # per chunk: main pass, then the MTP pass
+        cache, outs = ContiguousKVCache(lm.num_cache_layers, 1, 12), []
+        for a, b in zip(bounds, bounds[1:]):
+            batch = ForwardBatch.build([b - a], [a], [0], cache)
+            outs.append(lm.mtp_forward(lm(ids[a:b], batch), ids[a + 1:b + 1], batch))
+        return torch.cat(outs)
+
+    with torch.no_grad():
+        whole, chunked = draft([0, 12]), draft([0, 5, 12])
+    assert whole.shape == (12, V3_VOCAB) and torch.isfinite(whole).all()
+    assert (whole - chunked).abs().max() < 1e-4  # the MTP layer reads its own cache slot
+
+
+def test_partial_mtp_layer_is_an_error(v3_dir):
+    cfg = load_config(v3_dir)
+    base = load_file(str(v3_dir / "model.safetensors"))
+    extra = mtp_tensors(base, cfg.num_layers, cfg.hidden_size)
+    del extra[f"model.layers.{cfg.num_layers}.eh_proj.weight"]
+    lm = allocate(cfg, torch.float32, "cpu")
+    with pytest.raises(LowbitError, match="mtp.eh_proj.weight"):
+        lm.load_weights(iter({**base, **extra}.items()))
