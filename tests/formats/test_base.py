@@ -129,3 +129,15 @@ def test_half_precision_inputs_encode_like_their_float32_values(dtype):
     for name in FORMATS:
         a, b = get_format(name).encode(w), get_format(name).encode(w.float())
         assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_a_format_that_refuses_k_names_the_shape_and_block():
+    class Strict(type(get_format("nf4"))):
+        pads_k = False
+
+    strict = Strict("nf4-strict", 4, (0.0,) * 16)
+    with pytest.raises(LowbitError, match=r"multiple of its block 64.*\[3, 100\]"):
+        strict.encode(gaussian(3, 100))
+    with pytest.raises(LowbitError, match="block 64"):
+        strict.bits_per_weight((3, 100))
+    assert strict.bits_per_weight((3, 128)) == 4.25
