@@ -160,7 +160,10 @@ class DeviceFiller:
                 dt = tensor.dtype if isinstance(tensor, torch.Tensor) and tensor.dtype in ACCEPTED_DTYPES \
                     else torch.bfloat16
                 buf = self._buffers[pname] = torch.empty(meta.shape, dtype=dt)
-            loader(buf, _dense_of(tensor, buf.dtype), shard, name)
+            if isinstance(tensor, QuantizedTensor) and shard is None:
+                buf.copy_(_whole(tensor, tuple(meta.shape), name).dequantize(buf.dtype))
+            else:
+                loader(buf, _dense_of(tensor, buf.dtype), shard, name)
             if complete:
                 self._encode(pname, self._buffers.pop(pname), fmt)
         elif isinstance(tensor, QuantizedTensor) and pname in self.targets:
@@ -172,7 +175,10 @@ class DeviceFiller:
                 self.swap(pname, qt)
         else:
             p = self.dense(pname, meta)
-            loader(p, _dense_of(tensor, p.dtype), shard, name)
+            if isinstance(tensor, QuantizedTensor) and shard is None:
+                p.data.copy_(_whole(tensor, tuple(meta.shape), name).dequantize(p.dtype))
+            else:
+                loader(p, _dense_of(tensor, p.dtype), shard, name)
 
     def _encode(self, pname: str, w: torch.Tensor, fmt) -> None:
         dev = w.to(self.device)  # the one dense weight on the device at a time
@@ -180,6 +186,14 @@ class DeviceFiller:
         self.stats.quantized += 1
         self.stats.source_bytes += w.numel() * w.element_size()
         self.swap(pname, qt, transient=dev.numel() * dev.element_size())
+
+
+def _whole(qt: QuantizedTensor, shape: tuple[int, ...], name: str) -> QuantizedTensor:
+    """A QuantizedTensor that fills a parameter alone is already in lowbit's layout."""
+    if qt.shape != shape:
+        raise LowbitError(f"tensor {name!r} is {list(qt.shape)} once unpacked but the model expects "
+                          f"{list(shape)}; the checkpoint does not match config.json")
+    return qt
 
 
 def _dense_of(tensor, dtype: torch.dtype) -> torch.Tensor:
