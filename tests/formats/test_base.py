@@ -36,7 +36,9 @@ def test_registry_knows_every_format_and_refuses_unknown_names():
 
 @pytest.mark.parametrize("name", sorted(BPW_4096))
 def test_bits_per_weight_is_exact(name):
-    assert get_format(name).bits_per_weight(SHAPE) == BPW_4096[name]
+    fmt = get_format(name)
+    assert fmt.bits_per_weight(SHAPE) == BPW_4096[name]
+    assert set(fmt.payload_names) == set(fmt.payload_spec(SHAPE))
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
