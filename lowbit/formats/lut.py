@@ -51,8 +51,9 @@ def _weighted_histograms(
         imp = torch.nn.functional.pad(importance.float(), (0, -(-k // NF_BLOCK) * NF_BLOCK - k))
     for r0, r1 in row_chunks(rows.shape[0], k):
         blocks = padded_blocks(rows[r0:r1], NF_BLOCK)  # [r, NB, B]
-        s = absmax_scales(blocks).float()
-        x = normalise(blocks, s.to(torch.bfloat16)).reshape(r1 - r0, -1)  # [r, Kp]
+        sb = absmax_scales(blocks)  # [r, NB] bf16
+        s = sb.float()
+        x = normalise(blocks, sb).reshape(r1 - r0, -1)  # [r, Kp]
         wt = (s * s)[..., None].expand(blocks.shape).reshape(r1 - r0, -1)
         if imp is not None:
             wt = wt * imp
@@ -111,10 +112,12 @@ class LutFormat(ScalarFormat):
         *lead, n, k = w.shape
         rg = -(-n // self.rows_per_table)
         want = (*lead, rg, 1 << self.bits)
-        if importance is not None and tuple(importance.shape) != (k,):
+        if importance is not None and (
+            tuple(importance.shape) != (k,) or not bool((importance >= 0).all())
+        ):
             raise LowbitError(
-                f"{self.name}: importance must have shape [{k}] (one value per input column), "
-                f"got {list(importance.shape)}."
+                f"{self.name}: importance must be [{k}] non-negative finite values (one per "
+                f"input column), got {list(importance.shape)}; pass e.g. the mean of x**2."
             )
         if table is None:
             groups = rg * (w.numel() // (n * k))

@@ -56,5 +56,7 @@ def test_bad_arguments_are_refused():
     fmt = get_format("lut4")
     with pytest.raises(LowbitError, match="importance"):
         fmt.encode(gaussian(2, 64), importance=torch.ones(3))
+    with pytest.raises(LowbitError, match="non-negative"):
+        fmt.encode(gaussian(2, 64), importance=torch.full((64,), float("nan")))
     with pytest.raises(LowbitError, match="table"):
         fmt.encode(gaussian(2, 64), table=torch.zeros(2, 16))
