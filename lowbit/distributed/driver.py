@@ -1,0 +1,148 @@
+"""Rank 0 drives, the other ranks follow.
+
+Rank 0 runs the engine (scheduler, sampler, detokenizer, HTTP) as on one GPU; its model is
+a `DriverModel`. Each call that runs collectives (the forward, compute_logits, a draft
+head) is first broadcast to the workers as a control message, then run locally; every
+worker sits in `worker_loop`, runs the same call on its own shard of the model, and
+drops the result. So all ranks enter each collective in the same order.
+
+A control message is the method name and its arguments, pickled. Tensors in it travel
+by value: small ones inside the message (CPU), large ones (hidden states) over the device
+group right after it. A KV cache in it travels by reference: the first time rank 0's
+model sees a cache object, the workers build an empty twin of the same geometry, which
+the same writes then keep in step (each rank's cache holds only its own heads).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+
+import torch
+
+from lowbit.distributed import parallel_state as ps
+
+log = logging.getLogger("lowbit")
+
+COLLECTIVE_CALLS = ("forward", "compute_logits", "mtp_forward")
+INLINE_NUMEL = 1 << 16  # tensors up to this size ride in the control message
+STOP = "__stop__"
+
+
+def drive_workers(model: torch.nn.Module) -> torch.nn.Module:
+    """The loader's hook: rank 0 of a driven world gets a DriverModel, everyone else the model."""
+    return DriverModel(model) if ps.is_driver() else model
+
+
+class DriverModel:
+    """Stands for the model on rank 0: attributes are the model's; collective calls are
+    mirrored on the workers first."""
+
+    supports_cuda_graphs = False  # the workers do not capture graphs yet (docs/DISTRIBUTED.md)
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.__dict__["_model"] = model
+        self.__dict__["_caches"] = {}  # id(cache) -> (handle, cache)
+
+    def __getattr__(self, name: str):
+        value = getattr(self._model, name)
+        if name in COLLECTIVE_CALLS and callable(value):
+            return lambda *args, **kwargs: self._mirror(name, value, args, kwargs)
+        return value
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._model, name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self._mirror("forward", self._model, args, kwargs)
+
+    def _mirror(self, name: str, fn, args: tuple, kwargs: dict):
+        big: list[torch.Tensor] = []
+        msg = _Packer(self._caches, big).pack((name, args, kwargs))
+        ps.broadcast_object((msg, [(tuple(t.shape), t.dtype) for t in big]))
+        for t in big:
+            ps.broadcast(t.contiguous())
+        return fn(*args, **kwargs)
+
+
+def stop_workers() -> None:
+    """Release the workers (rank 0, when the command is done)."""
+    ps.broadcast_object((STOP, []))
+
+
+def worker_loop(model: torch.nn.Module) -> None:
+    """Run rank 0's calls on this rank's shard until it says stop."""
+    device = ps.current_device()
+    caches: dict[int, object] = {}
+    with torch.inference_mode():
+        while True:
+            msg, big_specs = ps.broadcast_object()
+            if msg == STOP:
+                return
+            big = [ps.broadcast(torch.empty(s, dtype=d, device=device)) for s, d in big_specs]
+            name, args, kwargs = _Unpacker(msg, caches, big, device).load()
+            fn = model if name == "forward" else getattr(model, name)
+            fn(*args, **kwargs)
+
+
+# -- pickling with tensors and caches out of band ---------------------------------------------
+class _Packer(pickle.Pickler):
+    def __init__(self, caches: dict, big: list) -> None:
+        self.buf = io.BytesIO()
+        super().__init__(self.buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self.caches, self.big = caches, big
+
+    def pack(self, obj) -> bytes:
+        self.dump(obj)
+        return self.buf.getvalue()
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            if obj.numel() > INLINE_NUMEL:
+                self.big.append(obj)
+                return ("big", len(self.big) - 1)
+            return ("tensor", obj.detach().cpu())
+        if _is_cache(obj):
+            entry = self.caches.get(id(obj))
+            if entry is None or entry[1] is not obj:
+                entry = self.caches[id(obj)] = (len(self.caches), obj)
+                return ("new_cache", entry[0], _cache_geometry(obj))
+            return ("cache", entry[0])
+        return None
+
+
+class _Unpacker(pickle.Unpickler):
+    def __init__(self, msg: bytes, caches: dict, big: list, device: torch.device) -> None:
+        super().__init__(io.BytesIO(msg))
+        self.caches, self.big, self.device = caches, big, device
+
+    def persistent_load(self, pid):
+        kind = pid[0]
+        if kind == "big":
+            return self.big[pid[1]]
+        if kind == "tensor":
+            return pid[1].to(self.device)
+        if kind == "new_cache":
+            self.caches[pid[1]] = _twin_cache(pid[2], self.device)
+        return self.caches[pid[1]]
+
+
+def _is_cache(obj) -> bool:
+    return callable(getattr(obj, "update", None)) and hasattr(obj, "k") and hasattr(obj, "v")
+
+
+def _cache_geometry(cache) -> tuple:
+    if hasattr(cache, "num_blocks"):  # lowbit.engine.paged_cache.PagedKVCache
+        return ("paged", len(cache.k), cache.num_blocks, cache.block_size, cache.dtype)
+    return ("contiguous", len(cache.k), cache.num_slots, cache.max_len)
+
+
+def _twin_cache(geometry: tuple, device: torch.device):
+    if geometry[0] == "paged":
+        from lowbit.engine.paged_cache import PagedKVCache
+
+        return PagedKVCache(*geometry[1:], device)
+    from lowbit.engine.kv_cache import ContiguousKVCache
+
+    return ContiguousKVCache(*geometry[1:])
