@@ -77,19 +77,18 @@ def log_probs(model: nn.Module, ids: list[int], device: torch.device) -> torch.T
 
 
 def weight_bits(loaded: LoadedModel) -> tuple[float, int]:
-    """(bits per weight over the format-eligible weights, bytes of all weights), counting
-    dense weights at the checkpoint's storage precision."""
+    """(bits per weight of the weights held in a format, or of the dense checkpoint when
+    none is; bytes of all weights, dense ones at the checkpoint's storage precision)."""
     dense_bits = BITS.get(loaded.weight_format.split(" ")[0], 16)
+    dense_b = sum(p.numel() for p in loaded.model.parameters()) * dense_bits // 8
     peer = getattr(loaded, "peer_bits", None)  # set by peer_student: its weights stand for codes
     if peer is not None:
-        return peer, sum(p.numel() for p in loaded.model.parameters()) * dense_bits // 8
+        return peer, dense_b
     qts = quantized_weights(loaded.model)
-    q_n = sum(math.prod(q.shape) for q in qts.values())
+    if not qts:
+        return float(dense_bits), dense_b
     q_b = sum(q.nbytes for q in qts.values())
-    elig = sum(p.numel() for n, p in loaded.model.named_parameters() if n in swappable(loaded.model))
-    dense_n = sum(p.numel() for p in loaded.model.parameters())
-    bits = (q_b * 8 + elig * dense_bits) / max(q_n + elig, 1)
-    return bits, q_b + dense_n * dense_bits // 8
+    return q_b * 8 / sum(math.prod(q.shape) for q in qts.values()), q_b + dense_b
 
 
 def weight_sqnr(teacher: nn.Module, student: nn.Module) -> float | None:
