@@ -1,0 +1,201 @@
+"""Argument parsing and entry points of `lowbit bench <latency|serve|fingerprint|ab|report>`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lowbit.config import EngineConfig
+from lowbit.errors import LowbitError
+
+
+def int_list(text: str) -> list[int]:
+    """'0,32768' or '0,32k' -> [0, 32768]."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        mult = 1024 if part.endswith("k") else 1
+        try:
+            out.append(int(part.removesuffix("k")) * mult)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    return out
+
+
+def _record_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--records", default="bench/records", help="folder for the JSON record")
+    p.add_argument("--append-md", default=None, metavar="FILE",
+                   help="append a Markdown section to FILE (e.g. docs/BENCHMARKS.md)")
+
+
+def _save(rec: dict, args: argparse.Namespace, title: str, body: str, label: str = "") -> None:
+    from lowbit.bench.record import append_md, environment, write_record
+
+    rec["env"] = environment(rec.get("device"))
+    path = write_record(rec, args.records, label)
+    print(f"record: {path}", file=sys.stderr)
+    if args.append_md:
+        append_md(args.append_md, title, body, rec["env"])
+
+
+def _emit(fmt: str, headers: list[str], rows: list[list], md: str, rec: dict) -> None:
+    from lowbit.bench.record import csv_text
+
+    if fmt == "json":
+        print(json.dumps(rec, indent=1, default=str))
+    elif fmt == "csv":
+        print(csv_text(headers, rows), end="")
+    else:
+        print(md)
+
+
+def cmd_latency(args: argparse.Namespace) -> int:
+    from lowbit.bench import latency
+
+    cfg = EngineConfig.from_cli(args)
+    depths = args.depth if args.depth is not None else [0, 32768]
+    rec = latency.measure(cfg, args.prompt, args.gen, depths, args.repeats, fit_depths=args.depth is None)
+    md = latency.summary_md(rec)
+    _emit(args.output, latency.HEADERS, latency.table_rows(rec), md, rec)
+    _save(rec, args, f"bench latency: {latency.table_rows(rec)[0][0]} {rec['weight_format']}", md,
+          f"{rec['device']}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import httpx
+
+    from lowbit.bench import serve
+    from lowbit.bench.record import md_table
+
+    cfg = serve.LoadConfig(
+        base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+        concurrency=tuple(args.concurrency), context=tuple(args.context), num_prompts=args.num_prompts,
+        prompts_per_slot=args.prompts_per_slot, input_len=args.input_len, output_len=args.output_len,
+        payload=args.payload, ignore_eos=args.ignore_eos, api_key=args.api_key, seed=args.seed,
+        warmup=args.warmup, timeout=args.timeout)
+    try:
+        rec = asyncio.run(serve.run_load(cfg, log=print))
+    except (httpx.TransportError, httpx.HTTPStatusError) as e:
+        raise LowbitError(f"cannot reach {args.base_url}: {e}; is the server running?") from e
+    md = md_table(serve.SUMMARY_HEADERS, serve.summary_rows(rec))
+    print("\n" + md)
+    rec["device"] = "client"
+    _save(rec, args, f"bench serve: {rec['model']} at {rec['base_url']}",
+          md + f"\n\n{cfg.input_len} input / {cfg.output_len} output tokens, {rec['prompt_mode']} prompts, "
+          f"payload {cfg.payload}", rec["model"])
+    failed = sum(lv["summary"]["failed"] for lv in rec["levels"])
+    return 1 if failed and not any(lv["summary"]["completed"] for lv in rec["levels"]) else 0
+
+
+def cmd_fingerprint(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lowbit.bench import fingerprint as fp
+
+    cfg = EngineConfig.from_cli(args)
+    if args.format in ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
+        cfg.dtype = args.format
+    elif args.format:
+        if not hasattr(cfg, "quantization"):
+            raise LowbitError(f"--format {args.format}: this build has no load-time quantization; "
+                              "fingerprint a quantized artifact directory instead")
+        cfg.quantization = args.format
+    rec = fp.fingerprint(cfg, args.max_tokens, args.long_len, args.format)
+    for name, p in rec["prompts"].items():
+        print(f"{name:<10} {p['sha256']}  ({p['prompt_tokens']} prompt tokens, {len(p['tokens'])} generated)")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(fp.stored_text(rec))
+        print(f"wrote {args.out}")
+    rc = 0
+    if args.check:
+        problems = fp.compare(rec, args.check)
+        rec["check"] = {"file": args.check, "problems": problems}
+        print("\n".join(problems) if problems else f"all fingerprints match {args.check}")
+        rc = 1 if problems else 0
+    _save(rec, args, f"bench fingerprint: {rec['model']} {rec['format']}",
+          "\n".join(f"- {n}: `{p['sha256'][:16]}`" for n, p in rec["prompts"].items()))
+    return rc
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    from lowbit.bench import ab
+
+    rec = ab.run_ab(args.cmd_a, args.cmd_b, args.rounds, args.metric or ab.DEFAULT_METRIC, args.timeout)
+    rec["device"] = "host"
+    text = ab.format_report(rec)
+    print(text)
+    _save(rec, args, "bench ab", text)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from lowbit.bench.report import make_report
+
+    make_report(args.records, args.out)
+    return 0
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Register latency, serve, fingerprint, ab and report under `lowbit bench`."""
+    p = sub.add_parser("latency", help="llama-bench style pp/tg cells at depths, with MBU")
+    p.add_argument("model", nargs="?", default="demo", help="model directory or built-in name")
+    EngineConfig.add_cli_args(p)
+    p.add_argument("-p", "--prompt", type=int_list, default=[512], help="prompt lengths (pp cells)")
+    p.add_argument("-n", "--gen", type=int_list, default=[128], help="generated lengths (tg cells)")
+    p.add_argument("-d", "--depth", type=int_list, default=None,
+                   help="retained depths; default 0,32768 (those that fit the context)")
+    p.add_argument("-r", "--repeats", type=int, default=5)
+    p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
+    _record_args(p)
+    p.set_defaults(func=cmd_latency)
+
+    s = sub.add_parser("serve", help="streaming load on an OpenAI-compatible server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
+    s.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+    s.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16, 32])
+    s.add_argument("--num-prompts", type=int, default=None, help="requests per level (default: "
+                   "--prompts-per-slot x concurrency)")
+    s.add_argument("--prompts-per-slot", type=int, default=4)
+    s.add_argument("--input-len", type=int, default=128)
+    s.add_argument("--output-len", type=int, default=128)
+    s.add_argument("--context", type=int_list, default=[0], help="retained-context prefix lengths")
+    s.add_argument("--payload", choices=("deterministic", "stochastic"), default="deterministic")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--warmup", type=int, default=1, help="unrecorded requests before each context")
+    s.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds")
+    _record_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    f = sub.add_parser("fingerprint", help="sha256 of greedy outputs for a fixed prompt set")
+    f.add_argument("model", nargs="?", default="demo")
+    EngineConfig.add_cli_args(f)
+    f.add_argument("--format", default=None, help="bf16 / fp16 / fp32, or a weight format to load into")
+    f.add_argument("--max-tokens", type=int, default=32)
+    f.add_argument("--long-len", type=int, default=1536, help="tokens of the long-context prompt (cut to fit)")
+    f.add_argument("--out", default=None, help="write the fingerprint file here")
+    f.add_argument("--check", default=None, metavar="FILE", help="compare with a stored fingerprint file")
+    _record_args(f)
+    f.set_defaults(func=cmd_fingerprint)
+
+    a = sub.add_parser("ab", help="interleaved A/B of two shell commands")
+    a.add_argument("cmd_a")
+    a.add_argument("cmd_b")
+    a.add_argument("--rounds", type=int, default=5)
+    a.add_argument("--metric", default=None, help="regex; its first group (or match) is the number "
+                   "(default: the last 'X tok/s')")
+    a.add_argument("--timeout", type=float, default=None, help="seconds per command run")
+    _record_args(a)
+    a.set_defaults(func=cmd_ab)
+
+    r = sub.add_parser("report", help="PNG plots from bench records")
+    r.add_argument("--records", default="bench/records")
+    r.add_argument("--out", default="docs/img")
+    r.set_defaults(func=cmd_report)

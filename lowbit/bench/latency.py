@@ -1,0 +1,261 @@
+"""`lowbit bench latency`: llama-bench style cells on one sequence, in process.
+
+Cells (D tokens already in the KV cache, the "depth"):
+  ppP @ dD   prefill P new tokens (time to first token)  -> P / time        (tok/s)
+  tgN @ dD   N decode steps of one token, greedy         -> N / time        (tok/s)
+MBU of a tg cell: bytes read per token over the time per token, against the copy
+bandwidth measured in the same process. Bytes read per token = non-expert weights (the
+embedding counts one row unless tied to the LM head) + top-k/E of the expert weights +
+the K/V of every cached token at the cell's mean context (windowed layers: the window).
+The depth is computed once per D (untimed) and each cell's request reuses it through the
+engine's prefix cache (see Session). Times come back from the engine after the sampled
+token reached the host, so no extra device sync is needed.
+"""
+
+from __future__ import annotations
+
+import random
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lowbit.bench.stats import mean_sd
+from lowbit.config import EngineConfig
+
+
+@dataclass
+class Cell:
+    kind: str  # "pp" | "tg"
+    n: int
+    depth: int
+    samples: list[float] = field(default_factory=list)  # seconds per repeat
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}{self.n}" + (f" @ d{self.depth}" if self.depth else "")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+class Session:
+    """The one seam between the cells and the engine: the public LLM API, which runs the
+    serving engine. The depth is retained through the engine's prefix cache: a request
+    whose first D tokens an earlier request computed computes only the rest, so a ppP cell
+    is the prefill time of a request [depth + P new tokens] and a tgN cell the decode time
+    of a request [depth + 1 token] generating N + 1 tokens (the first comes from prefill)."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        from lowbit import LLM
+
+        t0 = time.perf_counter()
+        self.llm = LLM(**cfg.llm_kwargs())
+        _sync(self.llm.device)
+        self.time_to_ready_s = time.perf_counter() - t0
+        self.model, self.config, self.device = self.llm.model, self.llm.config, self.llm.device
+        self.depth: list[int] = []
+        self._rng = random.Random(0)
+
+    def random_ids(self, n: int) -> list[int]:
+        return [self._rng.randrange(self.config.vocab_size) for _ in range(n)]
+
+    def set_depth(self, n: int) -> None:
+        self.depth = self.random_ids(n)
+        if n:
+            self._generate(self.depth, 1)
+
+    def prefill(self, n: int) -> float:
+        """Seconds to the first token of [depth + n new tokens]."""
+        hits = self._prefix_hits()
+        out = self._generate(self.depth + self.random_ids(n), 1)
+        self._check_reused(hits)
+        return out.metrics["prefill_s"]
+
+    def decode(self, n: int) -> float:
+        """Seconds for n decode steps after the depth."""
+        out = self._generate(self.depth + self.random_ids(1), n + 1)
+        assert out.metrics["output_tokens"] == n + 1, "ignore_eos keeps the length"
+        return out.metrics["decode_s"]
+
+    def _generate(self, ids: list[int], max_tokens: int):
+        from lowbit import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return self.llm.generate([ids], sp)[0]
+
+    def _prefix_hits(self) -> int | None:
+        blocks = getattr(getattr(self.llm, "engine", None), "blocks", None)
+        return getattr(blocks, "num_prefix_hits", None)
+
+    def _check_reused(self, before: int | None) -> None:
+        from lowbit.errors import LowbitError
+
+        after = self._prefix_hits()
+        block = getattr(getattr(self.llm, "engine", None), "config", None)
+        block = getattr(block, "block_size", 1)
+        if before is not None and after - before < len(self.depth) - len(self.depth) % block:
+            raise LowbitError(f"the engine recomputed the retained depth ({after - before} of "
+                              f"{len(self.depth)} tokens reused); keep --enable-prefix-caching on")
+
+    def kv_bytes(self, context: float) -> float:
+        """Bytes of K/V read by one decode step over `context` cached tokens."""
+        cache = getattr(getattr(self.llm, "engine", None), "kv_cache", None)
+        if cache is None:
+            return 0.0
+        total = 0.0
+        for i in range(self.config.num_layers):
+            per_token = sum(t[i].nbytes / t[i].shape[0] for t in
+                            (getattr(cache, a, None) for a in ("k", "v", "k_scale", "v_scale"))
+                            if t is not None and i < len(t) and t[i] is not None)
+            window = self.config.layer_window(i)
+            total += per_token * min(context, window or context)
+        return total
+
+
+def weight_bytes(model: torch.nn.Module, config) -> dict[str, float]:
+    """Bytes a decode step reads from the weights: dense, expert (all E), and active."""
+    dense = experts = 0.0
+    seen: set[int] = set()
+    for mod_name, mod in model.named_modules():
+        held = {**mod._parameters, **{k: v for k, v in vars(mod).items() if hasattr(v, "payload")}}
+        for name, t in held.items():
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            full = f"{mod_name}.{name}"
+            nbytes = float(t.nbytes)  # a tensor's or a QuantizedTensor's payload bytes
+            if "embed_tokens" in full and not config.tie_word_embeddings:
+                nbytes /= config.vocab_size  # one row per token
+            if ".experts." in full + "." and config.num_experts:
+                experts += nbytes
+            else:
+                dense += nbytes
+    frac = config.num_experts_per_tok / config.num_experts if config.num_experts else 0.0
+    return {"dense": dense, "experts_all": experts, "active_fraction": frac,
+            "active": dense + experts * frac}
+
+
+def copy_bandwidth(device: str, nbytes: int | None = None, iters: int = 8) -> float:
+    """Peak read+write bytes/s of a large device-to-device copy (a memcpy on the CPU);
+    the buffers are far larger than any cache (1 GiB on a GPU, 128 MiB on the CPU)."""
+    nbytes = nbytes or (2**30 if device.startswith("cuda") else 2**27)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / best
+
+
+def peak_memory(device: str) -> dict[str, int]:
+    if device.startswith("cuda"):
+        return {"peak_device_bytes": torch.cuda.max_memory_allocated(device),
+                "device_bytes": torch.cuda.memory_allocated(device)}
+    return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def context_needed(prompt: list[int], gen: list[int], depths: list[int]) -> int:
+    return max(depths) + max(prompt + [n + 2 for n in gen])  # tg: 1 prompt token, n + 1 out
+
+
+def usable_depths(depths: list[int], prompt: list[int], gen: list[int], max_len: int,
+                  fit: bool) -> list[int]:
+    """The depths whose cells fit max_len: all of them or an error (fit=False), or those
+    that fit (fit=True, for the default depths)."""
+    from lowbit.errors import LowbitError
+
+    if fit:
+        depths = [d for d in depths if context_needed(prompt, gen, [d]) <= max_len] or [0]
+    need = context_needed(prompt, gen, depths)
+    if need > max_len:
+        raise LowbitError(f"depth {max(depths)} + {max(prompt + gen)} tokens needs a context of {need} "
+                          f"but the model allows {max_len}; lower -d/-p/-n or raise --max-model-len")
+    return depths
+
+
+def run_cells(s: Session, prompt: list[int], gen: list[int], depths: list[int],
+              repeats: int) -> list[Cell]:
+    s.prefill(min(prompt))  # warm-up: first calls allocate, compile, capture graphs
+    s.decode(2)
+    cells = []
+    for d in sorted(depths):
+        s.set_depth(d)
+        row = [Cell("pp", p, d) for p in prompt] + [Cell("tg", n, d) for n in gen]
+        for _ in range(repeats):
+            for c in row:
+                c.samples.append(s.prefill(c.n) if c.kind == "pp" else s.decode(c.n))
+        cells += row
+    return cells
+
+
+def cell_rows(s: Session, cells: list[Cell], bandwidth: float) -> list[dict]:
+    wb = weight_bytes(s.model, s.config)
+    rows = []
+    for c in cells:
+        rates = [c.n / t for t in c.samples]
+        mean, sd = mean_sd(rates)
+        row = {"test": c.name, "kind": c.kind, "n": c.n, "depth": c.depth, "tok_s_mean": mean,
+               "tok_s_sd": sd, "ms_per_tok": 1e3 / mean, "samples_s": c.samples}
+        if c.kind == "tg":
+            per_tok = wb["active"] + s.kv_bytes(c.depth + 1 + (c.n + 1) / 2)  # mean context
+            row.update(bytes_per_token=per_tok, gb_s=per_tok * mean / 1e9,
+                       mbu=per_tok * mean / bandwidth)
+        rows.append(row)
+    return rows
+
+
+def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[int],
+            repeats: int, fit_depths: bool = False) -> dict:
+    """Load, check lengths, time every cell, measure the copy ceiling; return the record.
+    fit_depths: drop the depths that do not fit the context instead of refusing."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(cfg.device if (cfg.device or "").startswith("cuda") else None)
+    s = Session(cfg)
+    depths = usable_depths(depths, prompt, gen, s.llm.max_model_len, fit_depths)
+    mem_loaded = peak_memory(s.device)
+    cells = run_cells(s, prompt, gen, depths, repeats)
+    mem = peak_memory(s.device)
+    bw = copy_bandwidth(s.device)
+    return {"kind": "latency", "model": cfg.config if cfg.random_weights else cfg.model,
+            "weight_format": s.llm.loaded.weight_format, "dtype": str(next(s.model.parameters()).dtype).replace("torch.", ""),
+            "device": s.device, "repeats": repeats, "time_to_ready_s": s.time_to_ready_s,
+            "memory_after_load": mem_loaded, "memory": mem, "copy_bandwidth_Bps": bw,
+            "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw)}
+
+
+HEADERS = ["model", "format", "device", "test", "t/s", "ms/tok", "GB/s", "MBU"]
+
+
+def table_rows(rec: dict) -> list[list[str]]:
+    from pathlib import Path
+
+    model = Path(str(rec["model"])).name.removesuffix(".json")
+    rows = []
+    for c in rec["cells"]:
+        gbs = f"{c['gb_s']:.3g}" if "gb_s" in c else "-"
+        mbu = f"{100 * c['mbu']:.1f}%" if "mbu" in c else "-"
+        rows.append([model, rec["weight_format"], rec["device"], c["test"],
+                     f"{c['tok_s_mean']:.2f} ± {c['tok_s_sd']:.2f}", f"{c['ms_per_tok']:.2f}", gbs, mbu])
+    return rows
+
+
+def summary_md(rec: dict) -> str:
+    from lowbit.bench.record import md_table
+
+    mem = rec["memory"]
+    peak = mem.get("peak_device_bytes", mem.get("peak_rss_bytes", 0))
+    foot = (f"ready in {rec['time_to_ready_s']:.1f} s; peak memory {peak / 2**30:.2f} GiB "
+            f"({'device' if 'peak_device_bytes' in mem else 'RSS'}); copy bandwidth "
+            f"{rec['copy_bandwidth_Bps'] / 1e9:.1f} GB/s; active weight bytes per token "
+            f"{rec['weight_bytes']['active'] / 2**20:.1f} MiB; {rec['repeats']} repeats, mean ± sd")
+    return md_table(HEADERS, table_rows(rec)) + "\n\n" + foot

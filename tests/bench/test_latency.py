@@ -1,0 +1,62 @@
+import json
+
+import pytest
+
+from lowbit.bench.latency import HEADERS, table_rows, usable_depths, weight_bytes
+from lowbit.bench.record import csv_text
+from lowbit.checkpoint.loader import load_model
+from lowbit.cli import main
+from lowbit.errors import LowbitError
+
+
+def test_latency_cells_table_and_record(tiny_moe_dir, tmp_path, capsys):
+    rc = main(["bench", "latency", str(tiny_moe_dir), "-p", "16", "-n", "8", "-d", "0,32", "-r", "2",
+               "--records", str(tmp_path), "--append-md", str(tmp_path / "B.md")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "| model | format | device | test | t/s | ms/tok | GB/s | MBU |" in out
+    for cell in ("| pp16 |", "| tg8 |", "| pp16 @ d32 |", "| tg8 @ d32 |"):
+        assert cell in out
+    (path,) = tmp_path.glob("*latency*.json")
+    rec = json.loads(path.read_text())
+    assert [c["test"] for c in rec["cells"]] == ["pp16", "tg8", "pp16 @ d32", "tg8 @ d32"]
+    for c in rec["cells"]:
+        assert len(c["samples_s"]) == 2 and all(t > 0 for t in c["samples_s"])
+        assert c["tok_s_mean"] > 0 and c["ms_per_tok"] > 0
+        if c["kind"] == "tg":
+            assert 0 < c["mbu"] < 1 and c["bytes_per_token"] > rec["weight_bytes"]["active"]
+    # deeper context reads more KV per token
+    tg = {c["test"]: c for c in rec["cells"] if c["kind"] == "tg"}
+    assert tg["tg8 @ d32"]["bytes_per_token"] > tg["tg8"]["bytes_per_token"]
+    assert rec["time_to_ready_s"] > 0 and rec["memory"]["peak_rss_bytes"] > 0
+    assert rec["copy_bandwidth_Bps"] > 1e8
+    assert rec["env"]["versions"]["torch"] and rec["env"]["device"]
+    csv = csv_text(HEADERS, table_rows(rec)).splitlines()
+    assert csv[0] == "model,format,device,test,t/s,ms/tok,GB/s,MBU" and csv[2].split(",")[3] == "tg8"
+    md = (tmp_path / "B.md").read_text()
+    assert md.startswith("# Benchmarks\n") and "## bench latency" in md and "| tg8 @ d32 |" in md
+
+
+def test_depths_that_fit():
+    assert usable_depths([0, 32768], [512], [128], 40960, fit=True) == [0, 32768]
+    assert usable_depths([0, 32768], [8], [4], 256, fit=True) == [0]
+    with pytest.raises(LowbitError, match="lower -d/-p/-n"):
+        usable_depths([0, 32768], [8], [4], 256, fit=False)
+
+
+def test_explicit_depth_beyond_context_is_refused(tiny_moe_dir, tmp_path, capsys):
+    rc = main(["bench", "latency", str(tiny_moe_dir), "-d", "1000", "-p", "8", "-n", "4",
+               "--records", str(tmp_path)])
+    assert rc == 2 and not list(tmp_path.iterdir()) and "lower -d/-p/-n" in capsys.readouterr().err
+
+
+def test_weight_bytes_count_active_experts_only(tiny_moe_dir):
+    loaded = load_model(tiny_moe_dir, dtype="float32")
+    cfg, model = loaded.config, loaded.model
+    wb = weight_bytes(model, cfg)
+    experts = sum(p.nbytes for n, p in model.named_parameters() if ".experts." in n)
+    embed = sum(p.nbytes for n, p in model.named_parameters() if "embed_tokens" in n)
+    total = sum(p.nbytes for p in model.parameters())
+    assert wb["experts_all"] == experts
+    assert wb["dense"] == total - experts - embed + embed / cfg.vocab_size
+    assert wb["active"] == wb["dense"] + experts * 2 / 4  # top-2 of 4 experts
