@@ -1,0 +1,70 @@
+"""gpt-oss against transformers: sinks, alternating sliding/full layers, biases everywhere,
+YaRN without truncation, interleaved fused experts with a clamped SwiGLU."""
+
+import pytest
+import torch
+from transformers import GptOssConfig, GptOssForCausalLM
+
+from lowbit.checkpoint.loader import allocate
+from lowbit.errors import LowbitError
+from lowbit.models.config import ArchConfig
+from tests.models.parity import assert_parity, save_tiny
+
+VOCAB = 103
+LIMIT = 7.0  # transformers' bf16 GptOssExperts hard-codes 7.0 (the published swiglu_limit)
+
+
+def big_experts(model) -> None:
+    """Gate/up weights large enough that some pre-activations pass the +-7 clamp."""
+    for layer in model.model.layers:
+        layer.mlp.experts.gate_up_proj.mul_(40.0)
+
+
+def config(layers: int) -> GptOssConfig:
+    # sliding window 4 on even layers: the 23-token prompt and its chunks cross it.
+    # gpt-oss's own rope; with head_dim 10 its correction range (1.26, 2.72) is not whole,
+    # so rounding it (truncate, the transformers default) would show.
+    return GptOssConfig(
+        vocab_size=VOCAB, hidden_size=44, intermediate_size=18, num_hidden_layers=layers,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=10, num_local_experts=5,
+        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256, initializer_range=0.1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
+        experts_implementation="eager", swiglu_limit=LIMIT)
+
+
+def test_gpt_oss_matches_transformers(tmp_path):
+    cfg = config(layers=3)
+    assert cfg.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    hf = save_tiny(GptOssForCausalLM, cfg, tmp_path, randomize=("bias", "sinks"), prepare=big_experts)
+    assert hf.model.layers[0].mlp.experts.gate_up_proj_bias.abs().sum() > 0  # biases randomised too
+    clamped = []
+    hook = hf.model.layers[0].mlp.experts.register_forward_hook(
+        lambda m, args, out: clamped.append(
+            (args[0] @ m.gate_up_proj + m.gate_up_proj_bias[:, None]).abs().max().item()))
+    assert_parity(hf, tmp_path, VOCAB)
+    hook.remove()
+    assert max(clamped) > LIMIT  # the clamp is exercised, not just present
+
+
+def test_expert_loaders_deinterleave():
+    """gate_up_proj [E, D, 2I] with gate = [..., 0::2], up = [..., 1::2] -> w13 gate rows then up rows."""
+    cfg = ArchConfig.from_dict(config(layers=1).to_dict())
+    lm = allocate(cfg, torch.float32, "cpu")
+    E, D, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    gu = torch.randn(E, D, 2 * inter)
+    gub = torch.randn(E, 2 * inter)
+    down = torch.randn(E, inter, D)
+    p = "model.layers.0.mlp.experts."
+    tensors = {p + "gate_up_proj": gu, p + "gate_up_proj_bias": gub, p + "down_proj": down}
+    ex = lm.model.layers[0].mlp.experts
+    for name, t in tensors.items():
+        pname, shard = lm.map_name(name)
+        param = lm.get_parameter(pname)
+        param.weight_loader(param, t, shard, name)
+    assert torch.equal(ex.w13[2, :inter], gu[2, :, 0::2].T) and torch.equal(ex.w13[2, inter:], gu[2, :, 1::2].T)
+    assert torch.equal(ex.b13[1, :inter], gub[1, 0::2]) and torch.equal(ex.b13[1, inter:], gub[1, 1::2])
+    assert torch.equal(ex.w2[4], down[4].T)
+    assert lm.map_name("model.layers.0.mlp.router.bias") == ("model.layers.0.mlp.gate.bias", None)
+    with pytest.raises(LowbitError, match="mxfp4"):
+        lm.map_name(p + "gate_up_proj_blocks")
