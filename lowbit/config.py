@@ -1,5 +1,6 @@
 """EngineConfig: every engine setting in one dataclass. CLI flags are generated from its
-fields (`max_model_len` -> `--max-model-len`), named as vLLM names them."""
+fields (`max_model_len` -> `--max-model-len`), named as vLLM names them. Fields marked
+`server` (host, port, auth, limits) only become flags of `lowbit serve`."""
 
 from __future__ import annotations
 
@@ -7,9 +8,17 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from lowbit.errors import LowbitError
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 def _opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
+
+
+def _server_opt(default, help: str, **kw):
+    return _opt(default, help, server=True, **kw)
 
 
 @dataclass
@@ -21,16 +30,43 @@ class EngineConfig:
     random_weights: bool = _opt(False, "build the model from --config with seeded random weights (no checkpoint)")
     config: str | None = _opt(None, "config.json giving the shape for --random-weights")
     tokenizer: str | None = _opt(None, "tokenizer directory (default: the model directory)")
+    quantization: str | None = _opt(None, "quantize weights while loading to this format (nvfp4, mxfp4, "
+                                          "fp8, int4, nf4, ...; see docs/FORMATS.md)")
+    # scheduling and KV cache
+    max_num_seqs: int = _opt(256, "most requests running at once")
+    max_num_batched_tokens: int | None = _opt(
+        None, f"most tokens computed per step (prefill is chunked to fit); default {DEFAULT_MAX_NUM_BATCHED_TOKENS}")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    gpu_memory_utilization: float = _opt(0.9, "share of GPU memory for weights, activations and KV cache")
+    kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (the compute dtype), bfloat16, float16, fp8",
+                               choices=["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3"])
+    kv_cache_tokens: int | None = _opt(
+        None, "KV pool size in tokens (default: from --gpu-memory-utilization on CUDA, 10%% of free RAM on CPU)")
+    num_gpu_blocks_override: int | None = _opt(None, "KV pool size in blocks; wins over --kv-cache-tokens")
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
+    enforce_eager: bool = _opt(False, "never capture CUDA graphs")
+    # parallelism across the GPUs of a host (docs/DISTRIBUTED.md); processes = lcm(TP, EP)
+    tensor_parallel_size: int = _opt(1, "GPUs that split attention heads, dense MLPs and the vocabulary")
+    expert_parallel_size: int = _opt(1, "parts the experts are split into, one per group of GPUs")
+    # server
+    served_model_name: str | None = _server_opt(None, "model name the API reports and accepts (default: MODEL)")
+    host: str = _server_opt("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
+    port: int = _server_opt(8000, "port to listen on")
+    api_key: str | None = _server_opt(None, "require 'Authorization: Bearer KEY' on every route but /health")
+    max_queued_requests: int = _server_opt(256, "requests allowed to wait beyond --max-num-seqs; more get 429")
+    max_request_body_bytes: int = _server_opt(32 << 20, "larger request bodies get 413")
+    shutdown_timeout: float = _server_opt(30.0, "seconds in-flight requests get to finish after SIGTERM")
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",),
+                     server: bool = False) -> None:
         for f in dataclasses.fields(cls):
-            if f.name in skip:
+            if f.name in skip or (f.metadata.get("server") and not server):
                 continue
             flag = "--" + f.name.replace("_", "-")
             help_ = f.metadata.get("help")
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=help_)
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
                 continue
             typ = int if "int" in str(f.type) else (float if "float" in str(f.type) else str)
             parser.add_argument(flag, type=typ, default=f.default, help=help_,
@@ -42,3 +78,19 @@ class EngineConfig:
 
     def llm_kwargs(self) -> dict:
         return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        positive = ("max_num_seqs", "block_size", "max_queued_requests", "max_request_body_bytes")
+        for name in positive + ("max_model_len", "max_num_batched_tokens", "kv_cache_tokens",
+                                "num_gpu_blocks_override"):
+            v = getattr(self, name)
+            if (v is not None or name in positive) and (not isinstance(v, int) or v < 1):
+                raise LowbitError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise LowbitError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def resolved(self, max_position_embeddings: int) -> EngineConfig:
+        """A copy with the defaults that depend on the model filled in."""
+        max_len = self.max_model_len or max_position_embeddings
+        tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return dataclasses.replace(self, max_model_len=max_len, max_num_batched_tokens=tokens)

@@ -14,6 +14,14 @@ import torch
 
 from lowbit.errors import LowbitError
 
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP = 16
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
 
 @dataclass
 class SamplingParams:
@@ -30,7 +38,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: int | None = None
+    logprobs: int | None = None  # top-n alternatives per generated token (0: the chosen one only)
+    prompt_logprobs: int | None = None  # the same for prompt tokens (echo)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,13 +56,13 @@ class SamplingParams:
             bad(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not finite(self.top_p) or not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             bad(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k}")
         if not finite(self.min_p) or not 0 <= self.min_p <= 1:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad(f"max_tokens must be a positive integer, got {self.max_tokens}")
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             bad(f"n must be a positive integer, got {self.n}")
         if not finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
@@ -60,14 +70,29 @@ class SamplingParams:
             v = getattr(self, name)
             if not finite(v) or not -2 <= v <= 2:
                 bad(f"{name} must be in [-2, 2], got {v}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in 0..20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {v}")
+        if self.n > MAX_N:
+            bad(f"n must be at most {MAX_N}, got {self.n}")
+        if len(self.stop) > MAX_STOP:
+            bad(f"at most {MAX_STOP} stop strings are allowed, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative integers")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**64):
+            bad(f"seed must be a 64-bit integer, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor,
@@ -113,3 +138,35 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=g) for g in generators])
     drawn = (probs / noise).argmax(-1)
     return torch.where(t == 0, greedy, drawn)
+
+
+def penalize(logits: torch.Tensor, params: list[SamplingParams],
+             history: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """Apply repetition/presence/frequency penalties to the rows that ask for them.
+    logits [B, V]; history[b] = (prompt ids, output ids) of row b."""
+    rows = [b for b, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits
+    dev, V = logits.device, logits.shape[-1]
+    counts = torch.zeros(len(rows), V, device=dev)  # [R, V]
+    prompt_mask = torch.zeros(len(rows), V, dtype=torch.bool, device=dev)  # [R, V]
+    for i, b in enumerate(rows):
+        prompt, out = history[b]
+        prompt_mask[i, torch.tensor(prompt, device=dev)] = True
+        if out:
+            out_t = torch.tensor(out, device=dev)
+            counts[i].index_add_(0, out_t, torch.ones_like(out_t, dtype=counts.dtype))
+    pick = lambda name: torch.tensor([getattr(params[b], name) for b in rows], device=dev)
+    logits = logits.clone()
+    logits[rows] = apply_penalties(logits[rows], counts, prompt_mask, pick("repetition_penalty"),
+                                   pick("presence_penalty"), pick("frequency_penalty"))
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+    """Log-probabilities of the model's distribution (before any sampling transform).
+    logits [B, V], token_ids [B] -> chosen [B], top_ids [B, num_top], top_logprobs [B, num_top]."""
+    logprobs = logits.float().log_softmax(-1)  # [B, V]
+    chosen = logprobs.gather(1, token_ids[:, None].long())[:, 0]
+    top_lp, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], token_ids[:, None][:, :0])
+    return chosen, top_ids, top_lp

@@ -1,0 +1,221 @@
+"""LLMEngine: the serving engine. A batch's life, one `step()` at a time:
+
+1. `add_request` checks the request (prompt inside the vocabulary and the context, the
+   whole request able to fit the KV pool) and queues it: WAITING.
+2. `Scheduler.schedule` picks, for each running request and then for waiting ones in
+   arrival order, how many of its uncomputed tokens to compute this step, inside the
+   token budget, the seat count and the free KV blocks (the BlockManager gives blocks,
+   reuses cached prefix blocks, and preempts by recompute when the pool runs dry).
+3. `ModelRunner.execute` lays the scheduled tokens out as one flat ForwardBatch over the
+   paged cache (PagedKVCache), runs the model (a CUDA graph for decode-only steps where
+   the model allows it), and samples a token for every request that caught up.
+4. `update_from_output` advances each request's computed tokens, registers full blocks in
+   the prefix cache, appends the sampled tokens, detokenizes, checks stop conditions,
+   and returns one RequestDelta per request that produced something. Finished or
+   aborted requests give their blocks back in the same step: FINISHED.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from lowbit.checkpoint.loader import LoadedModel, load_model
+from lowbit.checkpoint.tokenizer import Tokenizer
+from lowbit.config import EngineConfig
+from lowbit.engine.batch import ForwardBatch
+from lowbit.engine.block_manager import BlockManager
+from lowbit.engine.detokenizer import IncrementalDetokenizer
+from lowbit.engine.metrics import EngineStats
+from lowbit.engine.output import append_token, take_delta
+from lowbit.engine.paged_cache import PagedKVCache, kv_bytes_per_token, parse_kv_dtype, pool_tokens
+from lowbit.engine.request import Request, RequestDelta, RequestRejected, RequestStatus
+from lowbit.engine.runner import ModelRunner, RunnerOutput
+from lowbit.engine.sampling import SamplingParams
+from lowbit.engine.scheduler import Scheduler, SchedulerOutput
+from lowbit.errors import LowbitError
+
+log = logging.getLogger("lowbit")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compute_dtype(dtype: str, device: torch.device) -> str:
+    # bf16 on a GPU; float32 on the CPU, where bf16 matmuls are slow
+    if dtype == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return dtype
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        config.validate()
+        self.device = torch.device(config.device or default_device())
+        dtype = compute_dtype(config.dtype, self.device)
+        self.loaded = loaded or load_model(config.model, dtype=dtype, device=str(self.device),
+                                           random_weights=config.random_weights, config=config.config,
+                                           quantization=config.quantization)
+        self.model, self.arch = self.loaded.model, self.loaded.config
+        tok_dir = config.tokenizer or self.loaded.path
+        self.tokenizer = Tokenizer(tok_dir) if tok_dir is not None else None
+        self.config = config.resolved(self.arch.max_position_embeddings)
+        self.max_model_len = self.config.max_model_len
+        self.eos_ids = self._eos_ids()
+        self._build_cache(next(self.model.parameters()).dtype)
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.max_num_seqs,
+                                  self.max_model_len, self.config.enforce_eager)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._pending: list[RequestDelta] = []  # deltas of requests aborted between steps
+        self._ids = itertools.count()
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.loaded.generation_config.get("eos_token_id") or []) | set(self.arch.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.token_id(self.tokenizer.eos_token) is not None:
+            ids.add(self.tokenizer.token_id(self.tokenizer.eos_token))
+        return ids
+
+    def _build_cache(self, model_dtype: torch.dtype) -> None:
+        cfg = self.config
+        kv_dtype = parse_kv_dtype(cfg.kv_cache_dtype, model_dtype)
+        layers = getattr(self.model, "num_cache_layers", self.arch.num_layers)
+        num_blocks = pool_tokens(cfg, self.arch, kv_dtype, self.device, layers,
+                                 self._profile_activation_bytes()) // cfg.block_size
+        if num_blocks < 1:
+            raise LowbitError("the KV cache would hold no block; give it more memory or tokens")
+        self.kv_cache = PagedKVCache(layers, num_blocks, cfg.block_size, kv_dtype, self.device)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        mib = num_blocks * cfg.block_size * kv_bytes_per_token(self.arch, kv_dtype, layers) / 2**20
+        log.info("KV cache: %d blocks x %d = %d tokens, %s, %.1f MiB", num_blocks, cfg.block_size,
+                 self.kv_cache.num_tokens, str(kv_dtype).replace("torch.", ""), mib)
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self) -> int:
+        """Peak memory of the largest step on CUDA, from one dummy forward (0 elsewhere)."""
+        if self.device.type != "cuda":
+            return 0
+        total, max_len = self.config.max_num_batched_tokens, self.max_model_len
+        lens = [min(max_len, total - i) for i in range(0, total, max_len)]
+        batch = ForwardBatch.build(lens, [0] * len(lens), None, None, self.device)
+        ids = torch.zeros(total, dtype=torch.long, device=self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        hidden = self.model(ids, batch)
+        self.model.compute_logits(hidden[:self.config.max_num_seqs])
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    # -- requests -------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise RequestRejected if the request can never run; return its max_tokens."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestRejected("the prompt is empty; give at least one token", param="prompt")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise RequestRejected(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"stop token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                                  param="stop_token_ids")
+        if n >= self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt has {n} tokens. Shorten the prompt.", code="context_length_exceeded", param="prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        self.scheduler.check_fits(n, max_tokens)
+        return max_tokens
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, prompt: str | None = None) -> Request:
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        max_tokens = self.check_request(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, max_tokens, self._generator(params),
+                      self._detokenizer(params), prompt)
+        if req.wants_prompt_logprobs:
+            req.prompt_logprobs = [None]  # the first prompt token has no context to score it
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        self.stats.prompt_tokens_total += req.num_prompt_tokens
+        return req
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        seed = params.seed if params.seed is not None else torch.seed()
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request now and free its blocks; its last delta comes with the next step."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.finish(req, "abort")
+        self.stats.on_finish("abort", req.arrival_time, time.monotonic())
+        self._pending.append(take_delta(req, "abort"))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        return self.update_from_output(sched, result)
+
+    def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestDelta]:
+        deltas, self._pending = self._pending, []
+        now = time.monotonic()
+        self.stats.num_preemptions_total += len(sched.preempted)
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+            self.blocks.cache_full_blocks(req)
+            req.prompt_logprobs.extend(result.prompt_logprobs.get(req.request_id, []))
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk short of the prompt's end
+            self.stats.on_token(req.arrival_time, req.last_token_time, now)
+            req.first_token_time = req.first_token_time or now
+            req.last_token_time = now
+            reason = append_token(req, token, result.logprobs.get(req.request_id), self.eos_ids,
+                                  self.max_model_len)
+            if reason is not None:
+                self._finish(req, reason, now)
+            deltas.append(take_delta(req, reason))
+        return deltas
+
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        self.scheduler.finish(req, reason)
+        self.requests.pop(req.request_id, None)
+        self.stats.on_finish(reason, req.arrival_time, now)
+
+    # -- state, for metrics and tests -----------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def is_idle(self) -> bool:
+        return not self.has_unfinished() and all(
+            r.status == RequestStatus.FINISHED for r in self.requests.values())

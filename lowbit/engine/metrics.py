@@ -1,0 +1,59 @@
+"""Engine statistics: counters and latency histograms, read by the server's /metrics.
+
+The engine thread writes, the server thread reads; every field is a number or a list of
+numbers updated in place, so a reader sees a slightly stale but consistent-enough view.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; last is +Inf
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le label, cumulative count) pairs in Prometheus order, +Inf last."""
+        out, total = [], 0
+        for le, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            total += n
+            out.append((le, total))
+        return out
+
+
+@dataclass
+class EngineStats:
+    time_to_first_token: Histogram = field(default_factory=Histogram)
+    inter_token_latency: Histogram = field(default_factory=Histogram)
+    e2e_request_latency: Histogram = field(default_factory=Histogram)
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    request_success_total: dict[str, int] = field(default_factory=dict)  # finish reason -> n
+
+    def on_token(self, arrival: float, last: float | None, now: float) -> None:
+        self.generation_tokens_total += 1
+        if last is None:
+            self.time_to_first_token.observe(now - arrival)
+        else:
+            self.inter_token_latency.observe(now - last)
+
+    def on_finish(self, reason: str, arrival: float, now: float) -> None:
+        self.request_success_total[reason] = self.request_success_total.get(reason, 0) + 1
+        self.e2e_request_latency.observe(now - arrival)

@@ -1,0 +1,40 @@
+"""Engine fixtures: the tiny random qwen3_moe (float32) and engines over it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.config import EngineConfig
+from lowbit.engine.engine import LLMEngine
+from tests.engine.tiny_model import make_tiny_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The tiny model's ops are microseconds long: one thread beats two fighting over
+    the cores (on a busy machine, by 40x)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
+def loaded_tiny(tiny_model):
+    """The tiny model loaded once; engines built from it share the weights."""
+    return LLMEngine(EngineConfig(model=str(tiny_model), kv_cache_tokens=64)).loaded
+
+
+@pytest.fixture
+def make_engine(tiny_model, loaded_tiny):
+    def make(**overrides) -> LLMEngine:
+        args = {"kv_cache_tokens": 4096, **overrides}
+        return LLMEngine(EngineConfig(model=str(tiny_model), **args), loaded=loaded_tiny)
+
+    return make
