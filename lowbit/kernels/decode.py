@@ -1,0 +1,285 @@
+"""In-register decode shared by the dequantizing kernels (GEMV, GEMM, fused MoE).
+
+Shape legend: BN rows of a weight tile, BK columns (codes along K), NC scale columns in the
+tile, CH = BK / NC codes per scale column in the tile, B codes per scale in the payload.
+
+Memory layout read (canonical, lowbit.formats.codes; one row = `stride_cn` bytes):
+  4-bit: byte j holds code 2j (low nibble) and 2j+1 (high nibble);
+  3-bit: code k sits at bits 3k .. 3k+2 of the row read as a little-endian bit stream
+         (bytes 3g..3g+2 hold codes 8g..8g+7), so a code spans at most two bytes;
+  fp8:   one float8_e4m3fn per code; dense: one bf16/fp16/fp32 per weight.
+Scales [.., N / SROWS, NB] with one scale per B codes along K (SROWS = 128 for fp8-block).
+Invariant: B is a power of two and either B >= BK (one scale column per tile, BK | B) or
+B < BK (BK / B whole blocks per tile); tiles start at multiples of BK.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit.kernels.weights import (
+    DECODE_FP8,
+    SCALE_KIND_IDS,
+    DenseWeight,
+    Fp8View,
+    LutWeight,
+)
+
+DECODE_DENSE = 4
+
+
+@triton.jit
+def unpack_codes(codes_ptr, row_off, rmask, k0, KC, BN: tl.constexpr, BK: tl.constexpr,
+                 BITS: tl.constexpr):
+    """int32 codes [BN, BK] of columns k0 .. k0+BK-1 (0 where masked). row_off: int64 [BN]."""
+    if BITS == 4:
+        j = k0 // 2 + tl.arange(0, BK // 2)  # byte index; masked in bytes so loads vectorize
+        m = rmask[:, None] & (j < KC // 2)[None, :]
+        b = tl.load(codes_ptr + row_off[:, None] + j[None, :], mask=m, other=0)
+        b = b.to(tl.int32)
+        c = tl.reshape(tl.join(b & 15, b >> 4), (BN, BK))
+    else:
+        k = k0 + tl.arange(0, BK)
+        m = rmask[:, None] & (k < KC)[None, :]
+        sh = (3 * k) & 7
+        p = codes_ptr + row_off[:, None] + ((3 * k) >> 3)[None, :]
+        lo = tl.load(p, mask=m, other=0).to(tl.int32)
+        hi = tl.load(p + 1, mask=m & (sh > 5)[None, :], other=0).to(tl.int32)
+        c = ((lo | (hi << 8)) >> sh[None, :]) & 7
+    return c
+
+
+@triton.jit
+def code_values(c, table_ptr, tbase, DECODE: tl.constexpr, BITS: tl.constexpr):
+    """float32 values of int32 codes c [BN, BK] before the per-table (alpha, beta).
+
+    gather: table[tbase + c]; affine: 1 + c / 2**BITS (exact bit pattern);
+    e2m1: the float16 with E2M1's bits placed in its sign/exponent/mantissa, = e2m1 * 2**-14.
+    """
+    if DECODE == 0:
+        v = tl.load(table_ptr + tbase[:, None] + c)
+    elif DECODE == 1:
+        v = ((c << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
+    else:
+        h = ((c & 8) << 12) | ((c & 7) << 9)
+        v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return v
+
+
+@triton.jit
+def load_scales(ptr, row_off, col, mask, SCALE_KIND: tl.constexpr):
+    """float32 scales [BN, NC] at row_off [BN] (elements) and column col [NC]."""
+    p = ptr + row_off[:, None] + col[None, :]
+    if SCALE_KIND == 4:  # e8m0: 2**(b - 127); b = 0 -> 2**-127, b = 255 -> NaN
+        b = tl.load(p, mask=mask, other=127).to(tl.int32)
+        bits = tl.where(b == 0, 0x00400000, b << 23)
+        bits = tl.where(b == 255, 0x7FC00000, bits)
+        s = bits.to(tl.float32, bitcast=True)
+    else:  # no `other`: the interpreter cannot cast it to float8
+        s = tl.where(mask, tl.load(p, mask=mask).to(tl.float32), 0.0)
+    return s
+
+
+@triton.jit
+def raw_values(codes_ptr, table_ptr, row_off, tbase, rmask, k0, KC,
+               BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr):
+    """float32 [BN, BK]: the code values before scales (fp8 / dense: the stored value)."""
+    if DECODE >= 3:
+        k = k0 + tl.arange(0, BK)
+        m = rmask[:, None] & (k < KC)[None, :]
+        v = tl.where(m, tl.load(codes_ptr + row_off[:, None] + k[None, :], mask=m).to(tl.float32), 0.0)
+    else:
+        c = unpack_codes(codes_ptr, row_off, rmask, k0, KC, BN, BK, BITS)
+        v = code_values(c, table_ptr, tbase, DECODE, BITS)
+    return v
+
+
+@triton.jit
+def dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, row_off, tbase, alpha, beta,
+                 srow_off, orow_off, rmask, k0, KC, g,
+                 BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr,
+                 SCALE_KIND: tl.constexpr, B: tl.constexpr, HAS_AB: tl.constexpr,
+                 HAS_OFFS: tl.constexpr):
+    """float32 weights [BN, BK] = (alpha * value + beta) * scale * g + offset."""
+    v = raw_values(codes_ptr, table_ptr, row_off, tbase, rmask, k0, KC, BN, BK, BITS, DECODE)
+    if DECODE == 4:
+        w = v
+    else:
+        if HAS_AB:
+            v = v * alpha[:, None] + beta[:, None]
+        NC: tl.constexpr = BK // B if BK > B else 1
+        CH: tl.constexpr = BK // NC
+        col = (k0 + tl.arange(0, NC) * CH) // B
+        s = load_scales(scales_ptr, srow_off, col, rmask[:, None], SCALE_KIND) * g
+        w3 = tl.reshape(v, (BN, NC, CH)) * s[:, :, None]
+        if HAS_OFFS:
+            o = tl.load(offs_ptr + orow_off[:, None] + col[None, :], mask=rmask[:, None], other=0)
+            w3 = w3 + o.to(tl.float32)[:, :, None]
+        w = tl.reshape(w3, (BN, BK))
+    return w
+
+
+@triton.jit
+def lane_value(w, LANE: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr, table_ptr, tb,
+               one_bits, ASM: tl.constexpr):
+    """float32 value of code LANE of each 32-bit word in w (int32 [G, BN]).
+
+    4-bit: code LANE at bits 4L..4L+3; 3-bit: bits 3L..3L+2 of a 24-bit group; fp8: byte L.
+    affine: the float with exponent 0 and the code in the top mantissa bits,
+    1 + c / 2**BITS, made by one shift and one LOP3 (one_bits = 0x3F800000 is a runtime
+    argument so that ptxas folds the AND and the OR into one instruction).
+    gather: table[tb + c]; on the GPU through `ld.global.nc` in inline asm, which keeps
+    the tile's register layout (a plain gather load gets a layout of its own).
+    """
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if DECODE == 1:
+        SH: tl.constexpr = 23 - BITS - BITS * LANE
+        if SH >= 0:
+            t = w << SH
+        else:
+            t = w >> (-SH)
+        v = ((t & (MASK << (23 - BITS))) | one_bits).to(tl.float32, bitcast=True)
+    elif DECODE == 2:
+        SM: tl.constexpr = 9 - 4 * LANE
+        SS: tl.constexpr = 12 - 4 * LANE
+        if SM >= 0:
+            tm = w << SM
+        else:
+            tm = w >> (-SM)
+        if SS >= 0:
+            ts = w << SS
+        else:
+            ts = w >> (-SS)
+        h = (tm & 0xE00) | (ts & 0x8000)  # float16 bits: sign, exponent 0-3, one mantissa bit
+        v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    elif DECODE == 3:
+        b = ((w >> (8 * LANE)) & 0xFF).to(tl.uint8)
+        v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        c = (w >> (BITS * LANE)) & MASK
+        p = table_ptr + tb + c
+        if ASM:
+            v = tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=r,l", [p],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            v = tl.load(p)
+    return v
+
+
+@triton.jit
+def split_lanes(x, CPW: tl.constexpr):
+    """x [G, CPW] -> CPW tensors [G] (column i = lane i); CPW is 4 or 8 (x4..x7 = x0 for 4)."""
+    G: tl.constexpr = x.shape[0]
+    if CPW == 8:
+        e, o = tl.split(tl.reshape(x, (G, 2, 2, 2)))
+        e0, e1 = tl.split(e)
+        o0, o1 = tl.split(o)
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+    else:
+        e, o = tl.split(tl.reshape(x, (G, 2, 2)))
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+        x4 = x0
+        x5 = x0
+        x6 = x0
+        x7 = x0
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@dataclass
+class WeightArgs:
+    """Kernel arguments of one (possibly stacked) weight; the stride_*e are per leading index."""
+
+    codes: torch.Tensor
+    table: torch.Tensor
+    tidx: torch.Tensor
+    ab: torch.Tensor
+    scales: torch.Tensor
+    offs: torch.Tensor
+    kc: int
+    stride_ce: int
+    stride_cn: int
+    stride_te: int
+    stride_se: int
+    stride_sn: int
+    stride_oe: int
+    stride_on: int
+    g: float
+    bits: int
+    decode: int
+    scale_kind: int
+    block: int
+    srows: int
+    has_tidx: bool
+    has_ab: bool
+    has_offs: bool
+
+    def constexprs(self) -> dict:
+        return dict(BITS=self.bits, DECODE=self.decode, SCALE_KIND=self.scale_kind, B=self.block,
+                    SROWS=self.srows, HAS_TIDX=self.has_tidx, HAS_AB=self.has_ab,
+                    HAS_OFFS=self.has_offs)
+
+
+def _stride(t: torch.Tensor, dim: int) -> int:
+    return t.stride(dim) if t.dim() >= -dim else 0
+
+
+def weight_args(w: LutWeight | Fp8View | DenseWeight) -> WeightArgs:
+    """Pointers, strides and constexprs for w of shape [N, K] or [E, N, K]."""
+    if isinstance(w, LutWeight):
+        v = w.view
+        assert v.codes.dtype == torch.uint8 and v.codes.stride(-1) == 1
+        assert v.scales.stride(-1) == 1 and v.table.is_contiguous()
+        assert v.block_size & (v.block_size - 1) == 0, "LUT blocks are powers of two"
+        tidx = v.table_index
+        offs = v.offsets
+        return WeightArgs(
+            codes=v.codes, table=v.table, tidx=v.codes if tidx is None else tidx,
+            ab=v.table if w.alpha_beta is None else w.alpha_beta, scales=v.scales,
+            offs=v.scales if offs is None else offs, kc=w.kp,
+            stride_ce=_stride(v.codes, -3), stride_cn=v.codes.stride(-2),
+            stride_te=0 if tidx is None else _stride(tidx, -2),
+            stride_se=_stride(v.scales, -3), stride_sn=v.scales.stride(-2),
+            stride_oe=0 if offs is None else _stride(offs, -3),
+            stride_on=0 if offs is None else offs.stride(-2),
+            g=float(v.global_scale), bits=v.bits, decode=w.decode,
+            scale_kind=SCALE_KIND_IDS[v.scale_kind], block=v.block_size, srows=1,
+            has_tidx=tidx is not None, has_ab=w.alpha_beta is not None, has_offs=offs is not None,
+        )
+    if isinstance(w, Fp8View):
+        assert w.codes.stride(-1) == 1 and w.scales.stride(-1) == 1
+        block = w.block_cols if w.block_cols & (w.block_cols - 1) == 0 else 1 << 30
+        if w.scales.shape[-1] != 1:
+            assert block == w.block_cols, "fp8 scale blocks along K are powers of two"
+        codes = w.codes
+        return WeightArgs(
+            codes=codes, table=w.scales, tidx=w.scales, ab=w.scales, scales=w.scales,
+            offs=w.scales, kc=w.kp, stride_ce=_stride(codes, -3), stride_cn=codes.stride(-2),
+            stride_te=0, stride_se=_stride(w.scales, -3), stride_sn=w.scales.stride(-2),
+            stride_oe=0, stride_on=0, g=1.0, bits=8, decode=DECODE_FP8,
+            scale_kind=SCALE_KIND_IDS[w.scale_kind], block=block, srows=w.block_rows,
+            has_tidx=False, has_ab=False, has_offs=False,
+        )
+    t = w.w
+    assert t.stride(-1) == 1
+    return WeightArgs(
+        codes=t, table=t, tidx=t, ab=t, scales=t, offs=t, kc=w.kp,
+        stride_ce=_stride(t, -3), stride_cn=t.stride(-2), stride_te=0, stride_se=0, stride_sn=0,
+        stride_oe=0, stride_on=0, g=1.0, bits=16, decode=DECODE_DENSE, scale_kind=0,
+        block=1 << 30, srows=1, has_tidx=False, has_ab=False, has_offs=False,
+    )
+
+
+def dot_dtype(x_dtype: torch.dtype):
+    """Operand type of tl.dot for activations of x_dtype (fp16 stays fp16, else bf16)."""
+    return tl.float16 if x_dtype == torch.float16 else tl.bfloat16
+
+
+__all__ = ["triton", "DECODE_DENSE", "WeightArgs", "weight_args", "dot_dtype"]

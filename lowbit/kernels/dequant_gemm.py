@@ -1,0 +1,359 @@
+"""Dequantizing GEMV / GEMM: y[M, N] = x[M, K] @ W^T (+ bias), W read packed.
+
+Shape legend: M activation rows, N output features (weight rows), K input features,
+KC code columns stored per row (KC >= K: formats pad K to whole blocks), B codes per scale.
+W is a LUT view (3/4-bit codes, lowbit.kernels.decode has the byte layout), fp8 codes
+with per-row / 128x128 / per-32 E8M0 scales, never an expanded bf16 copy.
+
+Two schedules:
+  gemv (M <= 16): CUDA-core FMAs in fp32. A program owns BN rows and a K range
+    (split-K when N / BN programs cannot fill the SMs). Its tile [BN, BK] is laid out
+    with threads along K and rows in registers, so each thread reuses its slice of x for
+    BN rows; products are summed per CH codes (one scale each) inside a thread and
+    scaled there; the cross-thread reduction runs once, after the K loop.
+    Split-K is deterministic: each split writes its partial to a workspace [S, M, N],
+    then bumps a per-N-tile counter; the split that arrives last sums the S partials in
+    split order, adds the bias, writes y and resets the counter (so CUDA-graph replays
+    find it at 0). Invariant: one launch at a time per device uses the counters.
+  gemm (any M, meant for M > 16): tiles [BM, BN, BK]; the weight tile is decoded in
+    registers to float32, scaled, cast to the activation dtype and fed to tl.dot.
+Reference twin: `reference_linear` (decode with the format's twin, matmul in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit.kernels import launch
+from lowbit.kernels.decode import (
+    dequant_tile,
+    lane_value,
+    load_scales,
+    split_lanes,
+    weight_args,
+)
+from lowbit.kernels.runtime import interpreting, sm_count
+from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight
+
+_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_row_ptr, xoff, kmask, CPW: tl.constexpr):
+    """One activation row against the decoded words: p [G, BN] and the row's sum per word [G]."""
+    x = tl.load(x_row_ptr + xoff, mask=kmask, other=0).to(tl.float32)  # [G, CPW]
+    x0, x1, x2, x3, x4, x5, x6, x7 = split_lanes(x, CPW)
+    p = v0 * x0[:, None] + v1 * x1[:, None] + v2 * x2[:, None] + v3 * x3[:, None]
+    xs = x0 + x1 + x2 + x3
+    if CPW == 8:
+        p += v4 * x4[:, None] + v5 * x5[:, None] + v6 * x6[:, None] + v7 * x7[:, None]
+        xs += x4 + x5 + x6 + x7
+    return p, xs
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, y_ptr, bias_ptr, ws_ptr, sem_ptr,
+    codes_ptr, table_ptr, tidx_ptr, ab_ptr, scales_ptr, offs_ptr,
+    M, N, K, KW, w_split, stride_xm, stride_ym, stride_cw, stride_sn, stride_on, g, one_bits,
+    BITS: tl.constexpr, DECODE: tl.constexpr, SCALE_KIND: tl.constexpr, B: tl.constexpr,
+    SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
+    SPLIT_K: tl.constexpr, ASM: tl.constexpr,
+):
+    CPW: tl.constexpr = 4 if BITS == 8 else 8  # codes per 32-bit word (3-bit: per 24-bit group)
+    HAS_Z: tl.constexpr = HAS_AB or HAS_OFFS
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < N
+    row_off = rows.to(tl.int64) * stride_cw
+    srow_off = (rows // SROWS).to(tl.int64) * stride_sn
+    orow_off = rows.to(tl.int64) * stride_on
+    if HAS_TIDX:
+        t = tl.load(tidx_ptr + rows, mask=rmask, other=0)
+    else:
+        t = tl.zeros([BN], tl.int32)
+    tb = (t * (1 << BITS))[None, :]
+    if HAS_AB:
+        alpha = tl.load(ab_ptr + 2 * t)[None, :]
+        beta = tl.load(ab_ptr + 2 * t + 1)[None, :]
+    m0 = pid_m * BM
+    acc0 = tl.zeros([G, BN], tl.float32)
+    acc1 = tl.zeros([G, BN], tl.float32)
+    acc2 = tl.zeros([G, BN], tl.float32)
+    acc3 = tl.zeros([G, BN], tl.float32)
+    j = tl.arange(0, G)
+    gl = (j % 8) * (G // 8) + j // 8  # words of a tile in a permuted order: one word per thread
+    lane = tl.arange(0, CPW)
+    for kw in range(0, w_split, G):
+        wi = pid_k * w_split + kw + gl  # [G] word index along the row
+        m2 = (wi < KW)[:, None] & rmask[None, :]
+        if BITS == 3:
+            pb = codes_ptr + row_off[None, :] + 3 * wi[:, None]
+            w = tl.load(pb, mask=m2, other=0).to(tl.int32)
+            w = w | (tl.load(pb + 1, mask=m2, other=0).to(tl.int32) << 8)
+            w = w | (tl.load(pb + 2, mask=m2, other=0).to(tl.int32) << 16)
+        else:
+            w = tl.load(codes_ptr + row_off[None, :] + wi[:, None], mask=m2, other=0)
+        v0 = lane_value(w, 0, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+        v1 = lane_value(w, 1, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+        v2 = lane_value(w, 2, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+        v3 = lane_value(w, 3, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+        if CPW == 8:
+            v4 = lane_value(w, 4, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+            v5 = lane_value(w, 5, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+            v6 = lane_value(w, 6, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+            v7 = lane_value(w, 7, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+        else:
+            v4 = v0
+            v5 = v0
+            v6 = v0
+            v7 = v0
+        col = (wi * CPW) // B  # scale column of each word
+        s = load_scales(scales_ptr, col, srow_off, m2, SCALE_KIND)  # [G, BN]
+        sa = s
+        if HAS_AB:
+            sa = s * alpha
+            z = s * beta
+        if HAS_OFFS:
+            o = tl.load(offs_ptr + col[:, None] + orow_off[None, :], mask=m2, other=0)
+            if HAS_AB:
+                z += o.to(tl.float32)
+            else:
+                z = o.to(tl.float32)
+        xoff = (wi * CPW)[:, None] + lane[None, :]  # [G, CPW] activation columns
+        kmask = xoff < K
+        p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + m0 * stride_xm, xoff,
+                         kmask & (m0 < M), CPW)
+        acc0 += p * sa
+        if HAS_Z:
+            acc0 += xs[:, None] * z
+        if BM > 1:
+            p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (m0 + 1) * stride_xm, xoff,
+                             kmask & (m0 + 1 < M), CPW)
+            acc1 += p * sa
+            if HAS_Z:
+                acc1 += xs[:, None] * z
+        if BM > 2:
+            p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (m0 + 2) * stride_xm, xoff,
+                             kmask & (m0 + 2 < M), CPW)
+            acc2 += p * sa
+            if HAS_Z:
+                acc2 += xs[:, None] * z
+            p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (m0 + 3) * stride_xm, xoff,
+                             kmask & (m0 + 3 < M), CPW)
+            acc3 += p * sa
+            if HAS_Z:
+                acc3 += xs[:, None] * z
+    # [BN, BM]: column i is activation row m0 + i
+    if BM == 1:
+        y = tl.sum(acc0, 0)[:, None]
+    elif BM == 2:
+        y = tl.join(tl.sum(acc0, 0), tl.sum(acc1, 0))
+    else:
+        y = tl.reshape(tl.join(tl.join(tl.sum(acc0, 0), tl.sum(acc2, 0)),
+                               tl.join(tl.sum(acc1, 0), tl.sum(acc3, 0))), (BN, 4))
+    y = y * g
+    ms = m0 + tl.arange(0, BM)
+    ymask = rmask[:, None] & (ms < M)[None, :]
+    yoff = ms[None, :] * stride_ym + rows[:, None]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[:, None]
+        tl.store(y_ptr + yoff, y.to(y_ptr.dtype.element_ty), mask=ymask)
+    else:
+        part = ms[None, :] * N + rows[:, None]
+        tl.store(ws_ptr + pid_k * M * N + part, y, mask=ymask)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tot = tl.zeros([BN, BM], tl.float32)
+            for sk in range(SPLIT_K):
+                tot += tl.load(ws_ptr + sk * M * N + part, mask=ymask, other=0,
+                               cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[:, None]
+            tl.store(y_ptr + yoff, tot.to(y_ptr.dtype.element_ty), mask=ymask)
+            tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, y_ptr, bias_ptr,
+    codes_ptr, table_ptr, tidx_ptr, ab_ptr, scales_ptr, offs_ptr,
+    M, N, K, KC, stride_xm, stride_ym, stride_cn, stride_sn, stride_on, g,
+    BITS: tl.constexpr, DECODE: tl.constexpr, SCALE_KIND: tl.constexpr, B: tl.constexpr,
+    SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    ms = pid_m * BM + tl.arange(0, BM)
+    rows = pid_n * BN + tl.arange(0, BN)
+    mmask = ms < M
+    rmask = rows < N
+    row_off = rows.to(tl.int64) * stride_cn
+    srow_off = (rows // SROWS).to(tl.int64) * stride_sn
+    orow_off = rows.to(tl.int64) * stride_on
+    if HAS_TIDX:
+        t = tl.load(tidx_ptr + rows, mask=rmask, other=0)
+    else:
+        t = tl.zeros([BN], tl.int32)
+    if HAS_AB:
+        alpha = tl.load(ab_ptr + 2 * t)
+        beta = tl.load(ab_ptr + 2 * t + 1)
+    else:
+        alpha = tl.full([BN], 1.0, tl.float32)
+        beta = tl.zeros([BN], tl.float32)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + ms.to(tl.int64)[:, None] * stride_xm + kk[None, :],
+                     mask=mmask[:, None] & (kk < K)[None, :], other=0)
+        w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, row_off, t * (1 << BITS),
+                         alpha, beta, srow_off, orow_off, rmask, k0, KC, g,
+                         BN, BK, BITS, DECODE, SCALE_KIND, B, HAS_AB, HAS_OFFS)
+        wt = tl.trans(w.to(xt.dtype))  # [BK, BN]
+        if DOT_F32:  # the interpreter's bf16 dot is wrong; same rounding, fp32 product
+            acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, wt, acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[None, :]
+    tl.store(y_ptr + ms.to(tl.int64)[:, None] * stride_ym + rows[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+
+
+def fmt_key(w: LutWeight | Fp8View) -> str:
+    """The format part of a launch-config key."""
+    if isinstance(w, Fp8View):
+        return "fp8"
+    return f"lut{w.view.bits}"
+
+
+def _semaphore(device: torch.device, n: int) -> torch.Tensor:
+    sem = _SEMAPHORES.get(device)
+    if sem is None or sem.numel() < n:
+        sem = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _SEMAPHORES[device] = sem
+    return sem
+
+
+def _check(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None) -> None:
+    assert x.dim() == 2 and x.stride(1) == 1, "x is [M, K], rows contiguous"
+    assert w.lead == (), "a linear weight is [N, K]"
+    assert x.shape[1] <= w.kp, "x has more columns than the weight"
+    assert bias is None or (bias.shape == (w.n,) and bias.is_contiguous())
+
+
+def _gemv_codes(w: LutWeight | Fp8View) -> tuple[torch.Tensor, int, int]:
+    """The codes as the gemv reads them: (tensor, row stride, words per row).
+
+    4-bit and fp8: int32 words (8 or 4 codes each); 3-bit: bytes, read as 24-bit groups.
+    """
+    codes = w.view.codes if isinstance(w, LutWeight) else w.codes
+    bits = w.view.bits if isinstance(w, LutWeight) else 8
+    if bits == 3:
+        return codes, codes.stride(-2), codes.shape[-1] // 3
+    as_bytes = codes.view(torch.uint8)
+    words = as_bytes.view(torch.int32)
+    return words, words.stride(-2), words.shape[-1]
+
+
+def gemv_refusal(x: torch.Tensor, w: LutWeight | Fp8View) -> str | None:
+    """Why lut_gemv cannot take this call, or None."""
+    codes = w.view.codes if isinstance(w, LutWeight) else w.codes
+    bits = w.view.bits if isinstance(w, LutWeight) else 8
+    if x.shape[0] > 16:
+        return f"gemv takes M <= 16 activation rows, got {x.shape[0]}"
+    if bits != 3 and (codes.shape[-1] % 4 or codes.stride(-2) % 4 or codes.storage_offset() % 4):
+        return "codes rows are not whole 32-bit words"
+    return None
+
+
+def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None = None,
+             config: dict | None = None) -> torch.Tensor:
+    """y [M, N] in x.dtype for M <= 16 (CUDA-core schedule, see module docstring)."""
+    _check(x, w, bias)
+    m, k = x.shape
+    n = w.n
+    assert gemv_refusal(x, w) is None, gemv_refusal(x, w)
+    a = weight_args(w)
+    codes, stride_cw, kw = _gemv_codes(w)
+    cfg = config or launch.lookup("gemv", fmt_key(w), n, k, m)
+    bm = 1 if m == 1 else (2 if m == 2 else 4)
+    grid_m = triton.cdiv(m, bm)
+    g_words = cfg["G"]
+    split = max(1, min(cfg.get("SPLIT_K", 1), triton.cdiv(kw, g_words)))
+    w_split = triton.cdiv(triton.cdiv(kw, split), g_words) * g_words
+    split = triton.cdiv(kw, w_split)
+    grid_n = triton.cdiv(n, cfg["BN"])
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
+    sem = _semaphore(x.device, grid_n * grid_m)
+    _gemv_kernel[(grid_n, split, grid_m)](
+        x, y, x if bias is None else bias, ws, sem,
+        codes, a.table, a.tidx, a.ab, a.scales, a.offs,
+        m, n, k, kw, w_split, x.stride(0), y.stride(0), stride_cw, a.stride_sn, a.stride_on,
+        a.g, 0x3F800000, BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
+        SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
+        HAS_BIAS=bias is not None, BM=bm, BN=cfg["BN"], G=g_words, SPLIT_K=split,
+        ASM=not interpreting(), num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 1),
+    )
+    return y
+
+
+def lut_gemm(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None = None,
+             config: dict | None = None) -> torch.Tensor:
+    """y [M, N] in x.dtype (bf16 / fp16 activations), tensor-core tiles."""
+    _check(x, w, bias)
+    assert x.dtype in (torch.bfloat16, torch.float16), "tl.dot reads bf16 / fp16 activations"
+    m, k = x.shape
+    n = w.n
+    a = weight_args(w)
+    cfg = config or launch.lookup("gemm", fmt_key(w), n, k, m)
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _gemm_kernel[grid](
+        x, y, x if bias is None else bias,
+        a.codes, a.table, a.tidx, a.ab, a.scales, a.offs,
+        m, n, k, a.kc, x.stride(0), y.stride(0), a.stride_cn, a.stride_sn, a.stride_on, a.g,
+        BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block, SROWS=a.srows,
+        HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs, HAS_BIAS=bias is not None,
+        BM=bm, BN=bn, BK=bk, GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=interpreting(),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )
+    return y
+
+
+def reference_linear(x: torch.Tensor, w: LutWeight | Fp8View | DenseWeight,
+                     bias: torch.Tensor | None = None,
+                     dot_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch twin: decode with the format's reference, matmul in float32, cast to x.dtype.
+    dot_dtype=torch.bfloat16 rounds the decoded weights as lut_gemm does before tl.dot."""
+    dense = w.dense(x.shape[-1])  # [N, K] float32
+    if dot_dtype is not None:
+        dense = dense.to(dot_dtype).float()
+    y = x.float() @ dense.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def gemv_waves(n: int, bn: int) -> float:
+    """Programs per SM of a gemv without split-K (the tuner's first guess for SPLIT_K)."""
+    return triton.cdiv(n, bn) / sm_count()

@@ -1,0 +1,59 @@
+"""Launch configs: JSON files under lowbit/kernels/configs/, keyed by device, shape and M.
+
+File layout (one file per device, `configs/<device slug>.json`, plus `configs/default.json`
+for any device and shape):
+  {"device": "NVIDIA H200",
+   "<kernel>": {"<fmt>:<N>x<K>": {"<M bucket>": {config}}, "default": {"<M bucket>": {config}}}}
+M buckets are powers of two; a call takes the smallest bucket >= M (else the largest).
+Lookup order: device file exact shape, device default, default.json exact shape,
+default.json default. `scripts/tune_kernels.py` writes device files.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+
+from lowbit.kernels.runtime import device_name
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+@functools.cache
+def _file(name: str) -> dict:
+    path = CONFIG_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _pick(buckets: dict, m: int) -> dict | None:
+    if not buckets:
+        return None
+    keys = sorted(int(b) for b in buckets)
+    for b in keys:
+        if b >= m:
+            return dict(buckets[str(b)])
+    return dict(buckets[str(keys[-1])])
+
+
+def lookup(kernel: str, fmt: str, n: int, k: int, m: int, device: str | None = None) -> dict:
+    """The launch config of kernel for a weight [n, k] in fmt and m rows of activations."""
+    files = (_file(slug(device or device_name())), _file("default"))
+    shape = f"{fmt}:{n}x{k}"
+    for f in files:
+        table = f.get(kernel, {})
+        for key in (shape, "default"):
+            if key in table:
+                cfg = _pick(table[key], m)
+                if cfg is not None:
+                    return cfg
+    raise AssertionError(f"configs/default.json has no default for kernel {kernel}")
+
+
+def clear_cache() -> None:
+    _file.cache_clear()

@@ -1,0 +1,154 @@
+"""The `linear` op: y = x @ W^T + b through the route registry.
+
+Shape legend: x [..., K] flattened to [M, K]; W [N, K] (dense, LUT view or fp8); y [..., N].
+Routes, in selection order (see lowbit.kernels.routes; status and record in docs/ROUTES.md):
+  triton_lut_gemv    CUDA-core dequantizing GEMV, M <= 16 (LUT or fp8 weights)
+  triton_lut_gemm    tensor-core tiles with in-register decode, bf16/fp16 activations
+  triton_fp8_w8a16   the gemv/gemm pair above on fp8 weights (codes are the fp8 values)
+  triton_fp8_w8a8    fp8 x fp8 tensor-core GEMM with per-token activation scales (sm_89+)
+  torch              reference: decode with the format's twin, float32 matmul (dense: F.linear)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from lowbit.kernels import routes
+from lowbit.kernels.runtime import capability, triton_refusal
+from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, resolve
+
+BENCH = "docs/BENCHMARKS.md#kernels"
+
+
+@dataclass
+class LinearCall:
+    x: torch.Tensor  # [M, K]
+    weight: Resolved
+    bias: torch.Tensor | None
+    out_shape: tuple[int, ...]
+    forced: bool = False
+
+    @property
+    def m(self) -> int:
+        return self.x.shape[0]
+
+
+def _common_refusal(call: LinearCall, kinds: tuple[type, ...]) -> str | None:
+    if not isinstance(call.weight, kinds):
+        return f"weights are {type(call.weight).__name__}, this route reads {'/'.join(k.__name__ for k in kinds)}"
+    if call.weight.lead != ():
+        return "weight is stacked; linear takes [N, K]"
+    reason = triton_refusal(call.x, call.forced)
+    if reason is not None:
+        return reason
+    if call.x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"activations are {call.x.dtype}"
+    if call.x.shape[1] > call.weight.kp:
+        return f"x has {call.x.shape[1]} columns but the weight stores {call.weight.kp}"
+    return None
+
+
+def _admit_gemv(kinds: tuple[type, ...]):
+    def admit(call: LinearCall) -> str | None:
+        from lowbit.kernels.dequant_gemm import gemv_refusal
+
+        return _common_refusal(call, kinds) or gemv_refusal(call.x, call.weight)
+
+    return admit
+
+
+def _admit_gemm(kinds: tuple[type, ...]):
+    def admit(call: LinearCall) -> str | None:
+        reason = _common_refusal(call, kinds)
+        if reason is None and call.x.dtype == torch.float32:
+            reason = "tl.dot reads bf16/fp16 activations, got float32"
+        return reason
+
+    return admit
+
+
+def _admit_lut_gemv(call: LinearCall) -> str | None:
+    return _admit_gemv((LutWeight,))(call)
+
+
+def _run_gemv(call: LinearCall) -> torch.Tensor:
+    from lowbit.kernels.dequant_gemm import lut_gemv
+
+    return lut_gemv(call.x, call.weight, call.bias)
+
+
+def _run_gemm(call: LinearCall) -> torch.Tensor:
+    from lowbit.kernels.dequant_gemm import lut_gemm
+
+    return lut_gemm(call.x, call.weight, call.bias)
+
+
+def _run_fp8_w8a16(call: LinearCall) -> torch.Tensor:
+    from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv
+
+    if call.m <= 16:
+        return lut_gemv(call.x, call.weight, call.bias)
+    return lut_gemm(call.x, call.weight, call.bias)
+
+
+def _admit_fp8_w8a16(call: LinearCall) -> str | None:
+    reason = _common_refusal(call, (Fp8View,))
+    if reason is None and call.m > 16 and call.x.dtype == torch.float32:
+        reason = "tl.dot reads bf16/fp16 activations, got float32"
+    if reason is None and call.m <= 16:
+        from lowbit.kernels.dequant_gemm import gemv_refusal
+
+        reason = gemv_refusal(call.x, call.weight)
+    return reason
+
+
+def _admit_w8a8(call: LinearCall) -> str | None:
+    reason = _common_refusal(call, (Fp8View,))
+    if reason is not None:
+        return reason
+    if call.x.is_cuda and capability(call.x.device.index or 0) < (8, 9):
+        return "fp8 tensor-core dot needs compute capability 8.9 or newer"
+    from lowbit.kernels.fp8_gemm import w8a8_refusal
+
+    return w8a8_refusal(call.x, call.weight)
+
+
+def _run_w8a8(call: LinearCall) -> torch.Tensor:
+    from lowbit.kernels.fp8_gemm import fp8_w8a8
+
+    return fp8_w8a8(call.x, call.weight, call.bias)
+
+
+def _run_torch(call: LinearCall) -> torch.Tensor:
+    w = call.weight
+    if isinstance(w, DenseWeight):
+        return F.linear(call.x, w.w.to(call.x.dtype), None if call.bias is None else call.bias.to(call.x.dtype))
+    from lowbit.kernels.dequant_gemm import reference_linear
+
+    return reference_linear(call.x, w, call.bias)
+
+
+routes.register("linear", routes.Route(
+    "triton_lut_gemv", routes.OPT_IN, BENCH, _admit_lut_gemv, _run_gemv))
+routes.register("linear", routes.Route(
+    "triton_lut_gemm", routes.OPT_IN, BENCH, _admit_gemm((LutWeight,)), _run_gemm))
+routes.register("linear", routes.Route(
+    "triton_fp8_w8a16", routes.OPT_IN, BENCH, _admit_fp8_w8a16, _run_fp8_w8a16))
+routes.register("linear", routes.Route(
+    "triton_fp8_w8a8", routes.OPT_IN, BENCH, _admit_w8a8, _run_w8a8))
+routes.register("linear", routes.Route(
+    "torch", routes.DEFAULT, "reference (admits every call)", lambda call: None, _run_torch),
+    reference=True)
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *, layer: str = "") -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W^T + bias, in x.dtype. See lowbit.kernels for the contract."""
+    w = resolve(weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    call = LinearCall(x2, w, bias, (*x.shape[:-1], w.n))
+    return routes.dispatch("linear", call, layer).reshape(call.out_shape)

@@ -1,0 +1,288 @@
+"""Fused MoE experts: y[t] = sum_j w[t, j] * FC2_e(SiLU(FC1g_e(x[t])) * FC1u_e(x[t])), e = ids[t, j].
+
+Shape legend: T tokens, H hidden, I expert width, E experts, A = top-k, S = T * A slots
+(slot s = t * A + j), BM slot rows per tile, BN output columns per tile, BK reduction step.
+Weights: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], each a stacked LUT
+view, fp8 view or dense tensor, decoded tile by tile in registers (lowbit.kernels.decode);
+no [E, N, K] transient is ever materialised.
+
+Three launches, all reading ids and weights from device memory (no host read: CUDA-graph
+safe, the grid depends only on T, A and E):
+  1. FC1 + SiLU-gate: h [S, I] float32, h[s] = SiLU(x[t] Wg^T) * (x[t] Wu^T).
+  2. FC2 with the routing weight: ys [S, H] float32, ys[s] = w[t, j] * (h[s] W2^T).
+  3. combine: y[t] = sum over j = 0 .. A-1 of ys[t * A + j], in that order (deterministic:
+     no atomics), cast to x.dtype.
+A tile of launches 1-2 owns one expert and up to BM of its slots, so an expert's weights are
+read once per tile column whatever the number of tokens routed to it. Two ways to map a
+program to (expert, slots):
+  decode (S <= 256): program p takes the p-th distinct expert of ids (ascending), found
+    in-kernel from an [E, S] comparison; its slots are compacted with a prefix sum
+    (invariant: at most BM slots per expert, so BM >= T). Programs past the count exit.
+  grouped (prefill): slots sorted by expert on the device (torch.sort, stable); each
+    expert's run is cut into tiles of BM; program p finds its expert from the cumulative
+    tile counts. The grid is the bound ceil(S / BM) + min(E, S) tiles.
+Reference twin: `reference_moe` (loop over experts, the format's decode, float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit.kernels import launch
+from lowbit.kernels.decode import WeightArgs, dequant_tile, weight_args
+from lowbit.kernels.runtime import interpreting
+from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved
+
+MODE_DECODE = 0
+MODE_GROUPED = 1
+
+
+@triton.jit
+def _tile_slots(ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr, S, E, pid,
+                MODE: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
+    """(expert, slots [BM], valid [BM], live) of program pid."""
+    if MODE == 0:
+        sl = tl.arange(0, SP)
+        ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1)
+        ev = tl.arange(0, EP)
+        present = tl.max((ids[None, :] == ev[:, None]).to(tl.int32), 1)  # [EP]
+        rank = tl.cumsum(present, 0) - 1
+        e = tl.sum(tl.where((present == 1) & (rank == pid), ev, 0), 0)
+        live = pid < tl.sum(present, 0)
+        hit = ids == e
+        pos = tl.cumsum(hit.to(tl.int32), 0) - 1
+        r = tl.arange(0, BM)
+        sel = hit[None, :] & (pos[None, :] == r[:, None])  # [BM, SP]
+        slots = tl.sum(tl.where(sel, sl[None, :], 0), 1)
+        valid = tl.sum(sel.to(tl.int32), 1) > 0
+    else:
+        ev = tl.arange(0, EP)
+        ends = tl.load(tile_end_ptr + ev, mask=ev < E, other=2147483647)
+        e = tl.sum((ends <= pid).to(tl.int32), 0)
+        live = e < E
+        e = tl.minimum(e, E - 1)
+        end = tl.load(tile_end_ptr + e)
+        cnt = tl.load(counts_ptr + e)
+        first = end - (cnt + BM - 1) // BM
+        r = tl.load(seg_start_ptr + e) + (pid - first) * BM + tl.arange(0, BM)
+        valid = (r < tl.load(seg_start_ptr + e) + cnt) & live
+        slots = tl.load(order_ptr + r, mask=valid, other=0)
+    return e, slots, valid & live, live
+
+
+@triton.jit
+def _expert_rows(e, rows, rmask, tidx_ptr, ab_ptr, stride_ce, stride_cn, stride_te, stride_se,
+                 stride_sn, stride_oe, stride_on, BITS: tl.constexpr, SROWS: tl.constexpr,
+                 HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, BN: tl.constexpr):
+    """Per-row offsets of expert e's rows: codes, scales, offsets, table base, alpha, beta."""
+    e64 = e.to(tl.int64)
+    row_off = e64 * stride_ce + rows.to(tl.int64) * stride_cn
+    srow_off = e64 * stride_se + (rows // SROWS).to(tl.int64) * stride_sn
+    orow_off = e64 * stride_oe + rows.to(tl.int64) * stride_on
+    if HAS_TIDX:
+        t = tl.load(tidx_ptr + e64 * stride_te + rows, mask=rmask, other=0)
+    else:
+        t = tl.zeros([BN], tl.int32)
+    if HAS_AB:
+        alpha = tl.load(ab_ptr + 2 * t)
+        beta = tl.load(ab_ptr + 2 * t + 1)
+    else:
+        alpha = tl.full([BN], 1.0, tl.float32)
+        beta = tl.zeros([BN], tl.float32)
+    return row_off, srow_off, orow_off, t * (1 << BITS), alpha, beta
+
+
+@triton.jit
+def _moe_fc1_kernel(
+    x_ptr, h_ptr, ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
+    codes_ptr, table_ptr, tidx_ptr, ab_ptr, scales_ptr, offs_ptr,
+    S, E, H, I, KC, A, stride_xt, stride_ce, stride_cn, stride_te, stride_se, stride_sn,  # noqa: E741
+    stride_oe, stride_on, g,
+    BITS: tl.constexpr, DECODE: tl.constexpr, SCALE_KIND: tl.constexpr, B: tl.constexpr,
+    SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
+    MODE: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    e, slots, valid, live = _tile_slots(ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr,
+                                        counts_ptr, S, E, tl.program_id(0), MODE, SP, EP, BM)
+    if live:
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)  # h columns = gate rows
+        cmask = cols < I
+        tok = (slots // A).to(tl.int64)
+        gr = _expert_rows(e, cols, cmask, tidx_ptr, ab_ptr, stride_ce, stride_cn, stride_te,
+                          stride_se, stride_sn, stride_oe, stride_on, BITS, SROWS, HAS_TIDX,
+                          HAS_AB, BN)
+        ur = _expert_rows(e, cols + I, cmask, tidx_ptr, ab_ptr, stride_ce, stride_cn,
+                          stride_te, stride_se, stride_sn, stride_oe, stride_on, BITS, SROWS,
+                          HAS_TIDX, HAS_AB, BN)
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :],
+                         mask=valid[:, None] & (kk < H)[None, :], other=0)
+            wg = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, gr[0], gr[3], gr[4],
+                              gr[5], gr[1], gr[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
+                              SCALE_KIND, B, HAS_AB, HAS_OFFS)
+            wu = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, ur[0], ur[3], ur[4],
+                              ur[5], ur[1], ur[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
+                              SCALE_KIND, B, HAS_AB, HAS_OFFS)
+            if DOT_F32:
+                xf = xt.to(tl.bfloat16).to(tl.float32)
+                acc_g = tl.dot(xf, tl.trans(wg.to(tl.bfloat16).to(tl.float32)), acc_g,
+                               input_precision="ieee")
+                acc_u = tl.dot(xf, tl.trans(wu.to(tl.bfloat16).to(tl.float32)), acc_u,
+                               input_precision="ieee")
+            else:
+                xb = xt.to(tl.bfloat16)
+                acc_g = tl.dot(xb, tl.trans(wg.to(tl.bfloat16)), acc_g)
+                acc_u = tl.dot(xb, tl.trans(wu.to(tl.bfloat16)), acc_u)
+        ez = tl.exp(-tl.abs(acc_g))  # SiLU without overflow: x * sigmoid(x)
+        hval = acc_g * tl.where(acc_g >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez)) * acc_u
+        tl.store(h_ptr + slots.to(tl.int64)[:, None] * I + cols[None, :], hval,
+                 mask=valid[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _moe_fc2_kernel(
+    h_ptr, ys_ptr, tw_ptr, ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
+    codes_ptr, table_ptr, tidx_ptr, ab_ptr, scales_ptr, offs_ptr,
+    S, E, H, I, KC, stride_ce, stride_cn, stride_te, stride_se, stride_sn, stride_oe,  # noqa: E741
+    stride_on, g,
+    BITS: tl.constexpr, DECODE: tl.constexpr, SCALE_KIND: tl.constexpr, B: tl.constexpr,
+    SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
+    MODE: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    e, slots, valid, live = _tile_slots(ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr,
+                                        counts_ptr, S, E, tl.program_id(0), MODE, SP, EP, BM)
+    if live:
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)  # output hidden columns
+        cmask = cols < H
+        sl = slots.to(tl.int64)
+        wr = _expert_rows(e, cols, cmask, tidx_ptr, ab_ptr, stride_ce, stride_cn, stride_te,
+                          stride_se, stride_sn, stride_oe, stride_on, BITS, SROWS, HAS_TIDX,
+                          HAS_AB, BN)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, I, BK):
+            kk = k0 + tl.arange(0, BK)
+            ht = tl.load(h_ptr + sl[:, None] * I + kk[None, :],
+                         mask=valid[:, None] & (kk < I)[None, :], other=0)
+            w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, wr[0], wr[3], wr[4],
+                             wr[5], wr[1], wr[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
+                             SCALE_KIND, B, HAS_AB, HAS_OFFS)
+            if DOT_F32:
+                acc = tl.dot(ht.to(tl.bfloat16).to(tl.float32),
+                             tl.trans(w.to(tl.bfloat16).to(tl.float32)), acc,
+                             input_precision="ieee")
+            else:
+                acc = tl.dot(ht.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        rw = tl.load(tw_ptr + sl, mask=valid, other=0)
+        tl.store(ys_ptr + sl[:, None] * H + cols[None, :], acc * rw[:, None],
+                 mask=valid[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(ys_ptr, y_ptr, H, A, stride_yt, BN: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < H
+    acc = tl.zeros([BN], tl.float32)
+    for j in range(0, A):
+        acc += tl.load(ys_ptr + (t * A + j).to(tl.int64) * H + cols, mask=cmask, other=0)
+    tl.store(y_ptr + t.to(tl.int64) * stride_yt + cols, acc.to(y_ptr.dtype.element_ty),
+             mask=cmask)
+
+
+def _launch_args(a: WeightArgs) -> tuple[list, dict]:
+    ptrs = [a.codes, a.table, a.tidx, a.ab, a.scales, a.offs]
+    strides = [a.stride_ce, a.stride_cn, a.stride_te, a.stride_se, a.stride_sn, a.stride_oe,
+               a.stride_on, a.g]
+    consts = dict(BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
+                  SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs)
+    return ptrs + strides, consts
+
+
+def moe_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved) -> str | None:
+    """Why the fused kernels cannot take these weights, or None."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        if len(w.lead) != 1:
+            return f"{name} is not a stack of experts [E, N, K]"
+        if isinstance(w, LutWeight) and w.view.table_index is not None and w.view.table_index.stride(-1) != 1:
+            return f"{name} table_index rows are not contiguous"
+    if w13.lead != w2.lead:
+        return "w13 and w2 have different expert counts"
+    if w13.n % 2 or w13.kp < x.shape[1] or w2.n != x.shape[1] or w2.kp < w13.n // 2:
+        return f"shapes disagree: x {list(x.shape)}, w13 [{w13.n}, {w13.kp}], w2 [{w2.n}, {w2.kp}]"
+    return None
+
+
+def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
+              w2: Resolved, mode: str = "decode", config: dict | None = None) -> torch.Tensor:
+    """y [T, H] in x.dtype; mode "decode" (S <= 256) or "grouped" (see module docstring)."""
+    assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
+    t, h = x.shape
+    a_top = ids.shape[1]
+    s = t * a_top
+    e = w13.lead[0]
+    inter = w13.n // 2
+    ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
+    tw = weights.reshape(-1).to(torch.float32).contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    fmt = "dense" if isinstance(w13, DenseWeight) else ("fp8" if isinstance(w13, Fp8View) else f"lut{w13.view.bits}")
+    cfg = config or launch.lookup(f"moe_{mode}", fmt, e, h, t)
+    if mode == "decode":
+        assert s <= 256, "the decode mapping takes at most 256 slots"
+        bm = max(16, triton.next_power_of_2(t))
+        tiles = min(e, s)
+        order = tile_end = seg_start = counts = ids_flat
+        mode_id = MODE_DECODE
+    else:
+        bm = cfg.get("BM", 64)
+        sorted_ids, order = torch.sort(ids_flat.long(), stable=True)
+        counts = torch.bincount(ids_flat.long(), minlength=e)
+        tile_end = torch.cumsum((counts + bm - 1) // bm, 0).to(torch.int32)
+        seg_start = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+        order, counts = order.to(torch.int32), counts.to(torch.int32)
+        tiles = triton.cdiv(s, bm) + min(e, s)
+        mode_id = MODE_GROUPED
+    common = dict(MODE=mode_id, SP=max(16, triton.next_power_of_2(s)),
+                  EP=max(16, triton.next_power_of_2(e)), BM=bm, DOT_F32=interpreting(),
+                  num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
+    hbuf = torch.empty(s, inter, dtype=torch.float32, device=x.device)
+    ys = torch.empty(s, h, dtype=torch.float32, device=x.device)
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    a1, c1 = _launch_args(weight_args(w13))
+    _moe_fc1_kernel[(tiles, triton.cdiv(inter, cfg["BN1"]))](
+        x, hbuf, ids_flat, order, tile_end, seg_start, counts, *a1[:6], s, e, h, inter,
+        w13.kp, a_top, x.stride(0), *a1[6:], **c1, BN=cfg["BN1"], BK=cfg["BK1"], **common)
+    a2, c2 = _launch_args(weight_args(w2))
+    _moe_fc2_kernel[(tiles, triton.cdiv(h, cfg["BN2"]))](
+        hbuf, ys, tw, ids_flat, order, tile_end, seg_start, counts, *a2[:6], s, e, h, inter,
+        w2.kp, *a2[6:], **c2, BN=cfg["BN2"], BK=cfg["BK2"], **common)
+    bnc = min(1024, triton.next_power_of_2(h))
+    _moe_combine_kernel[(t, triton.cdiv(h, bnc))](ys, y, h, a_top, y.stride(0), BN=bnc,
+                                                   num_warps=4)
+    return y
+
+
+def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
+                  w2: Resolved, dot_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch twin: for each expert used, decode its weights with the format's reference and
+    run the gated MLP in float32; sum the routed outputs; cast to x.dtype.
+    dot_dtype=torch.bfloat16 rounds x, the decoded weights and h where the kernels do."""
+    h = x.shape[1]
+    inter = w13.n // 2
+    dense13, dense2 = w13.dense(h), w2.dense(inter)  # [E, 2I, H], [E, H, I]
+    out_dtype = x.dtype
+    rnd = (lambda t: t) if dot_dtype is None else (lambda t: t.to(dot_dtype).float())
+    dense13, dense2, x = rnd(dense13), rnd(dense2), rnd(x.float())
+    out = torch.zeros(x.shape[0], h, dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():  # host read: reference path only
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        hcat = x[tok].float() @ dense13[e].t()
+        act = torch.nn.functional.silu(hcat[:, :inter]) * hcat[:, inter:]
+        out.index_add_(0, tok, (rnd(act) @ dense2[e].t()) * weights[tok, slot, None].float())
+    return out.to(out_dtype)

@@ -1,0 +1,83 @@
+"""The `moe` op: routed experts y[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) through routes.
+
+Shape legend: T tokens, H hidden, I expert width, E experts, A top-k.
+Routes, in selection order (status and record in docs/ROUTES.md):
+  triton_fused_moe_decode   in-kernel expert discovery, T * A <= 256 slots, T <= 16
+  triton_moe_grouped        device sort by expert, grouped GEMM with decode in the main loop
+  torch                     reference: loop over the experts used (host read), float32
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.kernels import routes
+from lowbit.kernels.runtime import triton_refusal
+from lowbit.kernels.weights import Resolved, resolve
+
+BENCH = "docs/BENCHMARKS.md#kernels"
+DECODE_MAX_TOKENS = 16
+DECODE_MAX_SLOTS = 256
+
+
+@dataclass
+class MoeCall:
+    x: torch.Tensor  # [T, H]
+    ids: torch.Tensor  # [T, A] int32
+    weights: torch.Tensor  # [T, A] float32
+    w13: Resolved  # [E, 2I, H]
+    w2: Resolved  # [E, H, I]
+    forced: bool = False
+
+
+def _refusal(call: MoeCall) -> str | None:
+    reason = triton_refusal(call.x, call.forced)
+    if reason is not None:
+        return reason
+    if call.x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"activations are {call.x.dtype}"
+    if call.ids.dtype not in (torch.int32, torch.int64):
+        return f"topk_ids are {call.ids.dtype}, not int32/int64"
+    from lowbit.kernels.moe import moe_refusal
+
+    return moe_refusal(call.x, call.w13, call.w2)
+
+
+def _admit_decode(call: MoeCall) -> str | None:
+    t, a = call.ids.shape
+    if t > DECODE_MAX_TOKENS or t * a > DECODE_MAX_SLOTS:
+        return f"{t} tokens x top-{a}: the decode route takes <= {DECODE_MAX_TOKENS} tokens, <= {DECODE_MAX_SLOTS} slots"
+    return _refusal(call)
+
+
+def _run(mode: str):
+    def run(call: MoeCall) -> torch.Tensor:
+        from lowbit.kernels.moe import fused_moe
+
+        return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode)
+
+    return run
+
+
+def _run_torch(call: MoeCall) -> torch.Tensor:
+    from lowbit.kernels.moe import reference_moe
+
+    return reference_moe(call.x, call.ids, call.weights, call.w13, call.w2)
+
+
+routes.register("moe", routes.Route(
+    "triton_fused_moe_decode", routes.OPT_IN, BENCH, _admit_decode, _run("decode")))
+routes.register("moe", routes.Route(
+    "triton_moe_grouped", routes.OPT_IN, BENCH, _refusal, _run("grouped")))
+routes.register("moe", routes.Route(
+    "torch", routes.DEFAULT, "reference (admits every call)", lambda call: None, _run_torch),
+    reference=True)
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2,
+                *, layer: str = "") -> torch.Tensor:
+    """y [T, H] in x.dtype. See lowbit.kernels for the contract."""
+    call = MoeCall(x, topk_ids, topk_weights, resolve(w13), resolve(w2))
+    return routes.dispatch("moe", call, layer)

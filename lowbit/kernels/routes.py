@@ -1,0 +1,193 @@
+"""The route registry: for each hot op, ordered implementations and the rule that picks one.
+
+A route is a name, a status, the record that justifies the status (a docs/BENCHMARKS.md
+anchor, or the measured number for a negative), `admit(call) -> None | reason` and
+`run(call)`. Selection for one call of op OP:
+  1. env LOWBIT_ROUTE_<OP>=<name> forces that route; a name that is not registered
+     raises LowbitError listing the valid ones, and a forced route that refuses the call
+     raises LowbitError with its reason (fail closed: nothing silently runs instead).
+     The value "auto" (or an empty value) means no forcing.
+  2. otherwise the first DEFAULT route, in registration order, that admits the call.
+The torch reference route of every op admits everything and is registered last, so
+step 2 always finds one. OPT_IN and MEASURED_NEGATIVE routes run only when forced.
+
+Counters: calls per (op, layer, route) and refusals per (op, route, reason), read by
+`route_table()` (the `lowbit routes` printout) and `counters()` (/metrics). Under CUDA
+graph capture the Python side runs once, so counts are per captured call, not per replay.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowbit.errors import LowbitError
+
+DEFAULT = "DEFAULT"
+OPT_IN = "OPT_IN"
+MEASURED_NEGATIVE = "MEASURED_NEGATIVE"
+STATUSES = (DEFAULT, OPT_IN, MEASURED_NEGATIVE)
+ENV_PREFIX = "LOWBIT_ROUTE_"
+# Ops other packages register (attention, sample, ...) are known ahead so that a forcing
+# variable for them is not mistaken for a typo before their module is imported.
+KNOWN_OPS = ("linear", "moe", "attention", "kv_write", "sample")
+
+
+@dataclass
+class Route:
+    name: str
+    status: str
+    record: str
+    admit: Callable[[Any], str | None]
+    run: Callable[[Any], Any]
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise AssertionError(f"route {self.name}: status {self.status} not in {STATUSES}")
+        if not self.record:
+            raise AssertionError(f"route {self.name}: every status cites a record")
+
+
+@dataclass
+class Op:
+    name: str
+    routes: list[Route] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return [r.name for r in self.routes]
+
+    def get(self, name: str) -> Route:
+        for r in self.routes:
+            if r.name == name:
+                return r
+        raise LowbitError(
+            f"{ENV_PREFIX}{self.name.upper()}={name!r} names no {self.name} route; "
+            f"valid names: {', '.join(self.names())} (or auto)."
+        )
+
+
+_OPS: dict[str, Op] = {}
+_CALLS: Counter = Counter()  # (op, layer, route) -> calls
+_REFUSALS: Counter = Counter()  # (op, route, reason) -> refusals
+_LOCK = threading.Lock()
+
+
+def register(op: str, route: Route, *, reference: bool = False) -> Route:
+    """Add a route to op (created on first use). The reference route must come last."""
+    entry = _OPS.setdefault(op, Op(op))
+    if route.name in entry.names():
+        raise AssertionError(f"route {op}/{route.name} registered twice")
+    if entry.routes and _is_reference(entry.routes[-1]):
+        raise AssertionError(f"{op}: the reference route {entry.routes[-1].name} must stay last")
+    route.reference = reference  # type: ignore[attr-defined]
+    entry.routes.append(route)
+    return route
+
+
+def _is_reference(route: Route) -> bool:
+    return bool(getattr(route, "reference", False))
+
+
+def ops() -> dict[str, Op]:
+    return dict(_OPS)
+
+
+def forced_name(op: str) -> str | None:
+    """The route name LOWBIT_ROUTE_<OP> forces, or None. Strict: see module docstring."""
+    raw = os.environ.get(ENV_PREFIX + op.upper())
+    if raw is None or raw.strip() in ("", "auto"):
+        return None
+    name = raw.strip()
+    if op in _OPS:
+        _OPS[op].get(name)  # raises on a misspelt name
+    return name
+
+
+def check_env(environ: dict[str, str] | None = None) -> None:
+    """Raise LowbitError for any LOWBIT_ROUTE_* variable that names no known op or route."""
+    env = os.environ if environ is None else environ
+    for key, value in env.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        op = key[len(ENV_PREFIX) :].lower()
+        if op not in KNOWN_OPS and op not in _OPS:
+            raise LowbitError(
+                f"{key} names no op; known ops: {', '.join(sorted(set(KNOWN_OPS) | set(_OPS)))}."
+            )
+        if op in _OPS and value.strip() not in ("", "auto"):
+            _OPS[op].get(value.strip())
+
+
+def select(op: str, call: Any) -> Route:
+    """The route that runs this call (see module docstring), counting refusals."""
+    entry = _OPS[op]
+    forced = forced_name(op)
+    if forced is not None:
+        route = entry.get(forced)
+        call.forced = True
+        reason = route.admit(call)
+        if reason is not None:
+            raise LowbitError(
+                f"{ENV_PREFIX}{op.upper()}={forced} forces a route that refuses this call: "
+                f"{reason}. Unset the variable or pick another route ({', '.join(entry.names())})."
+            )
+        return route
+    call.forced = False
+    for route in entry.routes:
+        if route.status != DEFAULT:
+            continue
+        reason = route.admit(call)
+        if reason is None:
+            return route
+        with _LOCK:
+            _REFUSALS[(op, route.name, reason)] += 1
+    raise AssertionError(f"{op}: no DEFAULT route admitted the call; the reference must")
+
+
+def dispatch(op: str, call: Any, layer: str = "") -> Any:
+    """Select a route for call, count it under layer, run it."""
+    route = select(op, call)
+    with _LOCK:
+        _CALLS[(op, layer, route.name)] += 1
+    return route.run(call)
+
+
+def route_table() -> list[dict[str, Any]]:
+    """One row per route: op, route, status, record, calls, refusals (for `lowbit routes`)."""
+    rows = []
+    for op in _OPS.values():
+        for r in op.routes:
+            calls = sum(n for (o, _l, name), n in _CALLS.items() if o == op.name and name == r.name)
+            refused = sum(n for (o, name, _why), n in _REFUSALS.items() if o == op.name and name == r.name)
+            rows.append({"op": op.name, "route": r.name, "status": r.status, "record": r.record,
+                         "calls": calls, "refusals": refused})
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]] | None = None) -> str:
+    """route_table() as aligned text."""
+    rows = route_table() if rows is None else rows
+    cols = ("op", "route", "status", "calls", "refusals", "record")
+    width = {c: max([len(c)] + [len(str(r[c])) for r in rows]) for c in cols}
+    lines = ["  ".join(c.ljust(width[c]) for c in cols)]
+    lines += ["  ".join(str(r[c]).ljust(width[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def counters() -> dict[str, list[dict[str, Any]]]:
+    """Counts for /metrics: route calls by (op, layer, route), refusals by (op, route, reason)."""
+    with _LOCK:
+        calls = [{"op": o, "layer": la, "route": r, "count": n} for (o, la, r), n in _CALLS.items()]
+        refusals = [{"op": o, "route": r, "reason": why, "count": n}
+                    for (o, r, why), n in _REFUSALS.items()]
+    return {"route_calls": calls, "route_refusals": refusals}
+
+
+def reset_counters() -> None:
+    with _LOCK:
+        _CALLS.clear()
+        _REFUSALS.clear()

@@ -1,0 +1,76 @@
+"""Where Triton kernels can run: triton importable, a CUDA device, or the interpreter.
+
+TRITON_INTERPRET=1 runs Triton kernels on CPU tensors (tests). There, a Triton route
+admits CPU tensors only when forced, so that auto selection on a CPU keeps the torch
+reference (the interpreter is far slower than torch on the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton is a test dependency
+    HAS_TRITON = False
+
+
+def _patch_interpreter_index() -> None:
+    """numpy >= 2.3 refuses int() of a 1-element array, which triton 3.6's interpreter does
+    for every runtime loop bound (`range(0, K, BK)`); read the element instead."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "lowbit_patched", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.lowbit_patched = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if HAS_TRITON:
+    _patch_interpreter_index()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_refusal(t: torch.Tensor, forced: bool) -> str | None:
+    """Why a Triton kernel cannot take tensor t here, or None."""
+    if not HAS_TRITON:
+        return "triton is not installed"
+    if t.is_cuda:
+        return "the Triton interpreter is on (TRITON_INTERPRET=1)" if interpreting() else None
+    if interpreting() and forced:
+        return None
+    return f"tensors on {t.device.type} (Triton kernels need CUDA, or TRITON_INTERPRET=1 and a forced route)"
+
+
+@functools.cache
+def capability(index: int = 0) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index) if torch.cuda.is_available() else (0, 0)
+
+
+@functools.cache
+def sm_count(index: int = 0) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(index).multi_processor_count
+    return 4
+
+
+@functools.cache
+def device_name(index: int = 0) -> str:
+    return torch.cuda.get_device_name(index) if torch.cuda.is_available() else "cpu"

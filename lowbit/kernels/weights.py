@@ -1,0 +1,209 @@
+"""Kernel-side weights: what a route reads, resolved once per weight object.
+
+Shape legend: L leading dims (stacked experts), N rows (outputs), K logical columns
+(inputs), Kp = K padded to whole blocks, B codes per scale, T tables.
+
+A weight reaches `lowbit.kernels.linear` / `moe_experts` as one of
+  - a plain tensor [L, N, K] (bf16 / fp16 / fp32: "dense"; float8_e4m3fn: fp8, scale 1);
+  - an object with `lut_view()` (a 3/4-bit scalar format): `LutView` from
+    lowbit.formats.base, w[n,k] = table[ti[n], code[n,k]] * scale(n, k//B) * g + offset(n, k//B);
+  - a quantized tensor whose payload holds float8_e4m3fn codes (fp8, fp8-block, mxfp8):
+    `Fp8View`, w[n,k] = code[n,k] * scale(n // block_rows, k // block_cols).
+`resolve()` turns it into a `DenseWeight`, `LutWeight` or `Fp8View`. A `LutWeight` adds what
+the kernels decide per weight: how to turn a code into a value (a table gather, or
+arithmetic when every table is affine in the code or a multiple of E2M1) with the
+per-table factors. That classification reads the table on the host once per weight
+object (cached): warm a model up before capturing it in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lowbit.errors import LowbitError
+from lowbit.formats.base import LutView, lut_view_decode
+from lowbit.formats.codes import e2m1_table, e8m0_decode
+
+DECODE_GATHER = 0  # value = table[ti[n], code] (any table)
+DECODE_AFFINE = 1  # value = alpha[t] * (1 + code / 2**bits) + beta[t]
+DECODE_E2M1 = 2  # value = alpha[t] * e2m1(code) * 2**14 (via the float16 bit pattern)
+DECODE_FP8 = 3  # value = float(code) for float8_e4m3fn codes
+DECODE_NAMES = {DECODE_GATHER: "gather", DECODE_AFFINE: "affine", DECODE_E2M1: "e2m1"}
+SCALE_KIND_IDS = {"f32": 0, "f16": 1, "bf16": 2, "e4m3": 3, "e8m0": 4}
+
+
+@dataclass
+class DenseWeight:
+    w: Tensor  # [L, N, K] floating point
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        return tuple(self.w.shape[:-2])
+
+    @property
+    def n(self) -> int:
+        return self.w.shape[-2]
+
+    @property
+    def kp(self) -> int:
+        return self.w.shape[-1]
+
+    def dense(self, k: int) -> Tensor:
+        return self.w[..., :k].float()
+
+
+@dataclass
+class Fp8View:
+    """float8_e4m3fn codes [L, N, Kc] (Kc >= K) and scales [L, ceil(N/br), ceil(Kc/bc)].
+
+    block_rows is 1 (one scale row per weight row) or 128 (fp8-block); block_cols is
+    the codes per scale along K (32 for mxfp8, 128 for fp8-block, Kc for per-channel).
+    """
+
+    codes: Tensor
+    scales: Tensor
+    scale_kind: str  # "f32" or "e8m0"
+    block_rows: int
+    block_cols: int
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape[:-2])
+
+    @property
+    def n(self) -> int:
+        return self.codes.shape[-2]
+
+    @property
+    def kp(self) -> int:
+        return self.codes.shape[-1]
+
+    def dense(self, k: int) -> Tensor:
+        """Reference decode: float32 [L, N, k]."""
+        s = self.scales.float() if self.scale_kind == "f32" else e8m0_decode(self.scales)
+        s = s.repeat_interleave(self.block_rows, -2)[..., : self.n, :]
+        s = s.repeat_interleave(self.block_cols, -1)[..., : self.kp]
+        return (self.codes.float() * s)[..., :k]
+
+
+@dataclass
+class LutWeight:
+    """A LutView plus the kernel's decode choice. alpha_beta: float32 [T, 2] per-table
+    (alpha, beta) for the arithmetic decodes, None for the gather."""
+
+    view: LutView
+    decode: int
+    alpha_beta: Tensor | None
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        return tuple(self.view.codes.shape[:-2])
+
+    @property
+    def n(self) -> int:
+        return self.view.codes.shape[-2]
+
+    @property
+    def kp(self) -> int:
+        return self.view.codes.shape[-1] * 8 // self.view.bits
+
+    def dense(self, k: int) -> Tensor:
+        return lut_view_decode(self.view)[..., :k]
+
+
+Resolved = DenseWeight | LutWeight | Fp8View
+_CACHE: dict[int, tuple[weakref.ref, tuple, Resolved]] = {}
+
+
+def classify_table(table: Tensor, bits: int) -> tuple[int, Tensor | None]:
+    """Pick the cheapest exact decode for float32 tables [T, 2**bits] (read on the host)."""
+    t = table.detach().to("cpu", torch.float32)
+    codes = torch.arange(1 << bits, dtype=torch.float32)
+    alpha, beta = t[:, 1] - t[:, 0], t[:, 0]
+    if torch.equal(alpha[:, None] * codes + beta[:, None], t):
+        # value = alpha' * (1 + c / 2**bits) + beta' with alpha' = alpha * 2**bits
+        a = alpha * (1 << bits)
+        return DECODE_AFFINE, torch.stack([a, beta - a], 1)
+    if bits == 4:
+        unit = t[:, 2]  # code 2 is E2M1 1.0
+        if torch.equal(unit[:, None] * e2m1_table(), t):
+            return DECODE_E2M1, torch.stack([unit * 2.0**14, torch.zeros_like(unit)], 1)
+    return DECODE_GATHER, None
+
+
+def _lut_weight(view: LutView, decode: str | None) -> LutWeight:
+    if view.bits not in (3, 4):
+        raise LowbitError(f"LUT kernels read 3- or 4-bit codes, got a {view.bits}-bit view.")
+    mode, ab = classify_table(view.table, view.bits)
+    if decode == "gather" or mode == DECODE_GATHER:
+        return LutWeight(view, DECODE_GATHER, None)
+    return LutWeight(view, mode, ab.to(view.table.device))
+
+
+def _fp8_from_payload(w) -> Fp8View | None:
+    payload = getattr(w, "payload", None)
+    if not isinstance(payload, dict) or "codes" not in payload or "scales" not in payload:
+        return None
+    codes, scales = payload["codes"], payload["scales"]
+    if codes.dtype != torch.float8_e4m3fn:
+        return None
+    n, kc = codes.shape[-2:]
+    if scales.dtype == torch.uint8:  # mxfp8: E8M0 per 32 along K
+        return Fp8View(codes, scales, "e8m0", 1, -(-kc // scales.shape[-1]))
+    if scales.shape[-2] == n and scales.shape[-1] == 1:
+        return Fp8View(codes, scales, "f32", 1, kc)
+    br = -(-n // scales.shape[-2])
+    bc = -(-kc // scales.shape[-1])
+    return Fp8View(codes, scales, "f32", br, bc)
+
+
+def _resolve_uncached(w, decode: str | None) -> Resolved:
+    if isinstance(w, Tensor):
+        if w.dtype == torch.float8_e4m3fn:
+            ones = torch.ones(*w.shape[:-1], 1, dtype=torch.float32, device=w.device)
+            return Fp8View(w, ones, "f32", 1, w.shape[-1])
+        if not w.is_floating_point():
+            raise LowbitError(f"a dense weight must be floating point, got {w.dtype}.")
+        return DenseWeight(w)
+    if isinstance(w, (LutView, Fp8View)):
+        return _lut_weight(w, decode) if isinstance(w, LutView) else w
+    fp8 = _fp8_from_payload(w)
+    if fp8 is not None:
+        return fp8
+    if hasattr(w, "lut_view"):
+        return _lut_weight(w.lut_view(), decode)
+    raise LowbitError(
+        f"cannot read a weight of type {type(w).__name__}: pass a tensor or a quantized "
+        "tensor whose format has a LUT view (nvfp4, mxfp4, nf4, nf3, int4*, lut4, lut3) or fp8 codes."
+    )
+
+
+def _fingerprint(w) -> tuple:
+    payload = getattr(w, "payload", None)
+    if isinstance(payload, dict):
+        return tuple((k, t.data_ptr(), t._version) for k, t in payload.items())
+    return ()
+
+
+def resolve(w, decode: str | None = None) -> Resolved:
+    """The kernel-side view of weight w; cached per object while its payload is unchanged.
+
+    decode="gather" forces the table gather even where arithmetic would do (tests, bench).
+    """
+    if isinstance(w, (Tensor, LutView, Fp8View)) or decode is not None:
+        return _resolve_uncached(w, decode)
+    key, fp = id(w), _fingerprint(w)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is w and hit[1] == fp:
+        return hit[2]
+    out = _resolve_uncached(w, None)
+    try:
+        ref = weakref.ref(w, lambda _r, key=key: _CACHE.pop(key, None))
+    except TypeError:
+        return out
+    _CACHE[key] = (ref, fp, out)
+    return out
