@@ -17,6 +17,14 @@ def _fmt_count(n: float) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from lowbit.distributed.launcher import run_parallel, world_size
+
+    if world_size(args) > 1:  # one process per GPU; this one is rank 0 (docs/DISTRIBUTED.md)
+        return run_parallel(generate, args)
+    return generate(args)
+
+
+def generate(args: argparse.Namespace) -> int:
     from lowbit import LLM, SamplingParams
 
     cfg = EngineConfig.from_cli(args)
@@ -164,8 +172,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from lowbit.distributed.launcher import world_size
     from lowbit.server.launch import run_server
 
+    if world_size(args) > 1:
+        raise LowbitError("lowbit serve does not run tensor / expert parallel yet (docs/DISTRIBUTED.md); "
+                          "use lowbit generate, or serve on one GPU")
     return run_server(EngineConfig.from_cli(args))
 
 

@@ -20,8 +20,10 @@ import logging
 import pickle
 
 import torch
+import torch.distributed as dist
 
 from lowbit.distributed import parallel_state as ps
+from lowbit.errors import LowbitError
 
 log = logging.getLogger("lowbit")
 
@@ -30,9 +32,43 @@ INLINE_NUMEL = 1 << 16  # tensors up to this size ride in the control message
 STOP = "__stop__"
 
 
+_RUN = {"loaded": False, "busy": False}  # rank 0: workers past their load; a call in flight
+
+
 def drive_workers(model: torch.nn.Module) -> torch.nn.Module:
-    """The loader's hook: rank 0 of a driven world gets a DriverModel, everyone else the model."""
-    return DriverModel(model) if ps.is_driver() else model
+    """The loader's hook: rank 0 of a driven world gets a DriverModel (once every worker
+    has loaded its shard), everyone else the model."""
+    if not ps.is_driver():
+        return model
+    errors = _gather_status(None)
+    if errors:
+        raise LowbitError("a worker could not load its shard: " + "; ".join(errors))
+    _RUN["loaded"] = True
+    return DriverModel(model)
+
+
+def report_loaded(error: str | None) -> bool:
+    """A worker's side of the load handshake: True when every rank loaded."""
+    return not _gather_status(error)
+
+
+def _gather_status(error: str | None) -> list[str]:
+    out: list = [None] * ps.group_size("world")
+    dist.all_gather_object(out, error, group=ps.cpu_group())
+    return [e for e in out if e]
+
+
+def release_workers() -> bool:
+    """Rank 0 is done (or failed): let the workers exit. False when a call was cut short
+    and the workers are stuck inside it (the launcher then terminates them)."""
+    if _RUN["busy"]:
+        return False
+    if _RUN["loaded"]:
+        ps.broadcast_object((STOP, []))
+    else:  # they still wait for the load handshake
+        _gather_status("rank 0 stopped before driving")
+    _RUN["loaded"] = False
+    return True
 
 
 class DriverModel:
@@ -63,12 +99,10 @@ class DriverModel:
         ps.broadcast_object((msg, [(tuple(t.shape), t.dtype) for t in big]))
         for t in big:
             ps.broadcast(t.contiguous())
-        return fn(*args, **kwargs)
-
-
-def stop_workers() -> None:
-    """Release the workers (rank 0, when the command is done)."""
-    ps.broadcast_object((STOP, []))
+        _RUN["busy"] = True
+        out = fn(*args, **kwargs)
+        _RUN["busy"] = False
+        return out
 
 
 def worker_loop(model: torch.nn.Module) -> None:
@@ -92,6 +126,7 @@ class _Packer(pickle.Pickler):
         self.buf = io.BytesIO()
         super().__init__(self.buf, protocol=pickle.HIGHEST_PROTOCOL)
         self.caches, self.big = caches, big
+        self.inline: dict[int, torch.Tensor] = {}  # CPU copies handed out (kept alive): pickled as usual
 
     def pack(self, obj) -> bytes:
         self.dump(obj)
@@ -99,10 +134,14 @@ class _Packer(pickle.Pickler):
 
     def persistent_id(self, obj):
         if isinstance(obj, torch.Tensor):
+            if id(obj) in self.inline:
+                return None
             if obj.numel() > INLINE_NUMEL:
                 self.big.append(obj)
                 return ("big", len(self.big) - 1)
-            return ("tensor", obj.detach().cpu())
+            cpu = obj.detach().cpu().clone()
+            self.inline[id(cpu)] = cpu
+            return ("tensor", cpu)
         if _is_cache(obj):
             entry = self.caches.get(id(obj))
             if entry is None or entry[1] is not obj:

@@ -197,8 +197,14 @@ def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
 
 
 # -- control messages ------------------------------------------------------------------------
+def cpu_group():
+    """The gloo group of the whole world, for control messages (None: the default group)."""
+    assert _STATE is not None, "init_distributed first"
+    return _STATE.cpu_group
+
+
 def broadcast_object(obj: object = None, src: int = 0) -> object:
     """A picklable object from rank src to all ranks, over the CPU group."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_STATE.cpu_group, device=torch.device("cpu"))
+    dist.broadcast_object_list(box, src=src, group=cpu_group(), device=torch.device("cpu"))
     return box[0]

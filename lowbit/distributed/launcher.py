@@ -1,0 +1,137 @@
+"""Start one process per GPU and run a command on rank 0.
+
+`lowbit generate MODEL PROMPT --tensor-parallel-size N [--expert-parallel-size M]` calls
+`run_parallel`: the calling process becomes rank 0 and spawns ranks 1..W-1
+(W = lcm(N, M), torch.multiprocessing, spawn). Under torchrun (RANK and WORLD_SIZE already
+set, one process per rank, any number of nodes) nothing is spawned: each process takes
+its role from the environment.
+
+Rank 0 runs the command; its model, loaded through lowbit.checkpoint.loader, is a
+DriverModel. Every other rank loads its shard with the same arguments, reports whether
+that worked, then follows rank 0 (lowbit.distributed.driver.worker_loop) until told to stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import socket
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from lowbit.distributed import driver
+from lowbit.distributed import parallel_state as ps
+from lowbit.errors import LowbitError
+
+log = logging.getLogger("lowbit")
+
+JOIN_TIMEOUT_S = 60.0
+
+
+def parallel_sizes(args: argparse.Namespace) -> tuple[int, int]:
+    return getattr(args, "tensor_parallel_size", 1) or 1, getattr(args, "expert_parallel_size", 1) or 1
+
+
+def run_parallel(main: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run `main(args)` on rank 0 of a TP x EP world; returns rank 0's exit status."""
+    tp, ep = parallel_sizes(args)
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return _run_rank(main, args, tp, ep)
+    world = ps.ParallelLayout.checked(tp, ep).world
+    if getattr(args, "device", None) not in (None, "cpu") and not str(args.device) == "cuda":
+        raise LowbitError(f"--device {args.device}: with tensor/expert parallelism rank r uses cuda:r; "
+                          "pass --device cuda (or cpu) and pick GPUs with CUDA_VISIBLE_DEVICES")
+    if _uses_cuda(args) and torch.cuda.device_count() < world:
+        raise LowbitError(f"tensor parallel {tp} x expert parallel {ep} needs {world} GPUs, "
+                          f"this host shows {torch.cuda.device_count()}")
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world)}
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=_spawned, args=(main, args, tp, ep, rank, env), daemon=True)
+               for rank in range(1, world)]
+    for w in workers:
+        w.start()
+    os.environ.update(env, RANK="0", LOCAL_RANK="0")
+    wait = JOIN_TIMEOUT_S
+    try:
+        return _run_rank(main, args, tp, ep)
+    except BaseException:
+        wait = 5.0  # released workers exit at once; stuck ones are ended
+        raise
+    finally:
+        for w in workers:
+            w.join(wait)
+            if w.is_alive():
+                w.terminate()
+
+
+def _spawned(main, args: argparse.Namespace, tp: int, ep: int, rank: int, env: dict) -> None:
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    raise SystemExit(_run_rank(main, args, tp, ep))
+
+
+def _run_rank(main, args: argparse.Namespace, tp: int, ep: int) -> int:
+    device = "cuda" if _uses_cuda(args) else "cpu"
+    layout = ps.init_distributed(tp, ep, device)
+    if device == "cpu":  # ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world))
+    if layout.rank != 0:
+        rc = _follow(args)
+        ps.destroy_distributed()
+        return rc
+    ps.set_driver(True)
+    try:
+        rc = main(args)
+    except BaseException:
+        if driver.release_workers():  # else they are inside a collective; see run_parallel
+            ps.destroy_distributed()
+        raise
+    driver.release_workers()
+    ps.destroy_distributed()
+    return rc
+
+
+def _follow(args: argparse.Namespace) -> int:
+    try:
+        model = load_worker_model(args)
+    except Exception as e:  # tell rank 0, which raises it
+        driver.report_loaded(f"rank {ps.current_layout().rank}: {type(e).__name__}: {e}")
+        log.debug("worker load failed:\n%s", traceback.format_exc())
+        return 1
+    if not driver.report_loaded(None):
+        return 1  # rank 0 gave up before driving
+    driver.worker_loop(model)
+    return 0
+
+
+def load_worker_model(args: argparse.Namespace) -> torch.nn.Module:
+    """Load this rank's shard with the arguments the engine on rank 0 uses."""
+    from lowbit.checkpoint.loader import load_model
+    from lowbit.config import EngineConfig
+    from lowbit.engine.engine import compute_dtype, default_device
+
+    cfg = EngineConfig.from_cli(args)
+    dev = torch.device(cfg.device or default_device())
+    return load_model(cfg.model, dtype=compute_dtype(cfg.dtype, dev), device=str(dev),
+                      random_weights=cfg.random_weights, config=cfg.config,
+                      quantization=getattr(cfg, "quantization", None)).model
+
+
+def _uses_cuda(args: argparse.Namespace) -> bool:
+    dev = getattr(args, "device", None)
+    return (dev is None and torch.cuda.is_available()) or str(dev).startswith("cuda")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_size(args: argparse.Namespace) -> int:
+    tp, ep = parallel_sizes(args)
+    return math.lcm(tp, ep)
