@@ -24,14 +24,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return generate(args)
 
 
+def sampling_defaults(args: argparse.Namespace, gen: dict) -> dict:
+    """Flags the user gave win; the rest come from the model's generation_config.json
+    (its sampling settings when do_sample is true), else greedy."""
+    sample = bool(gen.get("do_sample"))
+    base = {"temperature": gen.get("temperature", 1.0) if sample else 0.0,
+            "top_p": gen.get("top_p", 1.0) if sample else 1.0,
+            "top_k": gen.get("top_k", -1) if sample else -1}
+    return {k: v if getattr(args, k) is None else getattr(args, k) for k, v in base.items()}
+
+
 def generate(args: argparse.Namespace) -> int:
     from lowbit import LLM, SamplingParams
 
     cfg = EngineConfig.from_cli(args)
-    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    llm = LLM(**cfg.llm_kwargs())
+    sp = SamplingParams(**sampling_defaults(args, llm.loaded.generation_config),
                         min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                         stop=args.stop or [], ignore_eos=args.ignore_eos)
-    llm = LLM(**cfg.llm_kwargs())
     if llm.tokenizer is None:  # random weights and no --tokenizer: the prompt's bytes are the ids
         ids = [b % llm.config.vocab_size for b in args.prompt.encode()]
         out = llm.generate([ids], sp)[0]
@@ -112,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     EngineConfig.add_cli_args(g)
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="default: the model's generation_config.json, else 0 (greedy)")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
