@@ -27,7 +27,7 @@ def config(layers: int) -> GptOssConfig:
     return GptOssConfig(
         vocab_size=VOCAB, hidden_size=44, intermediate_size=18, num_hidden_layers=layers,
         num_attention_heads=6, num_key_value_heads=2, head_dim=10, num_local_experts=5,
-        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256, initializer_range=0.1,
+        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=131072, initializer_range=0.1,
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
         experts_implementation="eager", swiglu_limit=LIMIT)
