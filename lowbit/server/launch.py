@@ -1,0 +1,72 @@
+"""`lowbit serve`: build the engine and app, run uvicorn, shut down cleanly on SIGTERM.
+
+The model loads in the engine thread while the server already answers (/health is 503
+until it is ready). SIGTERM or SIGINT: stop admitting (new requests get 503), let
+in-flight requests finish for up to --shutdown-timeout seconds, abort the rest, stop the
+engine, exit 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+
+import uvicorn
+
+from lowbit.config import EngineConfig
+from lowbit.engine.async_engine import AsyncLLMEngine
+from lowbit.engine.engine import LLMEngine
+from lowbit.server.app import create_app
+
+log = logging.getLogger("lowbit")
+
+
+def build(config: EngineConfig):
+    """(app, async engine) for `config`; the engine starts loading when the app starts."""
+    config.validate()
+    engine = AsyncLLMEngine(lambda: LLMEngine(config), config.max_queued_requests)
+    return create_app(config, engine), engine
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, except that a handled SIGTERM ends the process with status 0 (uvicorn
+    re-raises the signal after its shutdown) and first closes the engine's door."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.engine.accepting = False
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def uvicorn_config(app, config: EngineConfig) -> uvicorn.Config:
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                          timeout_graceful_shutdown=int(config.shutdown_timeout), access_log=False)
+
+
+def run_server(config: EngineConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app, engine = build(config)
+    server = GracefulServer(uvicorn_config(app, config), engine)
+    server.run()
+    if engine.error is not None:
+        log.error("the engine failed: %s", engine.error)
+        return 1
+    return 0

@@ -1,0 +1,131 @@
+"""Request bodies of the OpenAI-compatible API, and their mapping to SamplingParams.
+
+Fields follow the OpenAI API plus vLLM's sampling extras (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens). Unknown fields are
+accepted and logged, as OpenAI clients send fields a server may not know; fields lowbit
+knows but cannot honour (logit_bias, suffix, tools that need a parser) are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lowbit.engine.sampling import SamplingParams
+from lowbit.errors import LowbitError
+
+log = logging.getLogger("lowbit")
+
+PromptType = str | list[int] | list[str] | list[list[int]]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    skip_special_tokens: bool = True
+
+    def warn_unknown(self) -> None:
+        if self.model_extra:
+            log.warning("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        if self.logit_bias:
+            raise LowbitError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise LowbitError("stream_options is only allowed with stream: true")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: PromptType
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def to_params(self) -> SamplingParams:
+        if self.suffix:
+            raise LowbitError("suffix is not supported")
+        return self.sampling_params(self.max_tokens, self.logprobs,
+                                    self.logprobs if self.echo and self.logprobs is not None else None)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts, each a string or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise LowbitError("the prompt is empty; give at least one token")
+        return list(p)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+
+    def to_params(self) -> SamplingParams:
+        if self.tools:
+            raise LowbitError("tool calling is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise LowbitError("top_logprobs needs logprobs: true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,121 @@
+import json
+
+import pytest
+
+MODEL = "tiny"
+
+
+def sse_events(response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_models_and_health(server):
+    with server.http() as h:
+        assert h.get("/health").status_code == 200
+        models = h.get("/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 256
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+
+
+@pytest.mark.parametrize("prompt,count", [("Hello", 1), (["ab", "cd"], 2), ([72, 105], 1), ([[72], [105, 33]], 2)])
+def test_completion_prompt_shapes(server, prompt, count):
+    r = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert len(r.choices) == count and [c.index for c in r.choices] == list(range(count))
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 3 * count
+
+
+def test_stream_concatenates_to_the_non_streamed_completion(server):
+    c = server.client()
+    args = dict(model=MODEL, prompt="The quick brown", max_tokens=12, temperature=0.9, seed=11,
+                extra_body={"ignore_eos": True})
+    whole = c.completions.create(**args).choices[0]
+    chunks = list(c.completions.create(stream=True, **args))
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.text
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "length"
+
+
+def test_stream_with_a_stop_string_matches_too(server):
+    c = server.client()
+    free = c.completions.create(model=MODEL, prompt="abc", max_tokens=16, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[6:9]
+    args = dict(model=MODEL, prompt="abc", max_tokens=16, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    whole = c.completions.create(**args).choices[0]
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **args))
+    assert whole.text == streamed == free[:free.find(stop)] and whole.finish_reason == "stop"
+
+
+def test_echo_with_logprobs_starts_with_a_null(server):
+    r = server.client().completions.create(model=MODEL, prompt="Hi there", max_tokens=2, temperature=0,
+                                           echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    ch = r.choices[0]
+    assert ch.text.startswith("Hi there")
+    lp = ch.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == 8 + 2 and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == ch.text
+
+
+def test_n_choices(server):
+    r = server.client().completions.create(model=MODEL, prompt="x", n=3, max_tokens=6, temperature=1.0, seed=5,
+                                           extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert len({c.text for c in r.choices}) > 1
+
+
+def test_chat_stream_role_first_finish_last_usage_then_done(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with server.http() as h, h.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage, chunks = events[-2], events[:-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    whole = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.content == text and whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == usage["usage"]["prompt_tokens"]
+
+
+def test_chat_logprobs(server):
+    r = server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+
+
+def test_tokenize_detokenize_and_tokenizer_info(server):
+    with server.http() as h:
+        tok = h.post("/tokenize", json={"prompt": "hey <|im_end|>"}).json()
+        assert tok["count"] == len(tok["tokens"]) == 5 and tok["max_model_len"] == 256
+        assert h.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "hey <|im_end|>"
+        chat = h.post("/tokenize", json={"messages": [{"role": "user", "content": "<|im_start|>"}]}).json()
+        im_start = tok["tokens"][-1] - 1
+        assert chat["tokens"].count(im_start) == 2  # the template's two, not the user's text
+        info = h.get("/tokenizer_info").json()
+        assert info["eos_token"] == "<|endoftext|>" and "im_start" in info["chat_template"]
+
+
+def test_metrics_use_vllm_names(server):
+    server.client().completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0)
+    with server.http() as h:
+        text = h.get("/metrics").text
+    for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count", "num_requests_running",
+                 "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total", "generation_tokens_total"):
+        assert f"lowbit:{name}" in text
+    gen = [ln for ln in text.splitlines() if ln.startswith("lowbit:generation_tokens_total")]
+    assert float(gen[0].split()[-1]) >= 3
