@@ -34,7 +34,7 @@ from lowbit.kernels.decode import (
     split_lanes,
     weight_args,
 )
-from lowbit.kernels.runtime import interpreting, sm_count
+from lowbit.kernels.runtime import interpreting, round_for_dot, sm_count
 from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight
 
 _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
@@ -115,6 +115,8 @@ def _gemv_kernel(
             v7 = v0
         col = (wi * CPW) // B  # scale column of each word
         s = load_scales(scales_ptr, col, srow_off, m2, SCALE_KIND)  # [G, BN]
+        if HAS_OFFS:  # w = t * s * g + o: g scales everything but the offset
+            s = s * g
         sa = s
         if HAS_AB:
             sa = s * alpha
@@ -157,7 +159,8 @@ def _gemv_kernel(
     else:
         y = tl.reshape(tl.join(tl.join(tl.sum(acc0, 0), tl.sum(acc2, 0)),
                                tl.join(tl.sum(acc1, 0), tl.sum(acc3, 0))), (BN, 4))
-    y = y * g
+    if not HAS_OFFS:
+        y = y * g
     ms = m0 + tl.arange(0, BM)
     ymask = rmask[:, None] & (ms < M)[None, :]
     yoff = ms[None, :] * stride_ym + rows[:, None]
@@ -251,6 +254,13 @@ def _semaphore(device: torch.device, n: int) -> torch.Tensor:
     return sem
 
 
+def _out(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1
+    return out
+
+
 def _check(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, "x is [M, K], rows contiguous"
     assert w.lead == (), "a linear weight is [N, K]"
@@ -284,7 +294,7 @@ def gemv_refusal(x: torch.Tensor, w: LutWeight | Fp8View) -> str | None:
 
 
 def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None = None,
-             config: dict | None = None) -> torch.Tensor:
+             config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] in x.dtype for M <= 16 (CUDA-core schedule, see module docstring)."""
     _check(x, w, bias)
     m, k = x.shape
@@ -300,7 +310,7 @@ def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
     w_split = triton.cdiv(triton.cdiv(kw, split), g_words) * g_words
     split = triton.cdiv(kw, w_split)
     grid_n = triton.cdiv(n, cfg["BN"])
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = _out(out, m, n, x)
     ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
     sem = _semaphore(x.device, grid_n * grid_m)
     _gemv_kernel[(grid_n, split, grid_m)](
@@ -317,7 +327,7 @@ def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
 
 
 def lut_gemm(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None = None,
-             config: dict | None = None) -> torch.Tensor:
+             config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] in x.dtype (bf16 / fp16 activations), tensor-core tiles."""
     _check(x, w, bias)
     assert x.dtype in (torch.bfloat16, torch.float16), "tl.dot reads bf16 / fp16 activations"
@@ -326,7 +336,7 @@ def lut_gemm(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
     a = weight_args(w)
     cfg = config or launch.lookup("gemm", fmt_key(w), n, k, m)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = _out(out, m, n, x)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _gemm_kernel[grid](
         x, y, x if bias is None else bias,
@@ -347,7 +357,7 @@ def reference_linear(x: torch.Tensor, w: LutWeight | Fp8View | DenseWeight,
     dot_dtype=torch.bfloat16 rounds the decoded weights as lut_gemm does before tl.dot."""
     dense = w.dense(x.shape[-1])  # [N, K] float32
     if dot_dtype is not None:
-        dense = dense.to(dot_dtype).float()
+        dense = round_for_dot(dense, dot_dtype)
     y = x.float() @ dense.t()
     if bias is not None:
         y = y + bias.float()

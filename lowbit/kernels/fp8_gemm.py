@@ -114,7 +114,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_w8a8(x: torch.Tensor, w: Fp8View, bias: torch.Tensor | None = None,
-             config: dict | None = None) -> torch.Tensor:
+             config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] in x.dtype."""
     assert x.dim() == 2 and x.stride(1) == 1 and w.lead == ()
     assert w8a8_refusal(x, w) is None, w8a8_refusal(x, w)
@@ -126,7 +126,8 @@ def fp8_w8a8(x: torch.Tensor, w: Fp8View, bias: torch.Tensor | None = None,
     if block:
         bk, bn = min(bk, 128), min(bn, 128)
     xq, sx = quantize_rows(x)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (m, n) and y.dtype == x.dtype and y.stride(1) == 1
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _w8a8_kernel[grid](
         xq, sx, w.codes, w.scales, y, x if bias is None else bias,

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from lowbit.kernels import launch
 from lowbit.kernels.decode import WeightArgs, dequant_tile, weight_args
-from lowbit.kernels.runtime import interpreting
+from lowbit.kernels.runtime import interpreting, round_for_dot
 from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved
 
 MODE_DECODE = 0
@@ -220,7 +220,8 @@ def moe_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved) -> str | None:
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
-              w2: Resolved, mode: str = "decode", config: dict | None = None) -> torch.Tensor:
+              w2: Resolved, mode: str = "decode", config: dict | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, H] in x.dtype; mode "decode" (S <= 256) or "grouped" (see module docstring)."""
     assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
     t, h = x.shape
@@ -253,7 +254,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
                   num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     hbuf = torch.empty(s, inter, dtype=torch.float32, device=x.device)
     ys = torch.empty(s, h, dtype=torch.float32, device=x.device)
-    y = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (t, h) and y.dtype == x.dtype and y.stride(1) == 1
     a1, c1 = _launch_args(weight_args(w13))
     _moe_fc1_kernel[(tiles, triton.cdiv(inter, cfg["BN1"]))](
         x, hbuf, ids_flat, order, tile_end, seg_start, counts, *a1[:6], s, e, h, inter,
@@ -277,7 +279,7 @@ def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13
     inter = w13.n // 2
     dense13, dense2 = w13.dense(h), w2.dense(inter)  # [E, 2I, H], [E, H, I]
     out_dtype = x.dtype
-    rnd = (lambda t: t) if dot_dtype is None else (lambda t: t.to(dot_dtype).float())
+    rnd = (lambda t: t) if dot_dtype is None else (lambda t: round_for_dot(t, dot_dtype))
     dense13, dense2, x = rnd(dense13), rnd(dense2), rnd(x.float())
     out = torch.zeros(x.shape[0], h, dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():  # host read: reference path only

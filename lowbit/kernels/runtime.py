@@ -59,6 +59,15 @@ def triton_refusal(t: torch.Tensor, forced: bool) -> str | None:
     return f"tensors on {t.device.type} (Triton kernels need CUDA, or TRITON_INTERPRET=1 and a forced route)"
 
 
+def round_for_dot(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t rounded to dtype the way the running Triton backend converts float32 before tl.dot,
+    returned as float32: round-to-nearest-even on the GPU; triton 3.6's interpreter
+    truncates float32 -> bf16 (it keeps the top 16 bits), so the twins mirror that there."""
+    if dtype == torch.bfloat16 and interpreting():
+        return (t.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
+    return t.to(dtype).float()
+
+
 @functools.cache
 def capability(index: int = 0) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index) if torch.cuda.is_available() else (0, 0)

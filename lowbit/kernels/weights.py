@@ -154,6 +154,9 @@ def _fp8_from_payload(w) -> Fp8View | None:
     n, kc = codes.shape[-2:]
     if scales.dtype == torch.uint8:  # mxfp8: E8M0 per 32 along K
         return Fp8View(codes, scales, "e8m0", 1, -(-kc // scales.shape[-1]))
+    fmt = getattr(getattr(w, "format", None), "name", "")
+    if fmt == "fp8-block" or (fmt != "fp8" and tuple(scales.shape[-2:]) == (-(-n // 128), -(-kc // 128))):
+        return Fp8View(codes, scales, "f32", 128, 128)
     if scales.shape[-2] == n and scales.shape[-1] == 1:
         return Fp8View(codes, scales, "f32", 1, kc)
     br = -(-n // scales.shape[-2])

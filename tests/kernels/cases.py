@@ -1,0 +1,38 @@
+"""Weight cases shared by the kernel tests: every decode mode, scale kind and layout."""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.kernels.samples import random_fp8_view, random_lut_view
+from lowbit.kernels.weights import resolve
+
+# name -> keyword arguments of random_lut_view (or ("fp8", layout))
+LUT_CASES = {
+    "int4_g32_offsets": dict(bits=4, table="int", block_size=32, scale_kind="f16", offsets=True),
+    "nvfp4_two_tables": dict(bits=4, table="e2m1", block_size=16, scale_kind="e4m3", tables=2),
+    "mxfp4": dict(bits=4, table="e2m1", block_size=32, scale_kind="e8m0"),
+    "nf4": dict(bits=4, table="nf", block_size=64, scale_kind="bf16"),
+    "lut4_row_tables": dict(bits=4, table="random", block_size=64, scale_kind="bf16", tables=3),
+    "nf3": dict(bits=3, table="nf", block_size=64, scale_kind="bf16"),
+    "lut3_offsets": dict(bits=3, table="random", block_size=32, scale_kind="f32", tables=2,
+                         offsets=True, global_scale=0.5),
+}
+FP8_CASES = ("channel", "block", "mx")
+ALL_CASES = [*LUT_CASES, *(f"fp8_{c}" for c in FP8_CASES)]
+
+
+def make_weight(case: str, n: int, k: int, lead: tuple[int, ...] = (), seed: int = 0,
+                device: str = "cpu"):
+    if case.startswith("fp8_"):
+        return resolve(random_fp8_view(n, k, layout=case[4:], lead=lead, seed=seed, device=device))
+    return resolve(random_lut_view(n, k, lead=lead, seed=seed, device=device, **LUT_CASES[case]))
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all(), "non-finite output (unwritten or NaN)"
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def poisoned(*shape: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)

@@ -1,0 +1,72 @@
+"""GEMV / GEMM against the torch twin on fresh random weights of every format.
+
+Tolerances: the gemv computes in float32 (float32 activations: rel 1e-5). The gemm rounds
+the decoded weights to bf16 before tl.dot; the twin does the same with dot_dtype (rounding
+as the backend does: lowbit.kernels.runtime.round_for_dot), so bf16 outputs allow rel 1e-2.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv, reference_linear  # noqa: E402
+from lowbit.kernels.runtime import interpreting  # noqa: E402
+from tests.kernels.cases import ALL_CASES, make_weight, poisoned, rel_err  # noqa: E402
+
+N, K = 40, 200  # neither a power of two; K is not a multiple of any block
+BF16_RTOL = 1e-2
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 on the CPU")
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_gemv_matches_twin(case):
+    w = make_weight(case, N, K, seed=hash(case) % 1000)
+    bias = torch.randn(N)
+    for m, cfg in ((1, dict(BN=16, G=8)), (3, dict(BN=32, G=8, SPLIT_K=3)), (16, dict(BN=64, G=16))):
+        x = torch.randn(m, K)
+        out = poisoned(m, N, dtype=torch.float32)
+        lut_gemv(x, w, bias, config=cfg, out=out)
+        assert rel_err(out, reference_linear(x, w, bias)) < 1e-5, (case, m)
+
+
+@pytest.mark.parametrize("case", ["int4_g32_offsets", "nvfp4_two_tables", "nf3", "fp8_block"])
+def test_gemv_bf16_activations(case):
+    w = make_weight(case, N, K, seed=7)
+    x = torch.randn(2, K).bfloat16()
+    out = poisoned(2, N, dtype=torch.bfloat16)
+    lut_gemv(x, w, None, config=dict(BN=16, G=8), out=out)
+    assert rel_err(out, reference_linear(x, w)) < BF16_RTOL
+
+
+def test_split_k_counters_reset_between_calls():
+    w = make_weight("nf4", N, K, seed=3)
+    cfg = dict(BN=16, G=8, SPLIT_K=4)
+    for _ in range(2):  # a counter left non-zero would make the second call skip its output
+        x = torch.randn(2, K)
+        out = poisoned(2, N, dtype=torch.float32)
+        lut_gemv(x, w, None, config=cfg, out=out)
+        assert rel_err(out, reference_linear(x, w)) < 1e-5
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_gemm_matches_twin(case):
+    w = make_weight(case, N, K, seed=hash(case) % 997)
+    bias = torch.randn(N).bfloat16()
+    for m in (1, 17, 33):
+        x = torch.randn(m, K).bfloat16()
+        out = poisoned(m, N, dtype=torch.bfloat16)
+        lut_gemm(x, w, bias, config=dict(BM=16, BN=32, BK=64), out=out)
+        ref = reference_linear(x, w, bias, dot_dtype=torch.bfloat16)
+        assert rel_err(out, ref) < BF16_RTOL, (case, m)
+
+
+def test_gemm_tile_smaller_than_block():
+    w = make_weight("nf4", N, K, seed=11)  # B = 64 > BK = 32: one scale column per tile
+    x = torch.randn(5, K).half()
+    out = poisoned(5, N, dtype=torch.float16)
+    lut_gemm(x, w, None, config=dict(BM=16, BN=16, BK=32), out=out)
+    assert rel_err(out, reference_linear(x, w, dot_dtype=torch.float16)) < BF16_RTOL

@@ -1,0 +1,137 @@
+"""The route registry: selection, forcing (fail closed), strict env parsing, counters."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lowbit.errors import LowbitError  # noqa: E402
+from lowbit.kernels import linear, moe_experts, routes  # noqa: E402
+from lowbit.kernels.routes import DEFAULT, MEASURED_NEGATIVE, OPT_IN, Route  # noqa: E402
+
+
+class Call:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def _make_op(name: str) -> None:
+    if name in routes.ops():
+        return
+    routes.register(name, Route("small", DEFAULT, "BENCH#a",
+                                lambda c: None if c.size < 10 else "too big", lambda c: "small"))
+    routes.register(name, Route("fancy", OPT_IN, "BENCH#b",
+                                lambda c: None if c.size % 2 == 0 else "odd size", lambda c: "fancy"))
+    routes.register(name, Route("slow", MEASURED_NEGATIVE, "0.7x the reference",
+                                lambda c: None, lambda c: "slow"))
+    routes.register(name, Route("torch", DEFAULT, "reference", lambda c: None, lambda c: "torch"),
+                    reference=True)
+
+
+@pytest.fixture()
+def op(monkeypatch):
+    _make_op("t_op")
+    monkeypatch.delenv("LOWBIT_ROUTE_T_OP", raising=False)
+    routes.reset_counters()
+    return "t_op"
+
+
+def test_first_default_that_admits(op):
+    assert routes.dispatch(op, Call(3), "L0") == "small"
+    assert routes.dispatch(op, Call(12), "L0") == "torch"  # small refuses, fancy is opt-in
+    counts = routes.counters()
+    assert {"op": op, "layer": "L0", "route": "torch", "count": 1} in counts["route_calls"]
+    assert {"op": op, "route": "small", "reason": "too big", "count": 1} in counts["route_refusals"]
+
+
+def test_forced_route_runs_even_if_opt_in(op, monkeypatch):
+    monkeypatch.setenv("LOWBIT_ROUTE_T_OP", "fancy")
+    assert routes.dispatch(op, Call(12)) == "fancy"
+    monkeypatch.setenv("LOWBIT_ROUTE_T_OP", "slow")
+    assert routes.dispatch(op, Call(12)) == "slow"
+
+
+def test_forced_route_that_refuses_fails_closed(op, monkeypatch):
+    monkeypatch.setenv("LOWBIT_ROUTE_T_OP", "fancy")
+    with pytest.raises(LowbitError, match="odd size"):
+        routes.dispatch(op, Call(3))
+
+
+def test_misspelt_route_lists_valid_names(op, monkeypatch):
+    monkeypatch.setenv("LOWBIT_ROUTE_T_OP", "fancyy")
+    with pytest.raises(LowbitError, match="small, fancy, slow, torch"):
+        routes.dispatch(op, Call(3))
+
+
+@pytest.mark.parametrize("value", ["", "auto", " auto "])
+def test_auto_and_empty_mean_unforced(op, monkeypatch, value):
+    monkeypatch.setenv("LOWBIT_ROUTE_T_OP", value)
+    assert routes.dispatch(op, Call(3)) == "small"
+
+
+def test_check_env_strict(op):
+    routes.check_env({"LOWBIT_ROUTE_T_OP": "fancy", "LOWBIT_ROUTE_ATTENTION": "anything"})
+    with pytest.raises(LowbitError, match="names no op"):
+        routes.check_env({"LOWBIT_ROUTE_LINEAER": "torch"})
+    with pytest.raises(LowbitError, match="valid names"):
+        routes.check_env({"LOWBIT_ROUTE_LINEAR": "trition_lut_gemv"})
+
+
+def test_registration_rules(op):
+    with pytest.raises(AssertionError, match="must stay last"):
+        routes.register(op, Route("late", DEFAULT, "x", lambda c: None, lambda c: None))
+    with pytest.raises(AssertionError, match="cites a record"):
+        Route("bare", DEFAULT, "", lambda c: None, lambda c: None)
+    with pytest.raises(AssertionError, match="status"):
+        Route("odd", "ON", "x", lambda c: None, lambda c: None)
+
+
+def test_route_table_rows(op):
+    routes.dispatch(op, Call(12), "layers.0")
+    rows = [r for r in routes.route_table() if r["op"] == op]
+    assert [r["route"] for r in rows] == ["small", "fancy", "slow", "torch"]
+    torch_row = rows[-1]
+    assert torch_row["calls"] == 1 and torch_row["status"] == DEFAULT
+    assert rows[0]["refusals"] == 1 and rows[2]["record"] == "0.7x the reference"
+    assert "fancy" in routes.format_table(rows)
+
+
+def test_every_real_route_cites_a_record():
+    names = {op: [r.name for r in o.routes] for op, o in routes.ops().items()}
+    assert names["linear"] == ["triton_lut_gemv", "triton_lut_gemm", "triton_fp8_w8a16",
+                               "triton_fp8_w8a8", "torch"]
+    assert names["moe"] == ["triton_fused_moe_decode", "triton_moe_grouped", "torch"]
+    for row in routes.route_table():
+        if row["op"] in ("linear", "moe") and row["status"] == DEFAULT and row["route"] != "torch":
+            assert row["record"].startswith("docs/BENCHMARKS.md#"), row
+
+
+def test_linear_dense_cpu_is_torch_route(monkeypatch):
+    monkeypatch.delenv("LOWBIT_ROUTE_LINEAR", raising=False)
+    routes.reset_counters()
+    x, w, b = torch.randn(2, 3, 8), torch.randn(5, 8), torch.randn(5)
+    y = linear(x, w, b, layer="blk.0")
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b))
+    assert {"op": "linear", "layer": "blk.0", "route": "torch", "count": 1} in routes.counters()["route_calls"]
+
+
+def test_forcing_a_kernel_on_dense_weights_names_the_reason(monkeypatch):
+    monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "triton_lut_gemv")
+    with pytest.raises(LowbitError, match="DenseWeight"):
+        linear(torch.randn(2, 8), torch.randn(5, 8))
+
+
+def test_moe_torch_route_matches_a_plain_loop(monkeypatch):
+    monkeypatch.delenv("LOWBIT_ROUTE_MOE", raising=False)
+    torch.manual_seed(0)
+    x, w13, w2 = torch.randn(3, 8), torch.randn(4, 12, 8), torch.randn(4, 8, 6)
+    ids = torch.tensor([[0, 2], [2, 3], [0, 2]], dtype=torch.int32)
+    wts = torch.rand(3, 2)
+    ref = torch.zeros(3, 8)
+    for t in range(3):
+        for j in range(2):
+            h = w13[ids[t, j]] @ x[t]
+            ref[t] += wts[t, j] * (w2[ids[t, j]] @ (torch.nn.functional.silu(h[:6]) * h[6:]))
+    torch.testing.assert_close(moe_experts(x, ids, wts, w13, w2), ref, rtol=1e-5, atol=1e-5)

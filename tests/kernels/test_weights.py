@@ -1,0 +1,70 @@
+"""Kernel-side weight resolution: decode choice per table, fp8 payloads, caching, configs."""
+
+import json
+
+import torch
+
+from lowbit.formats import get_format
+from lowbit.formats.codes import e2m1_table
+from lowbit.formats.nf import NF4_TABLE
+from lowbit.kernels import launch
+from lowbit.kernels.weights import (
+    DECODE_AFFINE,
+    DECODE_E2M1,
+    DECODE_GATHER,
+    DenseWeight,
+    Fp8View,
+    LutWeight,
+    classify_table,
+    resolve,
+)
+
+
+def test_classify_tables():
+    mode, ab = classify_table(torch.arange(16.0)[None], 4)
+    assert mode == DECODE_AFFINE
+    c = torch.arange(16.0)
+    assert torch.equal(ab[0, 0] * (1 + c / 16) + ab[0, 1], c)
+    mode, ab = classify_table(torch.stack([e2m1_table() * 3.0, e2m1_table() * 0.25]), 4)
+    assert mode == DECODE_E2M1 and torch.equal(ab[:, 0], torch.tensor([3.0, 0.25]) * 2.0**14)
+    assert classify_table(torch.tensor([NF4_TABLE]), 4)[0] == DECODE_GATHER
+
+
+def test_resolve_real_formats():
+    w = torch.randn(2, 24, 64)
+    assert resolve(get_format("nvfp4").quantize(w)).decode == DECODE_E2M1
+    assert resolve(get_format("int4").quantize(w)).decode == DECODE_AFFINE
+    assert resolve(get_format("nf4").quantize(w)).decode == DECODE_GATHER
+    fp8 = resolve(get_format("fp8-block").quantize(w))
+    assert isinstance(fp8, Fp8View) and (fp8.block_rows, fp8.block_cols) == (128, 128)
+    mx = resolve(get_format("mxfp8").quantize(w))
+    assert isinstance(mx, Fp8View) and mx.scale_kind == "e8m0" and mx.block_cols == 32
+    for name in ("fp8", "fp8-block", "mxfp8", "nvfp4", "lut3"):
+        qt = get_format(name).quantize(w)
+        torch.testing.assert_close(resolve(qt).dense(64), qt.dequantize(), rtol=0, atol=0)
+    assert isinstance(resolve(w), DenseWeight)
+
+
+def test_resolve_cache_follows_payload_changes():
+    qt = get_format("int4").quantize(torch.randn(16, 64))
+    first = resolve(qt)
+    assert resolve(qt) is first
+    qt.payload["scales"].mul_(2)  # in-place edit bumps the tensor version
+    assert resolve(qt) is not first and isinstance(resolve(qt), LutWeight)
+
+
+def test_config_lookup_buckets_and_device_files(tmp_path, monkeypatch):
+    (tmp_path / "default.json").write_text(json.dumps(
+        {"gemv": {"default": {"1": {"BN": 1}, "16": {"BN": 16}}}}))
+    (tmp_path / "my_gpu.json").write_text(json.dumps(
+        {"gemv": {"lut4:64x32": {"4": {"BN": 4}}}}))
+    monkeypatch.setattr(launch, "CONFIG_DIR", tmp_path)
+    launch.clear_cache()
+    try:
+        assert launch.lookup("gemv", "lut4", 64, 32, 3, device="my gpu") == {"BN": 4}
+        assert launch.lookup("gemv", "lut4", 64, 32, 9, device="my gpu") == {"BN": 4}
+        assert launch.lookup("gemv", "lut3", 64, 32, 9, device="my gpu") == {"BN": 16}
+        assert launch.lookup("gemv", "lut3", 64, 32, 1, device="other") == {"BN": 1}
+        assert launch.lookup("gemv", "lut3", 64, 32, 99, device="other") == {"BN": 16}
+    finally:
+        launch.clear_cache()
