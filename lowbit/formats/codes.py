@@ -20,6 +20,12 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E4M3_MAX = 448.0
 
 
+def div_const(x: Tensor, d: float) -> Tensor:
+    """fp32(x / d), correctly rounded on every device (CUDA would otherwise turn division
+    by a Python number into multiplication by its rounded reciprocal)."""
+    return x / torch.full((), d, dtype=x.dtype, device=x.device)
+
+
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
     """uint8 codes [..., Kp] (values < 2**bits) -> packed uint8 [..., Kp * bits / 8]."""
     kp = codes.shape[-1]

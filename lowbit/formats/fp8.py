@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lowbit.formats.base import Format, PayloadSpec, check_input, map_rows, num_blocks
-from lowbit.formats.codes import E4M3_MAX, e4m3_encode
+from lowbit.formats.codes import E4M3_MAX, div_const, e4m3_encode
 
 TILE = 128
 
@@ -44,7 +44,7 @@ class Fp8Format(Format):
 
         def rows(x: Tensor, r0: int, r1: int) -> dict[str, Tensor]:
             x = x.float()
-            s = x.abs().amax(-1, keepdim=True) / E4M3_MAX  # [r, 1]
+            s = div_const(x.abs().amax(-1, keepdim=True), E4M3_MAX)  # [r, 1]
             return {"codes": _quantize(x, s), "scales": s}
 
         return map_rows(w, rows)
@@ -82,7 +82,7 @@ class Fp8BlockFormat(Format):
                     x, (0, bk * TILE - k, 0, (b1 - b0) * TILE - x.shape[0])
                 )
                 tiles = pad.reshape(b1 - b0, TILE, bk, TILE)
-                s = tiles.abs().amax(dim=(1, 3)) / E4M3_MAX  # [b, BK]
+                s = div_const(tiles.abs().amax(dim=(1, 3)), E4M3_MAX)  # [b, BK]
                 q = _quantize(tiles, s[:, None, :, None]).reshape(pad.shape)
                 codes[i, b0 * TILE : b1 * TILE] = q[: x.shape[0], :k]
                 scales[i, b0:b1] = s

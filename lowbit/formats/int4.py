@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lowbit.errors import LowbitError
 from lowbit.formats.base import PayloadSpec, check_input, map_rows, num_blocks, padded_blocks
-from lowbit.formats.codes import pack_codes, unpack_codes
+from lowbit.formats.codes import div_const, pack_codes, unpack_codes
 from lowbit.formats.scalar import ScalarFormat, expand_blocks
 
 F16_MAX = torch.finfo(torch.float16).max
@@ -46,7 +46,7 @@ class Int4Format(ScalarFormat):
             blocks = padded_blocks(x, self.block_size)  # [r, NB, G]
             lo = blocks.amin(-1).clamp(max=0.0)
             hi = blocks.amax(-1).clamp(min=0.0)
-            s32 = (hi - lo) / 15.0
+            s32 = div_const(hi - lo, 15.0)
             if bool((s32 > F16_MAX).any()):
                 raise LowbitError(
                     f"{self.name}: a group spans {float((hi - lo).max()):.4g}, beyond what a "

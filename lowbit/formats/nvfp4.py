@@ -20,6 +20,7 @@ from torch import Tensor
 from lowbit.formats.base import PayloadSpec, check_input, map_rows, padded_blocks
 from lowbit.formats.codes import (
     E4M3_MAX,
+    div_const,
     e2m1_decode,
     e2m1_encode,
     e2m1_table,
@@ -36,7 +37,7 @@ def global_scale_of(w: Tensor) -> Tensor:
     """float32 [L]: amax / 2688 per matrix, 1.0 where that is 0."""
     flat = w.reshape(*w.shape[:-2], -1)
     amax = torch.maximum(flat.amax(-1), -flat.amin(-1)).float()  # no |w| copy of the stack
-    g = amax / (E2M1_MAX * E4M3_MAX)
+    g = div_const(amax, E2M1_MAX * E4M3_MAX)
     return torch.where(g > 0, g, torch.ones_like(g))
 
 
@@ -60,7 +61,7 @@ class Nvfp4Format(ScalarFormat):
         def rows(x: Tensor, r0: int, r1: int) -> dict[str, Tensor]:
             blocks = padded_blocks(x, 16)  # [r, NB, 16]
             gr = g_rows[r0:r1, None]  # [r, 1]
-            s = e4m3_encode(blocks.abs().amax(-1) / E2M1_MAX / gr)  # [r, NB]
+            s = e4m3_encode(div_const(blocks.abs().amax(-1), E2M1_MAX) / gr)  # [r, NB]
             d = (s.float() * gr)[..., None]
             safe = torch.where(d > 0, d, torch.ones_like(d))
             x = torch.where(d > 0, blocks / safe, torch.zeros_like(blocks))

@@ -143,3 +143,19 @@ def test_a_format_that_refuses_k_names_the_shape_and_block():
     with pytest.raises(LowbitError, match="block 64"):
         strict.bits_per_weight((3, 100))
     assert strict.bits_per_weight((3, 128)) == 4.25
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_cuda_encodes_the_same_bytes_as_the_cpu(name):
+    w = gaussian(3, 129, 200) * torch.logspace(-3, 3, 200)
+    fmt = get_format(name)
+    cpu = fmt.encode(w)
+    kw = {"table": cpu["table"].cuda()} if "table" in cpu else {}  # the fit itself may differ
+    gpu = fmt.encode(w.cuda(), **kw)
+    for key, t in cpu.items():
+        assert torch.equal(
+            t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+            (gpu[key].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else gpu[key]).cpu(),
+        ), key
