@@ -116,14 +116,23 @@ def weight_sqnr(teacher: nn.Module, student: nn.Module) -> float | None:
     return math.inf if noise == 0 else 10 * math.log10(sig / noise)
 
 
-def evaluate(teacher: LoadedModel, student: LoadedModel, ids: list[int], width: int,
-             names: tuple[str, str] = ("teacher", "model")) -> list[EvalResult]:
-    """[teacher row, student row] on the same tokens."""
+def teacher_pass(teacher: LoadedModel, ids: list[int], width: int) -> list[torch.Tensor]:
+    """The teacher's log-probabilities per window, kept on the CPU ([W, V] float32 each)
+    so several students can be scored against one teacher run."""
     device = next(iter(teacher.model.parameters())).device
+    return [log_probs(teacher.model, w, device).cpu() for w in windows(ids, width)]
+
+
+def evaluate(teacher: LoadedModel, student: LoadedModel, ids: list[int], width: int,
+             names: tuple[str, str] = ("teacher", "model"),
+             teacher_lp: list[torch.Tensor] | None = None) -> list[EvalResult]:
+    """[teacher row, student row] on the same tokens."""
+    device = next(iter(student.model.parameters())).device
+    lps = teacher_lp if teacher_lp is not None else teacher_pass(teacher, ids, width)
     nll_t, nll_s, kls, top1 = [], [], [], 0
-    for w in windows(ids, width):
+    for w, lp_t in zip(windows(ids, width), lps):
         target = torch.tensor(w[1:], device=device)
-        lp_t = log_probs(teacher.model, w, device)  # [W, V]
+        lp_t = lp_t.to(device)  # [W, V]
         lp_s = log_probs(student.model, w, device)
         nll_t.append(-lp_t.gather(1, target[:, None])[:, 0])
         nll_s.append(-lp_s.gather(1, target[:, None])[:, 0])
@@ -202,10 +211,11 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", required=True, help="UTF-8 text file to score")
     p.add_argument("--max-tokens", type=int, default=4096, help="score at most this many tokens")
     p.add_argument("--window", type=int, default=None, help="tokens per window (default: the context, at most 2048)")
-    p.add_argument("--json", default=None, help="write the JSON record here")
-    p.add_argument("--quantization", default=None, help="quantize the student on load to this format")
+    p.add_argument("--json", default=None, help="write the JSON record here ({format} in the path: one per student)")
+    p.add_argument("--quantization", default=None,
+                   help="quantize the student on load to this format (a comma list scores each in turn)")
     p.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: lm_head too")
-    p.add_argument("--peer", default=None, help="student made by another quantizer: hqq:BITS:GROUP")
+    p.add_argument("--peer", default=None, help="student made by another quantizer: hqq:BITS:GROUP (a comma list scores each)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when present)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (bf16 on GPU, float32 on CPU)")
 
@@ -220,23 +230,33 @@ def main_eval(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise LowbitError(f"--max-tokens must be positive, got {args.max_tokens}")
     teacher = load_model(args.teacher, dtype=dtype, device=device)
-    if args.peer:
-        student = peer_student(args.model, args.peer, dtype=dtype, device=device)
-    else:
-        student = load_model(args.model, dtype=dtype, device=device, quantization=args.quantization,
-                             quantize_lm_head=args.quantize_lm_head)
-    if student.config.vocab_size != teacher.config.vocab_size:
-        raise LowbitError("the model and the teacher have different vocabularies; eval compares "
-                          "next-token distributions, so they must share a tokenizer")
+    students = [("quantization", q) for q in (args.quantization or "").split(",") if q]
+    students += [("peer", p) for p in (args.peer or "").split(",") if p]
+    students = students or [("plain", None)]
+    if args.json and len(students) > 1 and "{format}" not in args.json:
+        raise LowbitError("several students write several records: put {format} in the --json path")
     width = args.window or min(teacher.config.max_position_embeddings, 2048)
     ids = read_tokens(teacher, args.text, args.max_tokens)
-    label = args.model + (f" --quantization {args.quantization}" if args.quantization else "")
-    label += f" --peer {args.peer}" if args.peer else ""
-    rows = evaluate(teacher, student, ids, width, (args.teacher, label))
-    print(markdown(rows))
-    if args.json:
-        rec = record(rows, shlex.join(["lowbit", *sys.argv[1:]]), time.perf_counter() - t0)
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rec, indent=1, default=str) + "\n")
-        print(f"wrote {args.json}")
+    cached = teacher_pass(teacher, ids, width)
+    for kind, spec in students:
+        t1 = time.perf_counter()
+        if kind == "peer":
+            student = peer_student(args.model, spec, dtype=dtype, device=device)
+        else:
+            student = load_model(args.model, dtype=dtype, device=device, quantization=spec,
+                                 quantize_lm_head=args.quantize_lm_head)
+        if student.config.vocab_size != teacher.config.vocab_size:
+            raise LowbitError("the model and the teacher have different vocabularies; eval compares "
+                              "next-token distributions, so they must share a tokenizer")
+        label = args.model + {"quantization": f" --quantization {spec}", "peer": f" --peer {spec}"}.get(kind, "")
+        rows = evaluate(teacher, student, ids, width, (args.teacher, label), cached)
+        print(markdown(rows))
+        if args.json:
+            out = Path(args.json.replace("{format}", (spec or "plain").replace(":", "-")))
+            rec = record(rows, shlex.join(["lowbit", *sys.argv[1:]]), time.perf_counter() - t1)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(rec, indent=1, default=str) + "\n")
+            print(f"wrote {out}")
+        del student
+    print(f"[{time.perf_counter() - t0:.1f} s, {len(ids) - 1} tokens scored, windows of {width}]")
     return 0
