@@ -32,7 +32,15 @@ INLINE_NUMEL = 1 << 16  # tensors up to this size ride in the control message
 STOP = "__stop__"
 
 
-_RUN = {"loaded": False, "busy": False}  # rank 0: workers past their load; a call in flight
+# rank 0's view of the workers: "loading" (waiting for the handshake), "driven" (in
+# worker_loop), "gone" (released or failed); busy: a call is in flight
+_RUN = {"workers": "loading", "busy": False}
+
+
+def begin_driving() -> None:
+    """This process (rank 0) drives the workers from now on."""
+    ps.set_driver(True)
+    _RUN.update(workers="loading", busy=False)
 
 
 def drive_workers(model: torch.nn.Module) -> torch.nn.Module:
@@ -41,9 +49,9 @@ def drive_workers(model: torch.nn.Module) -> torch.nn.Module:
     if not ps.is_driver():
         return model
     errors = _gather_status(None)
+    _RUN["workers"] = "gone" if errors else "driven"  # after a failed handshake every worker exits
     if errors:
         raise LowbitError("a worker could not load its shard: " + "; ".join(errors))
-    _RUN["loaded"] = True
     return DriverModel(model)
 
 
@@ -63,11 +71,11 @@ def release_workers() -> bool:
     and the workers are stuck inside it (the launcher then terminates them)."""
     if _RUN["busy"]:
         return False
-    if _RUN["loaded"]:
+    if _RUN["workers"] == "driven":
         ps.broadcast_object((STOP, []))
-    else:  # they still wait for the load handshake
+    elif _RUN["workers"] == "loading":  # they wait for the load handshake
         _gather_status("rank 0 stopped before driving")
-    _RUN["loaded"] = False
+    _RUN["workers"] = "gone"
     return True
 
 

@@ -83,7 +83,7 @@ def _run_rank(main, args: argparse.Namespace, tp: int, ep: int) -> int:
         rc = _follow(args)
         ps.destroy_distributed()
         return rc
-    ps.set_driver(True)
+    driver.begin_driving()
     try:
         rc = main(args)
     except BaseException:

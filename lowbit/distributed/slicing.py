@@ -148,8 +148,11 @@ def _narrow_blocks(x: QuantizedTensor, dim: int, start: int, length: int, name: 
     def size_of(key: str, pdim: int, n: int) -> int:  # payload dim size for a logical size n
         return 0 if n == 0 else fmt.payload_spec(_sized(shape, dim, n))[key][0][pdim]
 
-    payload, cut = {}, {}
+    indexed = {table: idx for idx, table in _REBASE.items() if idx in x.payload and table in x.payload}
+    payload = {}
     for key, t in x.payload.items():
+        if key in indexed:
+            continue  # cut below, by the rows its index payload points at
         spec_dims = full[key][0]
         # dims whose size follows the cut dim; one that does not change kept a single block
         # (or a per-matrix value): every shard reads it whole
@@ -163,15 +166,28 @@ def _narrow_blocks(x: QuantizedTensor, dim: int, start: int, length: int, name: 
                         f"{key!r} payload; the per-rank size {length} must be a multiple of the block")
             lo, hi = size_of(key, j, start), size_of(key, j, start + length)
             t = t.narrow(j, lo, hi - lo)
-            cut[key] = lo
         payload[key] = t.contiguous()
-    for idx, table in _REBASE.items():
-        if idx in payload and table in cut:
-            payload[idx] = payload[idx] - cut[table]
+    for table, idx in indexed.items():
+        payload[table], payload[idx] = _cut_indexed(x.payload[table], payload[idx], full[table][0],
+                                                    fmt.payload_spec(_sized(shape, dim, length))[table][0], name)
     try:
         return QuantizedTensor(fmt, _sized(shape, dim, length), payload)
     except LowbitError as e:
         raise LowbitError(f"cannot shard {name!r} along dim {dim} to {length}: {e}") from None
+
+
+def _cut_indexed(table: torch.Tensor, index: torch.Tensor, whole: tuple, want: tuple, name: str):
+    """Keep the tables the shard's rows point at (a contiguous run), indices rebased."""
+    dims = [j for j, (a, b) in enumerate(zip(whole, want)) if a != b]
+    if not dims:
+        return table, index
+    lo = int(index.min())
+    n = want[dims[0]]
+    if int(index.max()) >= lo + n:
+        raise LowbitError(f"cannot shard {name!r}: its rows use tables {lo}..{int(index.max())}, more than "
+                          f"the {n} a shard of that size holds; pick a parallel size whose row split "
+                          "falls on the format's row groups")
+    return table.narrow(dims[0], lo, n).contiguous(), index - lo
 
 
 def cat(xs: list, dim: int, name: str):
@@ -184,7 +200,7 @@ def cat(xs: list, dim: int, name: str):
     total = sum(x.shape[dim] for x in xs)
     full = fmt.payload_spec(_sized(shape, dim, total))
     payload = {}
-    for key, spec in full.items():
+    for key, (spec, _) in full.items():
         parts = [x.payload[key] for x in xs]
         grown = [j for j, s in enumerate(spec) if s != parts[0].shape[j]]
         if not grown:
@@ -193,4 +209,14 @@ def cat(xs: list, dim: int, name: str):
             payload[key] = parts[0]
         else:
             payload[key] = torch.cat(parts, grown[0])
-    return QuantizedTensor(fmt, _sized(shape, dim, total), payload)
+    for idx, table in _REBASE.items():  # joined rows: each piece's indices count from its own tables
+        if dim == len(shape) - 2 and idx in payload and payload[table].shape != xs[0].payload[table].shape:
+            tdim = [j for j, s in enumerate(payload[table].shape) if s != xs[0].payload[table].shape[j]][0]
+            offsets = [0]
+            for x in xs[:-1]:
+                offsets.append(offsets[-1] + x.payload[table].shape[tdim])
+            payload[idx] = torch.cat([x.payload[idx] + o for x, o in zip(xs, offsets)], dim)
+    try:
+        return QuantizedTensor(fmt, _sized(shape, dim, total), payload)
+    except LowbitError as e:  # e.g. more lut tables than rows of the joined size may hold
+        raise LowbitError(f"cannot join the pieces of {name!r}: {e}") from None
