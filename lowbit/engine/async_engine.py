@@ -67,7 +67,6 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._lock = threading.Lock()  # guards _streams between the loop and the engine thread
         self._thread = threading.Thread(target=self._run, name="lowbit-engine", daemon=True)
-        self.loaded = threading.Event()
 
     def start(self) -> None:
         self._thread.start()
@@ -130,7 +129,6 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             self.engine = self._factory()
-            self.loaded.set()
             while self._apply_commands(block=not self.engine.has_unfinished()):
                 if self.engine.has_unfinished():
                     for delta in self.engine.step():
@@ -142,8 +140,6 @@ class AsyncLLMEngine:
                 ids = list(self._streams)
             for request_id in ids:
                 self._deliver(request_id, EngineUnavailable(f"the engine failed: {e}"))
-        finally:
-            self.loaded.set()
 
     def _apply_commands(self, block: bool) -> bool:
         """Run queued adds and aborts; False once asked to stop."""
@@ -169,6 +165,10 @@ class AsyncLLMEngine:
     def _deliver(self, request_id: str, item: RequestDelta | BaseException) -> None:
         with self._lock:
             entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, stream = entry
+        if entry is None:
+            return
+        loop, stream = entry
+        try:
             loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (server stopped): nobody is listening
+            self._forget(request_id, abort=False)

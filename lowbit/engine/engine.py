@@ -32,7 +32,7 @@ from lowbit.engine.detokenizer import IncrementalDetokenizer
 from lowbit.engine.metrics import EngineStats
 from lowbit.engine.output import append_token, take_delta
 from lowbit.engine.paged_cache import PagedKVCache, kv_bytes_per_token, parse_kv_dtype, pool_tokens
-from lowbit.engine.request import Request, RequestDelta, RequestRejected, RequestStatus
+from lowbit.engine.request import Request, RequestDelta, RequestRejected
 from lowbit.engine.runner import ModelRunner, RunnerOutput
 from lowbit.engine.sampling import SamplingParams
 from lowbit.engine.scheduler import Scheduler, SchedulerOutput
@@ -215,7 +215,3 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-    def is_idle(self) -> bool:
-        return not self.has_unfinished() and all(
-            r.status == RequestStatus.FINISHED for r in self.requests.values())

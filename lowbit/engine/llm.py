@@ -65,37 +65,38 @@ class LLM:
         t0 = time.perf_counter()
         ids = [[self.engine.add_request(p, child_params(sp, i), prompt=text).request_id
                 for i in range(sp.n)] for (text, p), sp in zip(parsed, sps)]
-        done = self._run_to_completion()
+        done, first_token = self._run_to_completion()
         total = time.perf_counter() - t0
         outs = [RequestOutput(text, p, [dataclasses.replace(done[r], index=j) for j, r in enumerate(rids)],
                               request_id=rids[0])
                 for (text, p), rids in zip(parsed, ids)]
-        metrics = self._metrics(outs, total, t0)
+        metrics = self._metrics(outs, total, max(first_token.values(), default=t0) - t0)
         for o in outs:
             o.metrics = metrics
         return outs
 
-    def _run_to_completion(self) -> dict[str, CompletionOutput]:
+    def _run_to_completion(self) -> tuple[dict[str, CompletionOutput], dict[str, float]]:
+        """Step until idle: each request's output, and when its first token came."""
         acc: dict[str, CompletionOutput] = {}
-        self._first_token: dict[str, float] = {}
+        first_token: dict[str, float] = {}
         while self.engine.has_unfinished():
             for d in self.engine.step():
-                self._accumulate(acc, d)
-        return acc
+                first_token.setdefault(d.request_id, time.perf_counter())
+                self._accumulate(acc.setdefault(d.request_id, CompletionOutput("", [])), d)
+        return acc, first_token
 
-    def _accumulate(self, acc: dict[str, CompletionOutput], d: RequestDelta) -> None:
-        out = acc.setdefault(d.request_id, CompletionOutput("", []))
-        self._first_token.setdefault(d.request_id, time.perf_counter())
+    @staticmethod
+    def _accumulate(out: CompletionOutput, d: RequestDelta) -> None:
         out.text += d.text
         out.token_ids += d.token_ids
         if d.logprobs:
             out.logprobs = (out.logprobs or []) + d.logprobs
         out.finish_reason = d.finish_reason
 
-    def _metrics(self, outs: list[RequestOutput], total: float, t0: float) -> dict:
+    @staticmethod
+    def _metrics(outs: list[RequestOutput], total: float, prefill: float) -> dict:
         n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
         n_seqs = sum(len(o.outputs) for o in outs)
-        prefill = max(self._first_token.values(), default=t0) - t0
         decode = total - prefill
         return {"prefill_s": prefill, "decode_s": decode, "total_s": total,
                 "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs), "output_tokens": n_out,

@@ -29,6 +29,7 @@ from lowbit.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    model_sampling_defaults,
 )
 
 log = logging.getLogger("lowbit")
@@ -52,6 +53,10 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.engine.check_available().tokenizer
+
+    @property
+    def sampling_defaults(self) -> dict:
+        return model_sampling_defaults(self.engine.check_available().loaded.generation_config)
 
     @property
     def prompts(self) -> PromptEncoder:
@@ -144,8 +149,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
         body.warn_unknown()
-        params = body.to_params()
-        state.engine.check_available()
+        params = body.to_params(state.sampling_defaults)
         prompts = [state.encode_prompt(p) for p in body.prompts()]
         sub = serving.Submission(state.engine, "cmpl", prompts, params)
         tok = state.tokenizer
@@ -160,7 +164,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat(body: ChatCompletionRequest, request: Request):
         state.check_model(body.model)
         body.warn_unknown()
-        params = body.to_params()
+        params = body.to_params(state.sampling_defaults)
         ids = state.prompts.encode_chat(body.messages, body.add_generation_prompt)
         sub = serving.Submission(state.engine, "chatcmpl", [(None, ids)], params)
         if body.stream:

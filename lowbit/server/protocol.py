@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API, and their mapping to SamplingParams.
 
 Fields follow the OpenAI API plus vLLM's sampling extras (top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens). Unknown fields are
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens). A sampling field
+the request leaves out takes the model's generation_config.json value, as in vLLM, and
+else the OpenAI default. Unknown fields are
 accepted and logged, as OpenAI clients send fields a server may not know; fields lowbit
 knows but cannot honour (logit_bias, suffix, tools that need a parser) are refused.
 """
@@ -19,6 +21,13 @@ from lowbit.errors import LowbitError
 log = logging.getLogger("lowbit")
 
 PromptType = str | list[int] | list[str] | list[list[int]]
+MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def model_sampling_defaults(generation_config: dict) -> dict:
+    """The sampling settings a model's generation_config.json recommends."""
+    return {k: generation_config[k] for k in MODEL_DEFAULTS if generation_config.get(k) is not None}
 
 
 class StreamOptions(BaseModel):
@@ -41,9 +50,9 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     skip_special_tokens: bool = True
@@ -52,18 +61,18 @@ class _SamplingRequest(BaseModel):
         if self.model_extra:
             log.warning("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         if self.logit_bias:
             raise LowbitError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise LowbitError("stream_options is only allowed with stream: true")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = {k: getattr(self, k) for k in MODEL_DEFAULTS if getattr(self, k) is not None}
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
+            **{**API_DEFAULTS, **defaults, **given},
+            n=self.n, seed=self.seed, max_tokens=max_tokens, stop=stop,
+            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens)
@@ -80,10 +89,10 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
 
-    def to_params(self) -> SamplingParams:
+    def to_params(self, defaults: dict) -> SamplingParams:
         if self.suffix:
             raise LowbitError("suffix is not supported")
-        return self.sampling_params(self.max_tokens, self.logprobs,
+        return self.sampling_params(self.max_tokens, self.logprobs, defaults,
                                     self.logprobs if self.echo and self.logprobs is not None else None)
 
     def prompts(self) -> list[str | list[int]]:
@@ -105,13 +114,13 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
 
-    def to_params(self) -> SamplingParams:
+    def to_params(self, defaults: dict) -> SamplingParams:
         if self.tools:
             raise LowbitError("tool calling is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise LowbitError("top_logprobs needs logprobs: true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
 
 class TokenizeRequest(BaseModel):
