@@ -23,6 +23,10 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _refuse(msg: str):
+    raise LowbitError(msg)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -48,42 +52,45 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(msg: str):
-            raise LowbitError(msg)
+        self._validate_sampling()
+        self._validate_outputs()
 
+    def _validate_sampling(self) -> None:
         finite = lambda v: isinstance(v, (int, float)) and math.isfinite(v)
         if not finite(self.temperature) or self.temperature < 0:
-            bad(f"temperature must be a finite number >= 0, got {self.temperature}")
+            _refuse(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not finite(self.top_p) or not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
+            _refuse(f"top_p must be in (0, 1], got {self.top_p}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            bad(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k}")
+            _refuse(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k}")
         if not finite(self.min_p) or not 0 <= self.min_p <= 1:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
+            _refuse(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            bad(f"max_tokens must be a positive integer, got {self.max_tokens}")
+            _refuse(f"max_tokens must be a positive integer, got {self.max_tokens}")
         if not _is_int(self.n) or self.n < 1:
-            bad(f"n must be a positive integer, got {self.n}")
+            _refuse(f"n must be a positive integer, got {self.n}")
         if not finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            _refuse(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not finite(v) or not -2 <= v <= 2:
-                bad(f"{name} must be in [-2, 2], got {v}")
+                _refuse(f"{name} must be in [-2, 2], got {v}")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**64):
+            _refuse(f"seed must be a 64-bit integer, got {self.seed}")
+
+    def _validate_outputs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                bad(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {v}")
+                _refuse(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {v}")
         if self.n > MAX_N:
-            bad(f"n must be at most {MAX_N}, got {self.n}")
+            _refuse(f"n must be at most {MAX_N}, got {self.n}")
         if len(self.stop) > MAX_STOP:
-            bad(f"at most {MAX_STOP} stop strings are allowed, got {len(self.stop)}")
+            _refuse(f"at most {MAX_STOP} stop strings are allowed, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop strings must be non-empty strings")
+            _refuse("stop strings must be non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative integers")
-        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**64):
-            bad(f"seed must be a 64-bit integer, got {self.seed}")
+            _refuse("stop_token_ids must be non-negative integers")
 
     @property
     def greedy(self) -> bool:

@@ -119,13 +119,15 @@ def create_app(config: EngineConfig, engine: AsyncLLMEngine) -> FastAPI:
     app = FastAPI(title="lowbit", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.lowbit = state
     install_error_handlers(app)
-    add_routes(app, state)
+    add_info_routes(app, state)
+    add_openai_routes(app, state)
+    add_tokenizer_routes(app, state)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=("/health",))
     return app
 
 
-def add_routes(app: FastAPI, state: ServerState) -> None:
+def add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
         if not state.engine.is_ready or not state.engine.accepting:
@@ -145,6 +147,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return PlainTextResponse(metrics.render(state.engine.engine, state.model_name),
                                  media_type="text/plain; version=0.0.4")
 
+
+def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
@@ -173,8 +177,6 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if not await sub.collect(request):
             return serving.client_gone()
         return serving.chat_body(sub, state.model_name, state.tokenizer)
-
-    add_tokenizer_routes(app, state)
 
 
 def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:

@@ -1,3 +1,4 @@
+import importlib.util
 import json
 
 import pytest
@@ -119,3 +120,5 @@ def test_metrics_use_vllm_names(server):
         assert f"lowbit:{name}" in text
     gen = [ln for ln in text.splitlines() if ln.startswith("lowbit:generation_tokens_total")]
     assert float(gen[0].split()[-1]) >= 3
+    if importlib.util.find_spec("lowbit.kernels.routes") is not None:
+        assert 'lowbit:route_calls_total{model_name="tiny",op="linear"' in text
