@@ -33,7 +33,7 @@ class EngineConfig:
     quantization: str | None = _opt(None, "quantize weights while loading to this format (nvfp4, mxfp4, "
                                           "fp8, int4, nf4, ...; see docs/FORMATS.md)")
     # scheduling and KV cache
-    max_num_seqs: int = _opt(256, "most requests running at once")
+    max_num_seqs: int = _opt(256, "most requests running at once (at most --max-num-batched-tokens)")
     max_num_batched_tokens: int | None = _opt(
         None, f"most tokens computed per step (prefill is chunked to fit); default {DEFAULT_MAX_NUM_BATCHED_TOKENS}")
     block_size: int = _opt(16, "tokens per KV cache block")
@@ -93,4 +93,7 @@ class EngineConfig:
         """A copy with the defaults that depend on the model filled in."""
         max_len = self.max_model_len or max_position_embeddings
         tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        return dataclasses.replace(self, max_model_len=max_len, max_num_batched_tokens=tokens)
+        # a running request needs at least one token of every step's budget to make progress
+        seqs = min(self.max_num_seqs, tokens)
+        return dataclasses.replace(self, max_model_len=max_len, max_num_batched_tokens=tokens,
+                                   max_num_seqs=seqs)

@@ -76,3 +76,10 @@ def test_abort_frees_blocks_at_once(make_engine):
     assert engine.blocks.num_free_blocks == engine.blocks.num_total_blocks
     out = run_all(engine)
     assert out[rid][-1].finish_reason == "abort"
+
+
+def test_a_budget_smaller_than_the_batch_still_serves_everyone(make_engine):
+    whole = greedy_tokens(make_engine())
+    engine = make_engine(max_num_batched_tokens=2)
+    assert engine.config.max_num_seqs == 2  # seats never outnumber the tokens of a step
+    assert greedy_tokens(engine) == whole
