@@ -4,7 +4,9 @@
 Models: the shared tiny qwen3_moe; a qwen3_moe with 1 kv head (copied to both ranks), a
 dense first layer, tied embeddings and an odd vocabulary (padded); a deepseek_v3 (MLA,
 grouped sigmoid routing with score bias, a shared expert, a dense first layer); a gpt-oss
-(biases everywhere, sinks, interleaved fused experts through the family's own loaders).
+(biases everywhere, sinks, interleaved fused experts through the family's own loaders);
+qwen3_moe / mixtral checkpoints in four third-party quantized layouts (fp8 blocks, nvfp4,
+AWQ and GPTQ int4), loaded as QuantizedTensors and cut on block boundaries.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ SCENARIOS = [  # (model, tp, ep, all-to-all threshold)
     ("deepseek_v3", 2, 2, ALL_REDUCE),
     ("gpt_oss", 2, 1, ALL_REDUCE),
     ("gpt_oss", 2, 2, A2A),
+    # third-party quantized checkpoints: QuantizedTensors cut in the stream, block-aligned
+    ("deepseek-fp8", 2, 2, ALL_REDUCE),  # experts whole: 64-row halves would split 128-row blocks
+    ("ct-nvfp4", 2, 2, ALL_REDUCE),
+    ("awq", 2, 1, ALL_REDUCE),
+    ("gptq", 1, 2, A2A),
 ]
 
 
@@ -112,6 +119,26 @@ def _gpt_oss(path) -> int:
     return 103
 
 
+def _third_party(layout: str, path) -> int:
+    """A checkpoint packed by hand in a published quantized layout (see tests/checkpoint)."""
+    from tests.checkpoint.test_thirdparty_load import (
+        LAYOUTS,
+        V,
+        dense_rest,
+        linear_shapes,
+        qwen_config,
+        write,
+    )
+
+    qc, pack, _, mixtral = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(0)
+    tensors = dense_rest(mixtral, g)
+    for key, shape in linear_shapes(mixtral).items():
+        tensors.update({f"{key}{suffix}": t for suffix, t in pack(shape, g, key)[0].items()})
+    write(path, {**qwen_config("mixtral" if mixtral else "qwen3_moe"), "quantization_config": qc}, tensors)
+    return V
+
+
 # -- the 2-process run ------------------------------------------------------------------------
 def _worker(rank: int, port: int, models: dict, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
@@ -142,6 +169,9 @@ def models(tiny_moe_dir, tmp_path_factory) -> dict:
     for name, make in (("qwen3_moe_kv1", _kv1), ("deepseek_v3", _deepseek), ("gpt_oss", _gpt_oss)):
         path = tmp_path_factory.mktemp(name)
         out[name] = (str(path), make(path))
+    for layout in ("deepseek-fp8", "ct-nvfp4", "awq", "gptq"):
+        path = tmp_path_factory.mktemp(layout)
+        out[layout] = (str(path), _third_party(layout, path))
     return out
 
 
@@ -166,6 +196,8 @@ def test_parallel_logits_match_one_process(scenario, models, parallel_run):
     for rank in (0, 1):
         if os.path.exists(f"{base}.rank{rank}.err"):
             pytest.fail(open(f"{base}.rank{rank}.err").read())
+        if not os.path.exists(f"{base}.rank{rank}.pt"):
+            pytest.fail("the workers stopped at an earlier scenario's error")
         got = torch.load(f"{base}.rank{rank}.pt")
         assert got.shape == ref.shape
         err = (got - ref).abs().max().item()
