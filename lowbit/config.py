@@ -88,6 +88,10 @@ class EngineConfig:
                 raise LowbitError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise LowbitError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size != 1 or self.expert_parallel_size != 1:
+            from lowbit.distributed.parallel_state import check_launched
+
+            check_launched(self.tensor_parallel_size, self.expert_parallel_size)
 
     def resolved(self, max_position_embeddings: int) -> EngineConfig:
         """A copy with the defaults that depend on the model filled in."""

@@ -115,6 +115,16 @@ def init_distributed(tp: int = 1, ep: int = 1, device: str | None = None) -> Par
     return layout
 
 
+def check_launched(tp: int, ep: int) -> None:
+    """Refuse to run a TP x EP engine in a process that was not started as one of its ranks."""
+    layout = current_layout()
+    if layout is None or (layout.tp, layout.ep) != (tp, ep):
+        raise LowbitError(
+            f"--tensor-parallel-size {tp} --expert-parallel-size {ep} needs one process per GPU: "
+            "`lowbit generate` starts them itself; other entry points must run under torchrun and call "
+            "lowbit.distributed.init_distributed first (docs/DISTRIBUTED.md)")
+
+
 def destroy_distributed() -> None:
     global _STATE
     _STATE = None

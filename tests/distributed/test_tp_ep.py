@@ -223,6 +223,13 @@ def test_indivisible_experts_are_refused(models):
         shard_model(m, ParallelLayout(tp=1, ep=3))
 
 
+def test_engine_refuses_parallel_sizes_it_was_not_launched_with():
+    from lowbit.config import EngineConfig
+
+    with pytest.raises(LowbitError, match=r"needs one process per GPU: `lowbit generate` starts them"):
+        EngineConfig(expert_parallel_size=2).validate()
+
+
 def test_world_size_must_match_the_layout():
     with pytest.raises(LowbitError, match=r"lcm\(2, 4\) = 4 processes, but WORLD_SIZE is 2"):
         ParallelLayout.checked(2, 4, world=2)
