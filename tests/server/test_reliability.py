@@ -151,7 +151,7 @@ def test_api_key_guards_everything_but_health(start_server):
         openai.OpenAI(base_url=s.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_health_is_503_while_loading_and_after_the_engine_dies(server, unused_port):
+def test_health_is_503_while_loading_and_after_the_engine_dies(unused_port):
     gate = threading.Event()
 
     def slow_broken_factory():
