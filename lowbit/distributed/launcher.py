@@ -40,6 +40,8 @@ def parallel_sizes(args: argparse.Namespace) -> tuple[int, int]:
 def run_parallel(main: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run `main(args)` on rank 0 of a TP x EP world; returns rank 0's exit status."""
     tp, ep = parallel_sizes(args)
+    if ps.current_layout() is not None:  # already a rank (a launched command calling this again)
+        return main(args)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return _run_rank(main, args, tp, ep)
     world = ps.ParallelLayout.checked(tp, ep).world
