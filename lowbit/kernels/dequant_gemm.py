@@ -257,7 +257,7 @@ def _semaphore(device: torch.device, n: int) -> torch.Tensor:
 def _out(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
-    assert out.shape == (m, n) and out.dtype == x.dtype and out.stride(1) == 1
+    assert out.shape == (m, n) and out.dtype in (x.dtype, torch.float32) and out.stride(1) == 1
     return out
 
 
@@ -313,7 +313,7 @@ def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
     y = _out(out, m, n, x)
     ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
     sem = _semaphore(x.device, grid_n * grid_m)
-    _gemv_kernel[(grid_n, split, grid_m)](
+    launch.run(_gemv_kernel, (grid_n, split, grid_m),
         x, y, x if bias is None else bias, ws, sem,
         codes, a.table, a.tidx, a.ab, a.scales, a.offs,
         m, n, k, kw, w_split, x.stride(0), y.stride(0), stride_cw, a.stride_sn, a.stride_on,
@@ -338,7 +338,7 @@ def lut_gemm(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     y = _out(out, m, n, x)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _gemm_kernel[grid](
+    launch.run(_gemm_kernel, grid,
         x, y, x if bias is None else bias,
         a.codes, a.table, a.tidx, a.ab, a.scales, a.offs,
         m, n, k, a.kc, x.stride(0), y.stride(0), a.stride_cn, a.stride_sn, a.stride_on, a.g,

@@ -109,7 +109,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     sx = torch.empty(m, dtype=torch.float32, device=x.device)
     bk = min(4096, triton.next_power_of_2(k))
-    _quant_rows_kernel[(m,)](x, xq, sx, k, x.stride(0), xq.stride(0), BK=bk, num_warps=4)
+    launch.run(_quant_rows_kernel, (m,), x, xq, sx, k, x.stride(0), xq.stride(0), BK=bk, num_warps=4)
     return xq, sx
 
 
@@ -127,9 +127,9 @@ def fp8_w8a8(x: torch.Tensor, w: Fp8View, bias: torch.Tensor | None = None,
         bk, bn = min(bk, 128), min(bn, 128)
     xq, sx = quantize_rows(x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    assert y.shape == (m, n) and y.dtype == x.dtype and y.stride(1) == 1
+    assert y.shape == (m, n) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _w8a8_kernel[grid](
+    launch.run(_w8a8_kernel, grid,
         xq, sx, w.codes, w.scales, y, x if bias is None else bias,
         m, n, k, xq.stride(0), w.codes.stride(0), w.scales.stride(-2), y.stride(0),
         BLOCK_SCALES=block, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,

@@ -11,6 +11,7 @@ default.json default. `scripts/tune_kernels.py` writes device files.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -57,3 +58,26 @@ def lookup(kernel: str, fmt: str, n: int, k: int, m: int, device: str | None = N
 
 def clear_cache() -> None:
     _file.cache_clear()
+
+
+_RECORDER: list | None = None
+
+
+def run(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), or record the launch while `recording()` is active
+    (scripts/tune_kernels.py --static compiles the recorded launches for a GPU offline)."""
+    if _RECORDER is not None:
+        _RECORDER.append((kernel, grid, args, kwargs))
+        return
+    kernel[grid](*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect launches instead of running them; yields the list."""
+    global _RECORDER
+    previous, _RECORDER = _RECORDER, []
+    try:
+        yield _RECORDER
+    finally:
+        _RECORDER = previous

@@ -222,7 +222,7 @@ def moe_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved) -> str | None:
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
               w2: Resolved, mode: str = "decode", config: dict | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [T, H] in x.dtype; mode "decode" (S <= 256) or "grouped" (see module docstring)."""
+    """y [T, H] in x.dtype (or out's float32); mode "decode" (S <= 256) or "grouped"."""
     assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
     t, h = x.shape
     a_top = ids.shape[1]
@@ -255,17 +255,17 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
     hbuf = torch.empty(s, inter, dtype=torch.float32, device=x.device)
     ys = torch.empty(s, h, dtype=torch.float32, device=x.device)
     y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
-    assert y.shape == (t, h) and y.dtype == x.dtype and y.stride(1) == 1
+    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
     a1, c1 = _launch_args(weight_args(w13))
-    _moe_fc1_kernel[(tiles, triton.cdiv(inter, cfg["BN1"]))](
+    launch.run(_moe_fc1_kernel, (tiles, triton.cdiv(inter, cfg["BN1"])),
         x, hbuf, ids_flat, order, tile_end, seg_start, counts, *a1[:6], s, e, h, inter,
         w13.kp, a_top, x.stride(0), *a1[6:], **c1, BN=cfg["BN1"], BK=cfg["BK1"], **common)
     a2, c2 = _launch_args(weight_args(w2))
-    _moe_fc2_kernel[(tiles, triton.cdiv(h, cfg["BN2"]))](
+    launch.run(_moe_fc2_kernel, (tiles, triton.cdiv(h, cfg["BN2"])),
         hbuf, ys, tw, ids_flat, order, tile_end, seg_start, counts, *a2[:6], s, e, h, inter,
         w2.kp, *a2[6:], **c2, BN=cfg["BN2"], BK=cfg["BK2"], **common)
     bnc = min(1024, triton.next_power_of_2(h))
-    _moe_combine_kernel[(t, triton.cdiv(h, bnc))](ys, y, h, a_top, y.stride(0), BN=bnc,
+    launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, h, a_top, y.stride(0), BN=bnc,
                                                    num_warps=4)
     return y
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from lowbit.formats.base import LutView
-from lowbit.formats.codes import e2m1_table, pack_codes
+from lowbit.formats.codes import e2m1_table
 from lowbit.formats.nf import NF3_TABLE, NF4_TABLE
 from lowbit.kernels.weights import Fp8View
 
@@ -69,7 +69,11 @@ def random_lut_view(
     gen = torch.Generator().manual_seed(seed)
     nb = -(-k // block_size)
     kp = nb * block_size
-    codes = torch.randint(0, 1 << bits, (*lead, n, kp), generator=gen).to(torch.uint8)
+    # every byte string is a valid packing of random codes: draw the packed bytes directly,
+    # on the target device (real-size expert stacks are hundreds of MB)
+    dgen = torch.Generator(device=device).manual_seed(seed)
+    codes = torch.randint(0, 256, (*lead, n, kp * bits // 8), generator=dgen, device=device,
+                          dtype=torch.uint8)
     tab = _table(table, bits, tables, gen)
     index = None
     if tables > 1:
@@ -78,7 +82,7 @@ def random_lut_view(
     if offsets:
         offs = (torch.randn(*lead, n, nb, generator=gen) * 0.1).to(torch.float16)
     view = LutView(
-        codes=pack_codes(codes, bits),
+        codes=codes,
         bits=bits,
         block_size=block_size,
         table=tab,
@@ -119,7 +123,8 @@ def random_fp8_view(
 ) -> Fp8View:
     """layout: "channel" (f32 [.., N, 1]), "block" (f32 128x128), "mx" (e8m0 per 32)."""
     gen = torch.Generator().manual_seed(seed)
-    codes = (torch.randn(*lead, n, k, generator=gen) * 64).to(torch.float8_e4m3fn)
+    dgen = torch.Generator(device=device).manual_seed(seed)
+    codes = (torch.randn(*lead, n, k, generator=dgen, device=device) * 64).to(torch.float8_e4m3fn)
     if layout == "channel":
         view = Fp8View(codes, torch.rand(*lead, n, 1, generator=gen) * 0.02 + 0.001, "f32", 1, k)
     elif layout == "block":

@@ -1,11 +1,13 @@
 """GEMV / GEMM against the torch twin on fresh random weights of every format.
 
-Tolerances: the gemv computes in float32 (float32 activations: rel 1e-5). The gemm rounds
-the decoded weights to bf16 before tl.dot; the twin does the same with dot_dtype (rounding
-as the backend does: lowbit.kernels.runtime.round_for_dot), so bf16 outputs allow rel 1e-2.
+Tolerances: the gemv computes in float32 (rel 1e-5). The gemm rounds the decoded weights to
+bf16 before tl.dot; the twin does the same with dot_dtype (rounding as the backend does:
+lowbit.kernels.runtime.round_for_dot), so with a float32 output only the summation order
+differs (rel 1e-4); a bf16 output adds its own rounding (rel 1e-2).
 """
 
 import os
+import zlib
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPR
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_gemv_matches_twin(case):
-    w = make_weight(case, N, K, seed=hash(case) % 1000)
+    w = make_weight(case, N, K, seed=zlib.crc32(case.encode()) % 1000)
     bias = torch.randn(N)
     for m, cfg in ((1, dict(BN=16, G=8)), (3, dict(BN=32, G=8, SPLIT_K=3)), (16, dict(BN=64, G=16))):
         x = torch.randn(m, K)
@@ -54,19 +56,21 @@ def test_split_k_counters_reset_between_calls():
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_gemm_matches_twin(case):
-    w = make_weight(case, N, K, seed=hash(case) % 997)
+    w = make_weight(case, N, K, seed=zlib.crc32(case.encode()) % 997)
     bias = torch.randn(N).bfloat16()
     for m in (1, 17, 33):
         x = torch.randn(m, K).bfloat16()
-        out = poisoned(m, N, dtype=torch.bfloat16)
+        out = poisoned(m, N, dtype=torch.float32 if m > 1 else torch.bfloat16)
         lut_gemm(x, w, bias, config=dict(BM=16, BN=32, BK=64), out=out)
         ref = reference_linear(x, w, bias, dot_dtype=torch.bfloat16)
-        assert rel_err(out, ref) < BF16_RTOL, (case, m)
+        if m > 1:
+            ref = reference_linear(x.float(), w, bias.float(), dot_dtype=torch.bfloat16)
+        assert rel_err(out, ref) < (1e-4 if m > 1 else BF16_RTOL), (case, m)
 
 
 def test_gemm_tile_smaller_than_block():
     w = make_weight("nf4", N, K, seed=11)  # B = 64 > BK = 32: one scale column per tile
     x = torch.randn(5, K).half()
-    out = poisoned(5, N, dtype=torch.float16)
+    out = poisoned(5, N, dtype=torch.float32)
     lut_gemm(x, w, None, config=dict(BM=16, BN=16, BK=32), out=out)
-    assert rel_err(out, reference_linear(x, w, dot_dtype=torch.float16)) < BF16_RTOL
+    assert rel_err(out, reference_linear(x.float(), w, dot_dtype=torch.float16)) < 1e-4

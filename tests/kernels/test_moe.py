@@ -1,7 +1,9 @@
 """Fused MoE (decode and grouped mappings) against the expert-loop twin.
 
 Routing is skewed on purpose: some experts get no token, one gets most of them.
-bf16 tolerance 1e-2: the twin rounds where the kernels round (lowbit.kernels.runtime.round_for_dot).
+The twin rounds x, the decoded weights and h where the kernels do (dot_dtype, rounding as the
+backend does: lowbit.kernels.runtime.round_for_dot), so with a float32 output only summation
+order differs (rel 1e-3: a few h values may round the other way); a bf16 output: rel 1e-2.
 """
 
 import os
@@ -46,10 +48,10 @@ def test_fused_moe_matches_twin(case, mode):
     for t, a in ((1, 2), (3, 2), (17, 3)) if mode == "grouped" else ((1, 2), (5, 3)):
         ids, wts = _routing(t, a, seed=t)
         x = torch.randn(t, H).bfloat16()
-        out = poisoned(t, H, dtype=torch.bfloat16)
+        out = poisoned(t, H, dtype=torch.float32 if t > 1 else torch.bfloat16)
         fused_moe(x, ids, wts, w13, w2, mode=mode, config=CFG, out=out)
-        ref = reference_moe(x, ids, wts, w13, w2, dot_dtype=torch.bfloat16)
-        assert rel_err(out, ref) < BF16_RTOL, (case, mode, t)
+        ref = reference_moe(x if t == 1 else x.float(), ids, wts, w13, w2, dot_dtype=torch.bfloat16)
+        assert rel_err(out, ref) < (1e-3 if t > 1 else BF16_RTOL), (case, mode, t)
 
 
 def test_grouped_tiles_span_one_expert():
