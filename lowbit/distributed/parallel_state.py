@@ -29,6 +29,9 @@ import torch.distributed as dist
 from lowbit.errors import LowbitError
 
 TIMEOUT = datetime.timedelta(minutes=30)  # a rank that does not answer for this long is lost
+# the tensor forms of all-gather / reduce-scatter (renamed *_single in newer torch)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,7 @@ def all_gather(x: torch.Tensor, group: str, dim: int = 0) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=_group(group))
+    _ALL_GATHER(out, x, group=_group(group))
     if dim % x.dim() == 0:
         return out
     return torch.cat(out.chunk(n), dim=dim)
@@ -188,7 +191,7 @@ def reduce_scatter(x: torch.Tensor, group: str) -> torch.Tensor:
     if n == 1:
         return x
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-    dist.reduce_scatter_single(out, x.contiguous(), group=_group(group))
+    _REDUCE_SCATTER(out, x.contiguous(), group=_group(group))
     return out
 
 

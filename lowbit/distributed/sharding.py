@@ -90,7 +90,6 @@ def cutting_loader(base, spec: ShardSpec):
             base(full, loaded, None, name)
             default_loader(param, take(full, spec, name), None, name)
 
-    load.cuts = True
     return load
 
 
