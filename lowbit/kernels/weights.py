@@ -197,6 +197,8 @@ def resolve(w, decode: str | None = None) -> Resolved:
 
     decode="gather" forces the table gather even where arithmetic would do (tests, bench).
     """
+    if isinstance(w, (DenseWeight, LutWeight)):
+        return w
     if isinstance(w, (Tensor, LutView, Fp8View)) or decode is not None:
         return _resolve_uncached(w, decode)
     key, fp = id(w), _fingerprint(w)

@@ -1,0 +1,300 @@
+"""Kernel roofline benchmark: ceilings, in-process peers, then our routes, on one GPU.
+
+  python -m lowbit.bench.kernels --out DIR [--quick]
+
+1. Ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 matmul.
+2. Linear, N x K in {4096x14336, 14336x4096, 2048x6144}, M in {1, 4, 16}: peers torch bf16
+   (cuBLAS), torch._weight_int4pack_mm (tinygemm, int4 g128), torch._scaled_mm (fp8, M
+   padded to 16); ours per weight format (gemv; gemm at M = 16; fp8 W8A8).
+3. MoE layer at C1/C4/C16 for Qwen3-30B-A3B (E=128, top-8, 2048 -> 768) and Mixtral
+   (E=8, top-2, 4096 -> 14336): peer torch bf16 (loop over the experts used), ours (fused
+   decode route, timed as a CUDA-graph replay) in nvfp4, int4 and bf16.
+Times: triton.testing.do_bench median (L2 flushed before each call), three repeats:
+median, min and max. Bandwidth counts the weight payload each call must read once (for
+MoE, only the experts the routing used); % copy is that over the measured copy rate.
+Each of our cases is checked once against its torch twin (relative error reported).
+Writes DIR/kernels.json and DIR/kernels.md after every section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = ((4096, 14336), (14336, 4096), (2048, 6144))
+MS = (1, 4, 16)
+LUT_FORMATS = {
+    "int4_g128": dict(bits=4, table="int", block_size=128, scale_kind="f16", offsets=True),
+    "nvfp4": dict(bits=4, table="e2m1", block_size=16, scale_kind="e4m3"),
+    "mxfp4": dict(bits=4, table="e2m1", block_size=32, scale_kind="e8m0"),
+    "nf4": dict(bits=4, table="nf", block_size=64, scale_kind="bf16"),
+    "lut3": dict(bits=3, table="random", block_size=64, scale_kind="bf16", tables=4),
+}
+MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+MOE_CONCURRENCY = (1, 4, 16)
+DEV = "cuda"
+SMOKE = False  # --smoke: tiny shapes on the CPU through the Triton interpreter (code paths only)
+
+
+def timed(fn, graph: bool = False, repeats: int = 3) -> dict:
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    if SMOKE:
+        t0 = time.perf_counter()
+        fn()
+        us = (time.perf_counter() - t0) * 1e6
+        return {"us": us, "min_us": us, "max_us": us}
+
+    runs = []
+    for _ in range(repeats):
+        if graph:
+            runs.append(do_bench_cudagraph(fn, rep=30, return_mode="median"))
+        else:
+            runs.append(do_bench(fn, warmup=10, rep=30, return_mode="median"))
+    runs.sort()
+    return {"us": runs[len(runs) // 2] * 1e3, "min_us": runs[0] * 1e3, "max_us": runs[-1] * 1e3}
+
+
+def payload_bytes(w) -> int:
+    from lowbit.kernels.weights import DenseWeight, Fp8View
+
+    if isinstance(w, DenseWeight):
+        ts = [w.w]
+    elif isinstance(w, Fp8View):
+        ts = [w.codes, w.scales]
+    else:
+        v = w.view
+        ts = [v.codes, v.scales, v.table, v.offsets, v.table_index]
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def ceilings() -> dict:
+    a = torch.empty(1 << (16 if SMOKE else 30), dtype=torch.uint8, device=DEV)
+    a.random_()
+    b = torch.empty_like(a)
+    copy = timed(lambda a=a, b=b: b.copy_(a))
+    n = 64 if SMOKE else 8192
+    x = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    y = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    mm = timed(lambda x=x, y=y: x @ y)
+    return {"copy_TBps": 2 * a.numel() / copy["us"] / 1e6, "copy": copy,
+            "bf16_TFLOPs": 2 * n**3 / mm["us"] / 1e6, "matmul": mm}
+
+
+def _peers(n: int, k: int) -> dict:
+    """name -> (fn(x), weight bytes); peers the local torch build cannot run are left out."""
+    out = {}
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    out["torch bf16"] = (lambda x, w=w: F.linear(x, w), n * k * 2)
+    try:
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32, device=DEV)
+        packed = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
+        wp = torch._convert_weight_to_int4pack(packed, 8)
+        sz = torch.randn(k // 128, n, 2, dtype=torch.bfloat16, device=DEV)
+        fn = lambda x, wp=wp, sz=sz: torch._weight_int4pack_mm(x, wp, 128, sz)  # noqa: E731
+        fn(torch.randn(1, k, device=DEV, dtype=torch.bfloat16))
+        out["torch int4 tinygemm"] = (fn, n * k // 2 + sz.numel() * 2)
+    except Exception as exc:  # noqa: BLE001 - a peer this build lacks is reported, not fatal
+        print(f"  tinygemm peer unavailable: {type(exc).__name__}: {exc}"[:200], flush=True)
+    try:
+        wq = torch.randn(n, k, device=DEV).to(torch.float8_e4m3fn)
+        one = torch.tensor(1.0, device=DEV)
+
+        def scaled(x, wq=wq, one=one):
+            xq = torch.zeros(max(16, x.shape[0]), k, device=DEV, dtype=torch.float8_e4m3fn)
+            return torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+        scaled(torch.randn(1, k, device=DEV))
+        out["torch _scaled_mm fp8"] = (scaled, n * k)
+    except Exception as exc:  # noqa: BLE001
+        print(f"  _scaled_mm peer unavailable: {type(exc).__name__}: {exc}"[:200], flush=True)
+    return out
+
+
+def _ours(n: int, k: int) -> dict:
+    """name -> (weight, route, fn(x, w))."""
+    from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv
+    from lowbit.kernels.fp8_gemm import fp8_w8a8
+    from lowbit.kernels.samples import random_fp8_view, random_lut_view
+    from lowbit.kernels.weights import resolve
+
+    out = {}
+    for name, kw in LUT_FORMATS.items():
+        w = resolve(random_lut_view(n, k, device=DEV, **kw))
+        out[f"{name} gemv"] = (w, "gemv", lut_gemv)
+        out[f"{name} gemm"] = (w, "gemm", lut_gemm)
+    f8 = resolve(random_fp8_view(n, k, layout="channel", device=DEV))
+    out["fp8 w8a16 gemv"] = (f8, "gemv", lut_gemv)
+    fb = resolve(random_fp8_view(n, k, layout="block", device=DEV))
+    out["fp8 w8a8 (128x128)"] = (fb, "w8a8", fp8_w8a8)
+    return out
+
+
+def linear_section(copy_tbps: float, quick: bool) -> list[dict]:
+    from lowbit.kernels.dequant_gemm import reference_linear
+    from lowbit.kernels.fp8_gemm import reference_w8a8
+
+    rows = []
+    for n, k in ((96, 256),) if SMOKE else (SHAPES[:1] if quick else SHAPES):
+        peers = _peers(n, k)
+        ours = _ours(n, k)
+        for m in MS:
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            base = None
+            for name, (fn, nbytes) in peers.items():
+                t = timed(lambda fn=fn, x=x: fn(x))
+                base = base or t["us"]
+                rows.append(_row("linear", f"{n}x{k}", m, name, t, nbytes, copy_tbps, None, base))
+            for name, (w, route, fn) in ours.items():
+                if route == "gemm" and m != 16:
+                    continue
+                try:
+                    y = fn(x, w)
+                    ref = reference_w8a8(x, w) if route == "w8a8" else reference_linear(x, w)
+                    err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+                    t = timed(lambda fn=fn, w=w, x=x: fn(x, w))
+                except Exception as exc:  # noqa: BLE001 - keep the other rows
+                    print(f"  FAIL {name} M={m}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                    continue
+                rows.append(_row("linear", f"{n}x{k}", m, name, t, payload_bytes(w), copy_tbps,
+                                 err, base))
+                print(_fmt(rows[-1]), flush=True)
+        del peers, ours
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _torch_moe(x, ids, wts, w13, w2):
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    inter = w13.shape[1] // 2
+    for e in ids.unique().tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        h = F.linear(x[tok], w13[e])
+        a = F.silu(h[:, :inter]) * h[:, inter:]
+        out.index_add_(0, tok, F.linear(a, w2[e]).float() * wts[tok, slot, None])
+    return out.to(x.dtype)
+
+
+def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
+    from lowbit.kernels.moe import fused_moe, reference_moe
+    from lowbit.kernels.samples import random_lut_view
+    from lowbit.kernels.weights import resolve
+
+    rows = []
+    models = {"tiny": (8, 2, 64, 32)} if SMOKE else MOE_MODELS
+    for model, (e, top, h, inter) in models.items():
+        if quick and model != "qwen3-30b-a3b":
+            continue
+        dense13 = torch.randn(e, 2 * inter, h, device=DEV, dtype=torch.bfloat16) * 0.02
+        dense2 = torch.randn(e, h, inter, device=DEV, dtype=torch.bfloat16) * 0.02
+        weights = {"bf16": (resolve(dense13), resolve(dense2))}
+        for fmt in ("nvfp4", "int4_g128"):
+            kw = LUT_FORMATS[fmt]
+            weights[fmt] = (resolve(random_lut_view(2 * inter, h, lead=(e,), device=DEV, **kw)),
+                            resolve(random_lut_view(h, inter, lead=(e,), device=DEV, seed=1, **kw)))
+        for c in MOE_CONCURRENCY:
+            g = torch.Generator(device=DEV).manual_seed(c)
+            ids = torch.rand(c, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32)
+            wts = torch.rand(c, top, device=DEV, generator=g)
+            x = torch.randn(c, h, device=DEV, dtype=torch.bfloat16)
+            active = ids.unique().numel()
+            t = timed(lambda x=x, ids=ids, wts=wts, d13=dense13, d2=dense2: _torch_moe(x, ids, wts, d13, d2))
+            base = t["us"]
+            per_expert = 3 * inter * h * 2
+            rows.append(_row("moe", model, c, "torch bf16 expert loop", t, active * per_expert,
+                             copy_tbps, None, base))
+            for fmt, (w13, w2) in weights.items():
+                try:
+                    y = fused_moe(x, ids, wts, w13, w2, mode="decode")
+                    err = None
+                    if c == 4:
+                        ref = reference_moe(x, ids, wts, w13, w2)
+                        err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+                    t = timed(lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: fused_moe(x, ids, wts, w13, w2, mode="decode"),
+                              graph=True)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  FAIL moe {model} {fmt} C{c}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                    continue
+                nbytes = active * (payload_bytes(w13) + payload_bytes(w2)) // e
+                rows.append(_row("moe", model, c, f"ours {fmt} (graph)", t, nbytes, copy_tbps, err, base))
+                print(_fmt(rows[-1]), flush=True)
+        del weights, dense13, dense2
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _row(kind, shape, m, impl, t, nbytes, copy_tbps, err, base) -> dict:
+    tbps = nbytes / t["us"] / 1e6
+    return {"kind": kind, "shape": shape, "M": m, "impl": impl, **t, "bytes": nbytes,
+            "TBps": tbps, "pct_copy": 100 * tbps / copy_tbps, "rel_err": err,
+            "speedup_vs_first_peer": base / t["us"] if base else None}
+
+
+def _fmt(r: dict) -> str:
+    err = "" if r["rel_err"] is None else f" err {r['rel_err']:.1e}"
+    return (f"{r['kind']:6s} {r['shape']:14s} M={r['M']:<3d} {r['impl']:26s} {r['us']:8.1f} us "
+            f"[{r['min_us']:.1f}-{r['max_us']:.1f}] {r['TBps']:.2f} TB/s {r['pct_copy']:5.1f}% copy{err}")
+
+
+def markdown(result: dict) -> str:
+    c = result["ceilings"]
+    lines = [f"Device: {result['device']}; commit {result['commit']}; torch {result['torch']}, "
+             f"triton {result['triton']}.",
+             f"Ceilings: copy {c['copy_TBps']:.2f} TB/s (read + write), bf16 matmul "
+             f"{c['bf16_TFLOPs']:.0f} TFLOP/s.", "",
+             "| op | shape | M | impl | median us | min-max us | weight TB/s | % copy | vs first peer | rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        err = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+        sp = "" if r["speedup_vs_first_peer"] is None else f"{r['speedup_vs_first_peer']:.2f}x"
+        lines.append(f"| {r['kind']} | {r['shape']} | {r['M']} | {r['impl']} | {r['us']:.1f} | "
+                     f"{r['min_us']:.1f}-{r['max_us']:.1f} | {r['TBps']:.2f} | {r['pct_copy']:.1f} | {sp} | {err} |")
+    return "\n".join(lines) + "\n"
+
+
+SMOKE_HELP = "tiny shapes on the CPU through the Triton interpreter: checks code paths, not speed"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="one linear shape, one MoE model")
+    ap.add_argument("--sections", default="linear,moe")
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    a = ap.parse_args()
+    if a.smoke:
+        global DEV, SMOKE
+        DEV, SMOKE = "cpu", True
+        os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+
+    commit = os.environ.get("LOWBIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(),
+              "commit": commit or "unknown",
+              "torch": torch.__version__, "triton": triton.__version__, "rows": []}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    result["ceilings"] = ceilings()
+    print(f"ceilings: {result['ceilings']['copy_TBps']:.2f} TB/s copy, "
+          f"{result['ceilings']['bf16_TFLOPs']:.0f} TFLOP/s bf16", flush=True)
+    copy = result["ceilings"]["copy_TBps"]
+    sections = {"linear": linear_section, "moe": moe_section}
+    for name in a.sections.split(","):
+        result["rows"] += sections[name](copy, a.quick)
+        (out / "kernels.json").write_text(json.dumps(result, indent=1))
+        (out / "kernels.md").write_text(markdown(result))
+        print(f"section {name} done at {time.time() - t0:.0f} s", flush=True)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

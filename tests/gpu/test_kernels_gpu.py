@@ -1,0 +1,143 @@
+"""The kernels on a CUDA GPU at real sizes, against their torch twins, plus CUDA-graph capture
+and replay of the decode routes and split-K determinism. Skipped (marked) without CUDA.
+
+Tolerances: float32 outputs; gemv computes in float32 (rel 1e-5); gemm / MoE round to bf16
+where the twin does (dot_dtype), so only summation order differs (rel 1e-3).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.kernels import linear, moe_experts
+from tests.kernels.cases import ALL_CASES, make_weight, poisoned, rel_err
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DEV = "cuda"
+ODD_CASES = ["int4_g32_offsets", "nvfp4_two_tables", "lut3_offsets", "fp8_block"]
+
+
+def _gemv(x, w, bias, out, **kw):
+    from lowbit.kernels.dequant_gemm import lut_gemv
+
+    return lut_gemv(x, w, bias, out=out, **kw)
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_gemv_real_size(case):
+    from lowbit.kernels.dequant_gemm import reference_linear
+
+    n, k = 4096, 4096
+    w = make_weight(case, n, k, seed=3, device=DEV)
+    bias = torch.randn(n, device=DEV)
+    for m in (1, 16):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        out = poisoned(m, n, dtype=torch.float32, device=DEV)
+        _gemv(x, w, bias, out)
+        assert rel_err(out, reference_linear(x.float(), w, bias)) < 1e-5, (case, m)
+
+
+@pytest.mark.parametrize("case", ODD_CASES)
+def test_gemv_odd_shapes(case):
+    from lowbit.kernels.dequant_gemm import reference_linear
+
+    n, k = 1030, 1000
+    w = make_weight(case, n, k, seed=4, device=DEV)
+    for m in (1, 3):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        out = poisoned(m, n, dtype=torch.float32, device=DEV)
+        _gemv(x, w, None, out, config=dict(BN=32, G=32, SPLIT_K=3))
+        assert rel_err(out, reference_linear(x.float(), w)) < 1e-5, (case, m)
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_gemm_real_size(case):
+    from lowbit.kernels.dequant_gemm import lut_gemm, reference_linear
+
+    n, k = 2048, 4096 if case in ODD_CASES else 3000
+    w = make_weight(case, n, k, seed=5, device=DEV)
+    for m in (17, 129):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        out = poisoned(m, n, dtype=torch.float32, device=DEV)
+        lut_gemm(x, w, None, out=out)
+        ref = reference_linear(x.float(), w, dot_dtype=torch.bfloat16)
+        assert rel_err(out, ref) < 1e-3, (case, m)
+
+
+@pytest.mark.parametrize("layout", ["channel", "block"])
+def test_w8a8(layout):
+    from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8
+    from lowbit.kernels.samples import random_fp8_view
+
+    w = random_fp8_view(3000, 4096, layout=layout, device=DEV)
+    for m in (1, 33):
+        x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
+        out = poisoned(m, 3000, dtype=torch.float32, device=DEV)
+        fp8_w8a8(x, w, None, out=out)
+        assert rel_err(out, reference_w8a8(x.float(), w)) < 1e-3
+
+
+@pytest.mark.parametrize("case", ["nvfp4_two_tables", "int4_g32_offsets", "nf4"])
+def test_fused_moe_real_size(case):
+    from lowbit.kernels.moe import fused_moe, reference_moe
+
+    e, top, h, inter = 64, 8, 2048, 768
+    w13 = make_weight(case, 2 * inter, h, lead=(e,), seed=1, device=DEV)
+    w2 = make_weight(case, h, inter, lead=(e,), seed=2, device=DEV)
+    for mode, t in (("decode", 1), ("decode", 16), ("grouped", 16), ("grouped", 300)):
+        ids = torch.rand(t, e, device=DEV).topk(top, -1).indices.to(torch.int32)
+        ids[: t // 2, 0] = 5  # skewed: half the tokens share one expert
+        ids[: t // 2, 1:] = torch.arange(6, 6 + top - 1, device=DEV, dtype=torch.int32)
+        wts = torch.rand(t, top, device=DEV)
+        x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+        out = poisoned(t, h, dtype=torch.float32, device=DEV)
+        fused_moe(x, ids, wts, w13, w2, mode=mode, out=out)
+        ref = reference_moe(x.float(), ids, wts, w13, w2, dot_dtype=torch.bfloat16)
+        assert rel_err(out, ref) < 1e-3, (case, mode, t)
+
+
+def test_split_k_is_deterministic():
+    w = make_weight("nf4", 4096, 14336, seed=6, device=DEV)
+    x = torch.randn(2, 14336, device=DEV, dtype=torch.bfloat16)
+    outs = []
+    for _ in range(3):
+        out = poisoned(2, 4096, dtype=torch.float32, device=DEV)
+        _gemv(x, w, None, out, config=dict(BN=32, G=32, SPLIT_K=4))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+
+
+def test_cuda_graph_replay_of_decode_routes(monkeypatch):
+    from lowbit.kernels.dequant_gemm import reference_linear
+    from lowbit.kernels.moe import reference_moe
+
+    monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "triton_lut_gemv")
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_fused_moe_decode")
+    w = make_weight("nvfp4_two_tables", 2048, 4096, seed=7, device=DEV)
+    e, top, h, inter = 32, 4, 1024, 512
+    w13 = make_weight("int4_g32_offsets", 2 * inter, h, lead=(e,), seed=8, device=DEV)
+    w2 = make_weight("int4_g32_offsets", h, inter, lead=(e,), seed=9, device=DEV)
+    x = torch.randn(4, 4096, device=DEV, dtype=torch.bfloat16)
+    xm = torch.randn(4, h, device=DEV, dtype=torch.bfloat16)
+    ids = torch.rand(4, e, device=DEV).topk(top, -1).indices.to(torch.int32)
+    wts = torch.rand(4, top, device=DEV)
+    linear(x, w), moe_experts(xm, ids, wts, w13, w2)  # warm up: compile, resolve tables
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = linear(x, w)
+        ym = moe_experts(xm, ids, wts, w13, w2)
+    for _ in range(2):  # fresh inputs written in place, then replay
+        x.copy_(torch.randn_like(x))
+        xm.copy_(torch.randn_like(xm))
+        ids.copy_(torch.rand(4, e, device=DEV).topk(top, -1).indices.to(torch.int32))
+        wts.copy_(torch.rand(4, top, device=DEV))
+        y.fill_(float("nan"))
+        ym.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, reference_linear(x, w)) < 1e-2
+        assert rel_err(ym, reference_moe(xm, ids, wts, w13, w2, dot_dtype=torch.bfloat16)) < 1e-2
