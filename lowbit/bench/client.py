@@ -3,9 +3,9 @@ llama-server): model list, /tokenize, Prometheus /metrics, and one streamed requ
 timed chunk by chunk.
 
 Times are time.perf_counter() seconds, taken when a server-sent event is parsed.
-A chunk counts as a token arrival when it carries text (completions: `text`; chat:
-`delta.content` or `delta.reasoning_content`). The token count comes from the final
-`usage` event (`stream_options.include_usage`); without it, text chunks are counted.
+Every event with choices counts as a token arrival (see _is_token_chunk). The token
+count comes from the final `usage` event (`stream_options.include_usage`); without it,
+the arrivals are counted.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import httpx
 class RequestResult:
     send: float
     planned_prompt_tokens: int
-    first: float | None = None  # first text chunk
-    chunks: list[float] = field(default_factory=list)  # arrival time of every text chunk
+    first: float | None = None  # first token chunk
+    chunks: list[float] = field(default_factory=list)  # arrival time of every token chunk
     end: float | None = None
     prompt_tokens: int | None = None  # from usage
     completion_tokens: int | None = None  # from usage
@@ -41,7 +41,7 @@ class RequestResult:
         return self.prompt_tokens if self.prompt_tokens is not None else self.planned_prompt_tokens
 
     def as_dict(self, t0: float) -> dict:
-        rel = lambda t: None if t is None else round(t - t0, 6)
+        rel = lambda t: None if t is None else round(t - t0, 9)
         return {"send": rel(self.send), "first": rel(self.first), "end": rel(self.end),
                 "chunks": [rel(t) for t in self.chunks], "prompt_tokens": self.input_tokens,
                 "completion_tokens": self.output_tokens, "usage": self.completion_tokens is not None,
@@ -72,10 +72,13 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
-def _chunk_has_text(obj: dict) -> bool:
+def _is_token_chunk(obj: dict) -> bool:
+    """A streamed event that carries generated output: any event with choices, except a
+    chat delta holding only the role. Text may be empty (a server without a tokenizer
+    streams ids only; a detokenizer may hold back part of a character)."""
     for ch in obj.get("choices") or []:
-        delta = ch.get("delta") or {}
-        if ch.get("text") or delta.get("content") or delta.get("reasoning_content"):
+        delta = ch.get("delta")
+        if delta is None or set(delta) - {"role"} or ch.get("finish_reason"):
             return True
     return False
 
@@ -136,7 +139,7 @@ class Client:
                     if obj.get("error"):
                         res.error = str(obj["error"])[:300]
                         break
-                    if _chunk_has_text(obj):
+                    if _is_token_chunk(obj):
                         res.first = res.first or now
                         res.chunks.append(now)
                     usage = obj.get("usage")
@@ -148,5 +151,5 @@ class Client:
         finally:
             res.end = time.perf_counter()
         if not res.error and res.first is None:
-            res.error = "the stream carried no text"
+            res.error = "the stream carried no tokens"
         return res

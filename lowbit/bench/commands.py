@@ -32,7 +32,7 @@ def _record_args(p: argparse.ArgumentParser) -> None:
 def _save(rec: dict, args: argparse.Namespace, title: str, body: str, label: str = "") -> None:
     from lowbit.bench.record import append_md, environment, write_record
 
-    rec["env"] = environment(rec.get("device"))
+    rec.setdefault("env", environment(rec.get("device")))
     path = write_record(rec, args.records, label)
     print(f"record: {path}", file=sys.stderr)
     if args.append_md:
@@ -52,10 +52,12 @@ def _emit(fmt: str, headers: list[str], rows: list[list], md: str, rec: dict) ->
 
 def cmd_latency(args: argparse.Namespace) -> int:
     from lowbit.bench import latency
+    from lowbit.bench.record import environment
 
     cfg = EngineConfig.from_cli(args)
     depths = args.depth if args.depth is not None else [0, 32768]
     rec = latency.measure(cfg, args.prompt, args.gen, depths, args.repeats, fit_depths=args.depth is None)
+    rec["env"] = environment(rec["device"])
     md = latency.summary_md(rec)
     _emit(args.output, latency.HEADERS, latency.table_rows(rec), md, rec)
     _save(rec, args, f"bench latency: {latency.table_rows(rec)[0][0]} {rec['weight_format']}", md,
@@ -76,14 +78,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         concurrency=tuple(args.concurrency), context=tuple(args.context), num_prompts=args.num_prompts,
         prompts_per_slot=args.prompts_per_slot, input_len=args.input_len, output_len=args.output_len,
         payload=args.payload, ignore_eos=args.ignore_eos, api_key=args.api_key, seed=args.seed,
-        warmup=args.warmup, timeout=args.timeout)
+        warmup=args.warmup, timeout=args.timeout, time_limit=args.time_limit)
     try:
         rec = asyncio.run(serve.run_load(cfg, log=print))
     except (httpx.TransportError, httpx.HTTPStatusError) as e:
         raise LowbitError(f"cannot reach {args.base_url}: {e}; is the server running?") from e
     md = md_table(serve.SUMMARY_HEADERS, serve.summary_rows(rec))
     print("\n" + md)
-    rec["device"] = "client"
+    from lowbit.bench.record import environment
+
+    rec["env"] = environment("cpu")
+    rec["env"]["device"] = f"server at {rec['base_url']}; client {rec['env']['device']}"
     _save(rec, args, f"bench serve: {rec['model']} at {rec['base_url']}",
           md + f"\n\n{cfg.input_len} input / {cfg.output_len} output tokens, {rec['prompt_mode']} prompts, "
           f"payload {cfg.payload}", rec["model"])
@@ -126,7 +131,6 @@ def cmd_ab(args: argparse.Namespace) -> int:
     from lowbit.bench import ab
 
     rec = ab.run_ab(args.cmd_a, args.cmd_b, args.rounds, args.metric or ab.DEFAULT_METRIC, args.timeout)
-    rec["device"] = "host"
     text = ab.format_report(rec)
     print(text)
     _save(rec, args, "bench ab", text)
@@ -171,6 +175,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--warmup", type=int, default=1, help="unrecorded requests before each context")
     s.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds")
+    s.add_argument("--time-limit", type=float, default=None,
+                   help="seconds for the whole run; no request starts after it, later levels are skipped")
     _record_args(s)
     s.set_defaults(func=cmd_serve)
 

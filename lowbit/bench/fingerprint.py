@@ -61,7 +61,8 @@ def fingerprint(cfg: EngineConfig, max_tokens: int = 32, long_len: int = 1536,
         prompts[name] = {"prompt_tokens": len(ids), "prompt_sha256": digest(ids),
                          "sha256": digest(out), "tokens": list(out)}
     return {"kind": "fingerprint", "model": cfg.config if cfg.random_weights else cfg.model,
-            "format": fmt or llm.loaded.weight_format, "dtype": cfg.dtype, "device": llm.device,
+            "format": fmt or llm.loaded.weight_format, "device": llm.device,
+            "dtype": str(next(llm.model.parameters()).dtype).removeprefix("torch."),
             "max_tokens": max_tokens, "prompts": prompts}
 
 

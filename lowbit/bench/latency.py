@@ -244,7 +244,8 @@ def table_rows(rec: dict) -> list[list[str]]:
     for c in rec["cells"]:
         gbs = f"{c['gb_s']:.3g}" if "gb_s" in c else "-"
         mbu = f"{100 * c['mbu']:.1f}%" if "mbu" in c else "-"
-        rows.append([model, rec["weight_format"], rec["device"], c["test"],
+        device = rec.get("env", {}).get("device", rec["device"]).split(" (")[0]
+        rows.append([model, rec["weight_format"], device, c["test"],
                      f"{c['tok_s_mean']:.2f} ± {c['tok_s_sd']:.2f}", f"{c['ms_per_tok']:.2f}", gbs, mbu])
     return rows
 

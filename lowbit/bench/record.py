@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,12 @@ def device_name(device: str | None = None) -> str:
     return f"cpu: {cpu_name()} ({os.cpu_count()} cores)"
 
 
+def command_line() -> str:
+    """The command as typed: `python -m lowbit ...` and the `lowbit` script both read `lowbit ...`."""
+    prog = Path(sys.argv[0]).name
+    return shlex.join(["lowbit" if prog in ("lowbit", "__main__.py") else prog, *sys.argv[1:]])
+
+
 def environment(device: str | None = None) -> dict:
     """Everything a reader needs to place a number: host, device, commit, command, versions."""
     return {
@@ -72,7 +79,7 @@ def environment(device: str | None = None) -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "commit": git_commit(),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command_line(),
         "versions": {n: _version(n) for n in ("lowbit", "torch", "triton", "transformers")},
     }
 
@@ -118,7 +125,7 @@ def append_md(path: str | Path, title: str, body: str, env: dict | None = None) 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     env = env or environment()
-    lines = [f"\n## {title}\n", "", body.rstrip(), "",
+    lines = [f"\n## {title}", "", body.rstrip(), "",
              f"Command: `{env['command']}`  ", f"Device: {env['device']}; commit "
              f"`{env.get('commit') or 'unknown'}`; torch {env['versions'].get('torch')}.", ""]
     text = "\n".join(lines)

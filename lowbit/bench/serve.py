@@ -31,6 +31,9 @@ WORDS = ("time year people way day man thing woman life child world school state
          "open close bring carry follow lead stand learn write read speak run walk").split()
 
 
+FALLBACK_IDS = range(1000, 3000)  # inside any real vocabulary
+
+
 @dataclass
 class LoadConfig:
     base_url: str
@@ -48,6 +51,7 @@ class LoadConfig:
     seed: int = 0
     warmup: int = 1
     timeout: float | None = None
+    time_limit: float | None = None  # seconds for the whole run: no request starts after it
 
     def prompts_for(self, c: int) -> int:
         return self.num_prompts or self.prompts_per_slot * c
@@ -90,13 +94,13 @@ def request_body(cfg: LoadConfig, model: str, prompt) -> dict:
     return body
 
 
-async def _drive(client: Client, cfg: LoadConfig, bodies: list[tuple[dict, int]], c: int
-                 ) -> tuple[list[RequestResult], float, float]:
+async def _drive(client: Client, cfg: LoadConfig, bodies: list[tuple[dict, int]], c: int,
+                 deadline: float) -> tuple[list[RequestResult], float, float]:
     queue = list(reversed(bodies))
     results: list[RequestResult] = []
 
     async def worker() -> None:
-        while queue:
+        while queue and time.perf_counter() < deadline:
             body, planned = queue.pop()
             results.append(await client.stream(cfg.endpoint, body, planned))
 
@@ -106,6 +110,7 @@ async def _drive(client: Client, cfg: LoadConfig, bodies: list[tuple[dict, int]]
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
+    duration = max(duration, 1e-9)
     ok = [r for r in results if r.ok]
     n_in = sum(r.input_tokens for r in ok)
     n_out = sum(r.output_tokens for r in ok)
@@ -130,18 +135,20 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
 
 async def _prompt_maker(client: Client, cfg: LoadConfig, model: str, log) -> PromptMaker:
-    """Token-id prompts when the server tokenizes and accepts ids; words otherwise."""
-    if cfg.endpoint.endswith("chat/completions"):
-        return PromptMaker(cfg.seed, None)
+    """Token ids from the server's tokenizer when it has /tokenize; else words; else (a
+    server without a tokenizer, e.g. random weights) ids from FALLBACK_IDS."""
+    chat = cfg.endpoint.endswith("chat/completions")
     text = " ".join(random.Random(cfg.seed).choice(WORDS) for _ in range(2048))
-    ids = await client.tokenize(text, model)
-    if not ids:
-        return PromptMaker(cfg.seed, None)
-    probe = await client.stream(cfg.endpoint, request_body(cfg, model, ids[:8]), 8)
-    if probe.error.startswith("HTTP 4"):
-        log(f"the server refused token-id prompts ({probe.error[:80]}); using words")
-        return PromptMaker(cfg.seed, None)
-    return PromptMaker(cfg.seed, sorted(set(ids)))
+    ids = None if chat else await client.tokenize(text, model)
+    candidates = [sorted(set(ids))] if ids else []
+    candidates += [None] + ([] if chat else [list(FALLBACK_IDS)])
+    for pool in candidates:
+        maker = PromptMaker(cfg.seed, pool)
+        probe = await client.stream(cfg.endpoint, request_body(cfg, model, maker.piece(8)), 8)
+        if not probe.error.startswith("HTTP 4"):
+            return PromptMaker(cfg.seed, pool)
+        log(f"the server refused {'token-id' if pool else 'text'} prompts: {probe.error[:120]}")
+    return PromptMaker(cfg.seed, None)
 
 
 async def run_load(cfg: LoadConfig, log=print) -> dict:
@@ -151,18 +158,25 @@ async def run_load(cfg: LoadConfig, log=print) -> dict:
         model = cfg.model or (await client.models())[0]
         maker = await _prompt_maker(client, cfg, model, log)
         before = await client.metrics()
-        levels = []
+        deadline = time.perf_counter() + (cfg.time_limit or float("inf"))
+        levels, skipped = [], []
         for ctx in cfg.context:
             prefix = maker.piece(ctx) if ctx else ([] if maker.ids_mode else "")
-            await _warm(client, cfg, model, maker, prefix, log)
+            if time.perf_counter() < deadline:
+                await _warm(client, cfg, model, maker, prefix, log)
             for c in cfg.concurrency:
-                levels.append(await _level(client, cfg, model, maker, prefix, ctx, c, log))
+                if time.perf_counter() >= deadline:
+                    skipped.append({"concurrency": c, "context": ctx})
+                    continue
+                levels.append(await _level(client, cfg, model, maker, prefix, ctx, c, deadline, log))
         after = await client.metrics()
+        if skipped:
+            log(f"time limit reached; skipped levels {skipped}")
     finally:
         await client.close()
     return {"kind": "serve", "base_url": client.base, "model": model, "endpoint": cfg.endpoint,
             "prompt_mode": "ids" if maker.ids_mode else "words", "config": cfg.__dict__,
-            "server_metrics": {"before": before, "after": after}, "levels": levels}
+            "server_metrics": {"before": before, "after": after}, "levels": levels, "skipped": skipped}
 
 
 async def _warm(client: Client, cfg: LoadConfig, model: str, maker: PromptMaker, prefix,
@@ -175,17 +189,17 @@ async def _warm(client: Client, cfg: LoadConfig, model: str, maker: PromptMaker,
 
 
 async def _level(client: Client, cfg: LoadConfig, model: str, maker: PromptMaker, prefix,
-                 ctx: int, c: int, log) -> dict:
+                 ctx: int, c: int, deadline: float, log) -> dict:
     planned = ctx + cfg.input_len  # exact for id prompts, about right for words
     bodies = [(request_body(cfg, model, maker.join(prefix, maker.piece(cfg.input_len))), planned)
               for _ in range(cfg.prompts_for(c))]
     m0 = await client.metrics()
-    results, t0, t1 = await _drive(client, cfg, bodies, c)
+    results, t0, t1 = await _drive(client, cfg, bodies, c, deadline)
     m1 = await client.metrics()
     delta = {k: m1[k] - v for k, v in m0.items() if k in m1 and m1[k] != v} if m0 and m1 else None
     summary = summarize(results, t1 - t0)
     log(format_block(summary, c, ctx))
-    return {"concurrency": c, "context": ctx, "num_prompts": len(bodies), "summary": summary,
+    return {"concurrency": c, "context": ctx, "num_prompts": len(results), "summary": summary,
             "metrics_delta": delta, "requests": [r.as_dict(t0) for r in results]}
 
 

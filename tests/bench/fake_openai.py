@@ -22,6 +22,7 @@ class FakeState:
     itl_s: float = 0.005
     usage: bool = True
     tokenize: bool = True
+    accept_text: bool = True  # False: like a server without a tokenizer, text prompts get 400
     fail_every: int = 0  # every n-th request answers 500
     requests: int = 0
     tokens_sent: int = 0
@@ -62,6 +63,9 @@ def build_app(state: FakeState) -> FastAPI:
         if state.fail_every and state.requests % state.fail_every == 0:
             return JSONResponse({"error": "injected failure"}, status_code=500)
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        if isinstance(prompt, str) and not state.accept_text:
+            return JSONResponse({"error": {"message": "this model has no tokenizer; send token ids"}},
+                                status_code=400)
         n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         n_out = int(body.get("max_tokens") or 16)
         include_usage = (body.get("stream_options") or {}).get("include_usage") and state.usage
@@ -70,11 +74,15 @@ def build_app(state: FakeState) -> FastAPI:
             state.inflight += 1
             state.peak_inflight = max(state.peak_inflight, state.inflight)
             try:
+                if chat:  # a role-only first event carries no token
+                    yield "data: " + json.dumps({"id": "x", "choices": [
+                        {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}) + "\n\n"
                 await asyncio.sleep(state.ttft_s)
                 for i in range(n_out):
                     if i:
                         await asyncio.sleep(state.itl_s)
-                    piece = {"delta": {"content": f" t{i}"}} if chat else {"text": f" t{i}"}
+                    text = f" t{i}" if state.accept_text else ""  # no tokenizer: ids only, empty text
+                    piece = {"delta": {"content": text}} if chat else {"text": text}
                     last = i == n_out - 1
                     yield "data: " + json.dumps({"id": "x", "created": int(time.time()), "choices": [
                         {"index": 0, **piece, "finish_reason": "length" if last else None}]}) + "\n\n"

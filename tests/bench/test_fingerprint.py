@@ -14,7 +14,7 @@ from lowbit.cli import main
 
 HERE = Path(__file__).resolve().parents[1] / "fingerprints"
 DEMO = Path(__file__).resolve().parents[2] / "lowbit" / "demo_model"
-FLAGS = ["--format", "bf16", "--device", "cpu", "--max-tokens", "16", "--long-len", "200"]
+FLAGS = ["--device", "cpu", "--max-tokens", "16", "--long-len", "200"]  # bf16 weights, fp32 compute
 REGENERATE = "lowbit bench fingerprint {model} " + " ".join(FLAGS) + " --out tests/fingerprints/{name}"
 
 

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The GPU benchmark campaign in one call (about 9 minutes on one H200):
+#   1. lowbit bench latency at the Qwen3-30B-A3B shape, random bf16 weights:
+#      pp512, tg128 at depth 0 and 32768 (3 repeats)
+#   2. lowbit serve at the same shape in the background, then lowbit bench serve at
+#      concurrency 1..32, retained context 0 and then 32768 (128 in / 32 out tokens)
+#   3. lowbit bench latency with 4-bit weights (--quantization $QUANT), when the CLI has it
+#   4. lowbit bench report: the plots
+# Every stage has a time cap; a failed or capped stage does not stop the later ones.
+# What comes back under $OUT (default ./bench_out) is at most 7 files: BENCHMARKS.md (the
+# tables), campaign.log, records.tar.gz (JSON records + logs) and the PNG plots.
+#
+# Usage: OUT=/path bash scripts/bench_campaign.sh
+# Knobs (env): CONFIG, QUANT (nvfp4), PORT (8011), BUDGET_S (540), REPEATS (3), CELLS
+# ("-p 512 -n 128 -d 0,32768"), CONCURRENCY (1,2,4,8,16,32), LONG_CONTEXT (32768),
+# INPUT_LEN (128), OUTPUT_LEN (32), DEVICE (empty: cuda when present), DTYPE (auto: bf16 on a GPU).
+# `lowbit serve` needs fastapi and uvicorn; where they are missing (the GPU image has
+# httpx but no fastapi/uvicorn/pydantic/starlette) carry their wheels in .whl/ (see the
+# device notes) and this script installs them to /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+OUT=$(mkdir -p "${OUT:-./bench_out}" && cd "${OUT:-./bench_out}" && pwd)
+WORK=$(mktemp -d /tmp/bench_campaign.XXXXXX)
+CONFIG=${CONFIG:-lowbit/model_configs/Qwen__Qwen3-30B-A3B.json}
+QUANT=${QUANT:-nvfp4}
+PORT=${PORT:-8011}
+REPEATS=${REPEATS:-3}
+read -r -a CELLS <<< "${CELLS:--p 512 -n 128 -d 0,32768}"
+CONCURRENCY=${CONCURRENCY:-1,2,4,8,16,32}
+LONG_CONTEXT=${LONG_CONTEXT:-32768}
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-540} ))
+MD="$OUT/BENCHMARKS.md"
+LOG="$OUT/campaign.log"
+mkdir -p "$WORK/records" "$WORK/logs"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LB=(python3 -m lowbit)
+SERVER_PID=""
+
+say() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
+left() { echo $(( DEADLINE - $(date +%s) )); }
+cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
+
+stage() {  # stage NAME SECONDS CMD...: run under a time cap, log to $LOG and logs/NAME.log
+    local name=$1 secs; secs=$(cap "$2"); shift 2
+    if (( $(left) < 20 )); then say "skip $name: the time budget is spent"; return 1; fi
+    say "start $name (cap ${secs}s): $*"
+    timeout -k 10 "$secs" "$@" > >(tee "$WORK/logs/$name.log" >> "$LOG") 2>&1
+    local rc=$?
+    say "end $name: exit $rc"
+    return $rc
+}
+
+finish() {
+    if [[ -n "$SERVER_PID" ]]; then kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; fi
+    timeout 60 "${LB[@]}" bench report --records "$WORK/records" --out "$OUT" >> "$LOG" 2>&1
+    tar czf "$OUT/records.tar.gz" -C "$WORK" records logs
+    say "done: $(ls "$OUT" | tr '\n' ' ')"
+}
+trap finish EXIT
+
+if [[ -d .whl ]] && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+  python3 -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  git -C "$REPO" rev-parse HEAD 2>/dev/null; } > "$WORK/logs/host.txt" 2>&1
+cat "$WORK/logs/host.txt" >> "$LOG"
+COMMON=(--random-weights --config "$CONFIG" ${DEVICE:+--device "$DEVICE"} ${DTYPE:+--dtype "$DTYPE"})
+REC=(--records "$WORK/records" --append-md "$MD")
+
+# 1. latency, bf16. A small KV pool leaves room for long-context prefill activations.
+stage latency-bf16 170 "${LB[@]}" bench latency x "${COMMON[@]}" "${CELLS[@]}" -r "$REPEATS" \
+    --kv-cache-tokens 65536 "${REC[@]}"
+
+# 2. serving: one server, two context levels, each with its own time limit.
+if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+    say "start lowbit serve on port $PORT"
+    "${LB[@]}" serve x "${COMMON[@]}" --port "$PORT" --served-model-name campaign-random \
+        --max-num-seqs 32 --kv-cache-tokens 262144 > "$WORK/logs/serve.log" 2>&1 &
+    SERVER_PID=$!
+    for _ in $(seq 180); do
+        curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1 && break
+        kill -0 "$SERVER_PID" 2>/dev/null || break
+        sleep 1
+    done
+    if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1; then
+        say "server ready"
+        LOAD=(--base-url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" --input-len "${INPUT_LEN:-128}"
+              --output-len "${OUTPUT_LEN:-32}" --prompts-per-slot 2 --ignore-eos --timeout 150)
+        stage serve-ctx0 150 "${LB[@]}" bench serve "${LOAD[@]}" --context 0 --time-limit 110 "${REC[@]}"
+        stage serve-ctx-long 190 "${LB[@]}" bench serve "${LOAD[@]}" --context "$LONG_CONTEXT" --time-limit 120 "${REC[@]}"
+    else
+        say "lowbit serve did not come up; see logs/serve.log in records.tar.gz"
+        tail -20 "$WORK/logs/serve.log" >> "$LOG"
+    fi
+    kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; SERVER_PID=""
+else
+    say "skip serving: fastapi/uvicorn are not importable (carry their wheels in .whl/)"
+fi
+
+# 3. latency with 4-bit weights, when load-time quantization exists.
+if "${LB[@]}" bench latency --help 2>/dev/null | grep -q -- "--quantization"; then
+    stage "latency-$QUANT" 170 "${LB[@]}" bench latency x "${COMMON[@]}" --quantization "$QUANT" \
+        "${CELLS[@]}" -r "$REPEATS" --kv-cache-tokens 65536 "${REC[@]}"
+else
+    say "skip 4-bit latency: this CLI has no --quantization"
+fi
