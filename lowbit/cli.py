@@ -166,13 +166,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks: latency, serve, fingerprint, ab, report, kernels")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     add_subcommands(bsub)
-    try:  # `lowbit bench kernels` lives with the kernels and registers itself when present
-        from lowbit.bench import kernels
-    except ImportError:
-        return
-    register = getattr(kernels, "add_subcommand", None) or getattr(kernels, "add_parser", None)
-    if register is not None:
-        register(bsub)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

@@ -144,8 +144,24 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kernels(args: argparse.Namespace) -> int:
+    from lowbit.bench import kernels  # imported here: it loads torch and triton
+
+    sys.argv = ["lowbit bench kernels", *args.args]
+    kernels.main()
+    return 0
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Register latency, serve, fingerprint, ab and report under `lowbit bench`."""
+    """Register latency, serve, fingerprint, ab and report under `lowbit bench`, and
+    `kernels` (the roofline benchmark, which parses its own flags) when it is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("lowbit.bench.kernels") is not None:
+        k = sub.add_parser("kernels", help="kernel roofline: ceilings, peers, our routes (GPU)", add_help=False,
+                           prefix_chars="\x00")  # every flag passes through to its own parser
+        k.add_argument("args", nargs=argparse.REMAINDER, help="flags of python -m lowbit.bench.kernels")
+        k.set_defaults(func=cmd_kernels)
     p = sub.add_parser("latency", help="llama-bench style pp/tg cells at depths, with MBU")
     p.add_argument("model", nargs="?", default="demo", help="model directory or built-in name")
     EngineConfig.add_cli_args(p)
