@@ -70,9 +70,8 @@ cat "$WORK/logs/host.txt" >> "$LOG"
 COMMON=(--random-weights --config "$CONFIG" ${DEVICE:+--device "$DEVICE"} ${DTYPE:+--dtype "$DTYPE"})
 REC=(--records "$WORK/records" --append-md "$MD")
 
-# 1. latency, bf16. A small KV pool leaves room for long-context prefill activations.
-stage latency-bf16 170 "${LB[@]}" bench latency x "${COMMON[@]}" "${CELLS[@]}" -r "$REPEATS" \
-    --kv-cache-tokens 65536 "${REC[@]}"
+# 1. latency, bf16 (bench latency sizes the KV pool for its cells).
+stage latency-bf16 170 "${LB[@]}" bench latency x "${COMMON[@]}" "${CELLS[@]}" -r "$REPEATS" "${REC[@]}"
 
 # 2. serving: one server, two context levels, each with its own time limit.
 if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
@@ -103,7 +102,7 @@ fi
 # 3. latency with 4-bit weights, when load-time quantization exists.
 if "${LB[@]}" bench latency --help 2>/dev/null | grep -q -- "--quantization"; then
     stage "latency-$QUANT" 170 "${LB[@]}" bench latency x "${COMMON[@]}" --quantization "$QUANT" \
-        "${CELLS[@]}" -r "$REPEATS" --kv-cache-tokens 65536 "${REC[@]}"
+        "${CELLS[@]}" -r "$REPEATS" "${REC[@]}"
 else
     say "skip 4-bit latency: this CLI has no --quantization"
 fi

@@ -14,6 +14,7 @@ token reached the host, so no extra device sync is needed.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import resource
 import time
@@ -220,6 +221,11 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
     fit_depths: drop the depths that do not fit the context instead of refusing."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(cfg.device if (cfg.device or "").startswith("cuda") else None)
+    if not (cfg.kv_cache_tokens or cfg.num_gpu_blocks_override):
+        # a pool sized for the cells, with room for the free blocks the allocator takes before
+        # the retained depth's; the rest of the memory stays free for long-context activations
+        need = context_needed(prompt, gen, depths)
+        cfg = dataclasses.replace(cfg, kv_cache_tokens=need + max(need // 4, 4096))
     s = Session(cfg)
     depths = usable_depths(depths, prompt, gen, s.llm.max_model_len, fit_depths)
     mem_loaded = peak_memory(s.device)
@@ -227,8 +233,9 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
     mem = peak_memory(s.device)
     bw = copy_bandwidth(s.device)
     return {"kind": "latency", "model": cfg.config if cfg.random_weights else cfg.model,
-            "weight_format": s.llm.loaded.weight_format, "dtype": str(next(s.model.parameters()).dtype).replace("torch.", ""),
-            "device": s.device, "repeats": repeats, "time_to_ready_s": s.time_to_ready_s,
+            "weight_format": s.llm.loaded.weight_format, "device": s.device,
+            "dtype": str(next(s.model.parameters()).dtype).removeprefix("torch."),
+            "kv_cache_tokens": cfg.kv_cache_tokens, "repeats": repeats, "time_to_ready_s": s.time_to_ready_s,
             "memory_after_load": mem_loaded, "memory": mem, "copy_bandwidth_Bps": bw,
             "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw)}
 
