@@ -240,7 +240,7 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw)}
 
 
-HEADERS = ["model", "format", "device", "test", "t/s", "ms/tok", "GB/s", "MBU"]
+HEADERS = ["model", "format", "dtype", "device", "test", "t/s", "ms/tok", "GB/s", "MBU"]
 
 
 def table_rows(rec: dict) -> list[list[str]]:
@@ -252,7 +252,7 @@ def table_rows(rec: dict) -> list[list[str]]:
         gbs = f"{c['gb_s']:.3g}" if "gb_s" in c else "-"
         mbu = f"{100 * c['mbu']:.1f}%" if "mbu" in c else "-"
         device = rec.get("env", {}).get("device", rec["device"]).split(" (")[0]
-        rows.append([model, rec["weight_format"], device, c["test"],
+        rows.append([model, rec["weight_format"], rec["dtype"], device, c["test"],
                      f"{c['tok_s_mean']:.2f} ± {c['tok_s_sd']:.2f}", f"{c['ms_per_tok']:.2f}", gbs, mbu])
     return rows
 

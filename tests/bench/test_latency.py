@@ -14,7 +14,7 @@ def test_latency_cells_table_and_record(tiny_moe_dir, tmp_path, capsys):
                "--records", str(tmp_path), "--append-md", str(tmp_path / "B.md")])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "| model | format | device | test | t/s | ms/tok | GB/s | MBU |" in out
+    assert "| model | format | dtype | device | test | t/s | ms/tok | GB/s | MBU |" in out
     for cell in ("| pp16 |", "| tg8 |", "| pp16 @ d32 |", "| tg8 @ d32 |"):
         assert cell in out
     (path,) = tmp_path.glob("*latency*.json")
@@ -32,7 +32,7 @@ def test_latency_cells_table_and_record(tiny_moe_dir, tmp_path, capsys):
     assert rec["copy_bandwidth_Bps"] > 1e8
     assert rec["env"]["versions"]["torch"] and rec["env"]["device"]
     csv = csv_text(HEADERS, table_rows(rec)).splitlines()
-    assert csv[0] == "model,format,device,test,t/s,ms/tok,GB/s,MBU" and csv[2].split(",")[3] == "tg8"
+    assert csv[0] == "model,format,dtype,device,test,t/s,ms/tok,GB/s,MBU" and csv[2].split(",")[4] == "tg8"
     md = (tmp_path / "B.md").read_text()
     assert md.startswith("# Benchmarks\n") and "## bench latency" in md and "| tg8 @ d32 |" in md
 
