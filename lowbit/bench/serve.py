@@ -78,8 +78,8 @@ class PromptMaker:
         return f"{prefix} {suffix}" if prefix else suffix
 
 
-def request_body(cfg: LoadConfig, model: str, prompt) -> dict:
-    body: dict = {"model": model, "max_tokens": cfg.output_len, "stream": True,
+def request_body(cfg: LoadConfig, model: str, prompt, max_tokens: int | None = None) -> dict:
+    body: dict = {"model": model, "max_tokens": max_tokens or cfg.output_len, "stream": True,
                   "stream_options": {"include_usage": True}}
     if cfg.endpoint.endswith("chat/completions"):
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -144,7 +144,7 @@ async def _prompt_maker(client: Client, cfg: LoadConfig, model: str, log) -> Pro
     candidates += [None] + ([] if chat else [list(FALLBACK_IDS)])
     for pool in candidates:
         maker = PromptMaker(cfg.seed, pool)
-        probe = await client.stream(cfg.endpoint, request_body(cfg, model, maker.piece(8)), 8)
+        probe = await client.stream(cfg.endpoint, request_body(cfg, model, maker.piece(8), 2), 8)
         if not probe.error.startswith("HTTP 4"):
             return PromptMaker(cfg.seed, pool)
         log(f"the server refused {'token-id' if pool else 'text'} prompts: {probe.error[:120]}")
@@ -183,7 +183,8 @@ async def _warm(client: Client, cfg: LoadConfig, model: str, maker: PromptMaker,
                 log) -> None:
     """Warm-up requests with the level's prefix (not recorded)."""
     for _ in range(cfg.warmup):
-        r = await client.stream(cfg.endpoint, request_body(cfg, model, maker.join(prefix, maker.piece(8))), 0)
+        body = request_body(cfg, model, maker.join(prefix, maker.piece(8)), min(cfg.output_len, 8))
+        r = await client.stream(cfg.endpoint, body, 0)
         if r.error:
             log(f"warm-up request failed: {r.error}")
 
