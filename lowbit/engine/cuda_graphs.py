@@ -8,8 +8,12 @@ block tables, sequence lengths); replay copies the step's metadata into them.
 
 A graph replays kernels with the arguments they had at capture, so it is only correct for
 a model whose layers read the batch through those tensors alone. A model says so with
-`supports_cuda_graphs = True`; the reference attention reads Python lengths per sequence,
-so until a paged decode-attention kernel lands every model runs decode eagerly.
+`supports_cuda_graphs = True` (its attention goes through the paged `attention` op); the
+op's torch route still reads Python lengths, so graphs also need a graph-safe route to
+serve decode (lowbit.kernels.attention_op.decode_graph_refusal). Each bucket's warm-up
+step runs with torch's sync debug mode set to error: a layer that reads device values on
+the host (a reference MoE route) turns graphs off, with the reason logged, instead of
+breaking the capture.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ def graphs_wanted(model: torch.nn.Module, device: torch.device, enforce_eager: b
         return "not on CUDA"
     if not getattr(model, "supports_cuda_graphs", False):
         return "the model's attention reads per-sequence Python metadata"
-    return None
+    try:
+        from lowbit.kernels.attention_op import decode_graph_refusal
+    except ImportError as e:
+        return f"the attention kernels cannot be imported ({e})"
+    return decode_graph_refusal()
 
 
 class DecodeGraphs:
@@ -59,10 +67,13 @@ class DecodeGraphs:
                             self.kv_cache, self.slot_mapping[:b], self.block_tables[:b],
                             self.seq_lens[:b])
 
-    def capture(self) -> None:
+    def capture(self) -> str | None:
+        """Capture every bucket; or the reason a warm-up step cannot be captured."""
         for b in reversed(self.buckets):  # largest first, so smaller graphs share its pool
             batch = self._static_batch(b)
-            self.model(self.input_ids[:b], batch)  # warm-up outside the graph
+            reason = self._warm_up(b, batch)
+            if reason is not None:
+                return reason
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.hidden[b] = self.model(self.input_ids[:b], batch)
@@ -70,6 +81,22 @@ class DecodeGraphs:
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        return None
+
+    def _warm_up(self, b: int, batch: ForwardBatch) -> str | None:
+        """One eager step outside the graph; a host sync in it would break the capture."""
+        torch.cuda.synchronize(self.device)
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self.model(self.input_ids[:b], batch)
+        except RuntimeError as e:
+            if "synchroniz" not in str(e):
+                raise
+            return f"a decode step of {b} sequences reads device values on the host ({e})"
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        return None
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)

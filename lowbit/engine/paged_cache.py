@@ -5,7 +5,9 @@ differ, as in MLA), allocated at the layer's first write, when its head shapes a
 The extra last block is scratch: padded rows of a fixed-shape step write there. Token position p of a sequence lives at row
 `block_table[p // block_size] * block_size + p % block_size` of the flattened pool.
 
-`update(layer, slot, start, k, v)` is the contract the attention layer calls (the same as
+`layer_pool(layer, k, v)` hands a layer's flat storage to the attention kernels, which
+write through the batch's slot mapping and read through its block tables.
+`update(layer, slot, start, k, v)` is the contract the reference attention loop calls (the same as
 the contiguous cache's): `slot` is the sequence's `SeqSlots` (its block table with the
 rows of this step precomputed by the runner). It writes the new k/v rows through the slot
 mapping and returns the sequence's whole K/V [start + L, Hkv, D] gathered from its blocks.
@@ -110,6 +112,13 @@ class PagedKVCache:
         self.v[layer][rows] = v.to(self.dtype)
         return (self.k[layer][slot.read_rows].to(k.dtype),
                 self.v[layer][slot.read_rows].to(v.dtype))
+
+    def layer_pool(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """(k, v, block_size, k_scale, v_scale) of one layer, the fields of the kernels'
+        KVPool; allocated at the first call from the shapes of k/v [T, Hkv, D]."""
+        if self.k[layer] is None:
+            self._allocate(layer, k, v)
+        return self.k[layer], self.v[layer], self.block_size, self.k_scale[layer], self.v_scale[layer]
 
     def block_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v of one layer as [num_blocks, block_size, Hkv, D], the layout kernels read."""

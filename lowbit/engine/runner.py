@@ -48,8 +48,10 @@ class ModelRunner:
         if reason is None:
             max_blocks = -(-max_model_len // kv_cache.block_size)
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, device)
-            self.graphs.capture()
-        else:
+            reason = self.graphs.capture()
+            if reason is not None:
+                self.graphs = None
+        if reason is not None:
             log.info("decode CUDA graphs off: %s", reason)
 
     @torch.inference_mode()

@@ -50,7 +50,10 @@ def reference_attention(
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, spec: AttnSpec) -> torch.Tensor:
-    """Per-sequence attention for a flat batch; returns [T, H, Dv]."""
+    """Attention for a flat batch; returns [T, H, Dv]."""
+    ops = _paged_ops(batch)
+    if ops is not None:
+        return _paged_attention(ops, q, k, v, batch, spec)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     for b in range(batch.num_seqs):
         s, e = batch.query_start[b], batch.query_start[b + 1]
@@ -62,3 +65,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, spec: At
             kb, vb = k[s:e], v[s:e]
         out[s:e] = reference_attention(q[s:e], kb, vb, start, spec)
     return out
+
+
+def _paged_ops(batch):
+    """lowbit.kernels.attention_op for a batch with paged metadata (and triton present)."""
+    if batch.slot_mapping is None or batch.block_tables is None or batch.seq_lens is None:
+        return None
+    if not hasattr(batch.kv_cache, "layer_pool"):
+        return None
+    from lowbit.kernels.runtime import HAS_TRITON
+
+    if not HAS_TRITON:
+        return None
+    from lowbit.kernels import attention_op
+
+    return attention_op
+
+
+def _paged_attention(ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch,
+                     spec: AttnSpec) -> torch.Tensor:
+    from lowbit.kernels.attention import KVPool
+
+    name = f"layers.{spec.layer_idx}.attn"
+    pool = KVPool(*batch.kv_cache.layer_pool(spec.layer_idx, k, v))
+    ops.kv_write(k, v, pool, batch.slot_mapping, layer=name)
+    call = ops.AttentionCall(q, pool, batch.block_tables, batch.seq_lens, batch.query_start,
+                             batch.context_lens, batch.mode.is_decode, spec.scale, spec.window,
+                             spec.sinks)
+    return ops.paged_attention(call, layer=name)

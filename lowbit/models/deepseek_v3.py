@@ -162,6 +162,7 @@ class MTPLayer(DecoderLayer):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
+    supports_cuda_graphs = False  # MLA (Dk != Dv) stays on the torch attention route
     optional_modules = ("mtp",)
 
     def __init__(self, cfg: ArchConfig) -> None:

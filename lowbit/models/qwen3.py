@@ -70,6 +70,7 @@ def softmax_router(cfg: ArchConfig) -> RouterSpec:
 
 class Qwen3ForCausalLM(CausalLM):
     qk_norm = True
+    supports_cuda_graphs = True  # GQA through the paged attention op (mixtral, gpt-oss inherit)
 
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__(cfg)

@@ -1,0 +1,399 @@
+"""Paged attention: KV write, split-KV decode, varlen prefill/extend; their torch twins.
+
+Shape legend: T new tokens (flat, all sequences), B sequences, H query heads, Hkv kv heads,
+G = H / Hkv query heads per kv head, D head dim (Dk == Dv here; MLA stays on the twin),
+R = (num_blocks + 1) * BS pool rows, BS tokens per block, W block-table width,
+S splits of one sequence's context (decode), GP = G padded to a power of two >= 16.
+
+Memory layout read (lowbit.engine.paged_cache, one layer):
+  k, v      [R, Hkv, D]  row r = block * BS + offset; each (row, head) is D contiguous values
+  k_scale   [R, Hkv]     float32, fp8 pools only: value = fp8 code * scale (per token and head)
+  block_tables [B, W] int32: position p of sequence b sits at row
+            block_tables[b, p // BS] * BS + p % BS; entries past a sequence's end are padding.
+  seq_lens  [B] int32, cached + new tokens; query_start [B + 1] (prefill only, int32 on device).
+Token i of a sequence attends to keys j with j <= i and, with a window w, j > i - w; sinks
+[H] add exp(sink_h) to each softmax denominator (gpt-oss).
+
+Kernels (all read lengths and tables from device memory: no host value of a step enters a
+launch except the grid bounds named below):
+  _decode_split_kernel  grid (B, Hkv, S). One program: the G query heads of one kv head
+      (so each K/V tile is read once for all of them, as a [GP, D] x [D, BN] tl.dot) over
+      split s of the visible keys, online softmax in base 2. S is a host constant chosen
+      from B, Hkv, the SM count and W * BS (the table width bounds every sequence length;
+      under CUDA graphs W is the bucket's static width), so the grid never depends on
+      lengths. Split size = ceil(visible / S) rounded up to BN, from the device length;
+      splits past the end write (m = -inf, l = 0). S == 1: the program writes the output.
+  _decode_reduce_kernel grid (B, H). Merges the S partial (acc, m, l) and the sink.
+  _prefill_kernel       grid (B, ceil(max_q / TPB), Hkv). Rows of a tile are TPB query
+      tokens x G heads (row r: token r // G, head r % G), so K/V are read once per kv head;
+      causal and window masks per row; keys loop from the window's start to the tile's
+      last token. max_q is host-side (prefill steps are never graph-captured).
+Invariants: Dk == Dv; BD = D padded to a power of two >= 16 (masked); masked loads never
+touch rows past a sequence's end (pools are torch.empty: those rows may hold anything);
+every live query row sees at least its own key, so its max logit is finite.
+Twins: `reference_kv_write`, `reference_paged_attention` (gather rows, float32 softmax).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit.kernels.runtime import interpreting, sm_count
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448, as lowbit.engine.paged_cache stores
+LOG2E = math.log2(math.e)
+DECODE_CFG = dict(BN=64, num_warps=4, num_stages=2)
+PREFILL_CFG = dict(BM=64, BN=64, num_warps=4, num_stages=2)
+MIN_SPLIT_TOKENS = 128  # a decode split shorter than this costs more in the reduce than it saves
+MAX_SPLITS = 128
+SPLIT_WAVES = 2  # decode programs aimed at per SM
+
+
+@dataclass
+class KVPool:
+    """One layer of the paged cache, flattened to rows (see the module docstring)."""
+
+    k: torch.Tensor  # [R, Hkv, D]
+    v: torch.Tensor  # [R, Hkv, D]
+    block_size: int
+    k_scale: torch.Tensor | None = None  # [R, Hkv] float32 (fp8 pools)
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k.dtype == FP8
+
+
+# -- KV write --------------------------------------------------------------------------------
+def reference_kv_write(k: torch.Tensor, v: torch.Tensor, pool: KVPool, slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T, Hkv, D] at pool rows slot_mapping [T] (int64). No host read: graph-safe.
+    fp8 pools: scale = amax over D / 448 per token and head, code = x / scale."""
+    for x, dst, scale in ((k, pool.k, pool.k_scale), (v, pool.v, pool.v_scale)):
+        if scale is None:
+            dst.index_copy_(0, slot_mapping, x.to(dst.dtype))
+            continue
+        s = x.float().abs().amax(-1).clamp(min=1e-12) / FP8_MAX  # [T, Hkv]
+        codes = (x.float() / s[..., None]).to(dst.dtype)
+        dst.view(torch.uint8).index_copy_(0, slot_mapping, codes.view(torch.uint8))  # no fp8 kernel
+        scale.index_copy_(0, slot_mapping, s)
+
+
+# -- twins -------------------------------------------------------------------------------------
+def _gather(pool: KVPool, table: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V [n, Hkv, D] of positions 0..n-1 of one sequence (block table row `table`)."""
+    pos = torch.arange(n, device=table.device)
+    rows = table[pos // pool.block_size].long() * pool.block_size + pos % pool.block_size
+    k, v = pool.k[rows].to(dtype), pool.v[rows].to(dtype)
+    if pool.is_fp8:
+        k = k * pool.k_scale[rows][..., None]
+        v = v * pool.v_scale[rows][..., None]
+    return k, v
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
+                    window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """float32 [L, H, Dv]: q [L, H, Dk] at cache indices q_start.., k [S, Hkv, Dk], v [S, Hkv, Dv]."""
+    L, H, _ = q.shape
+    rep = H // k.shape[1]
+    k = k.float().repeat_interleave(rep, dim=1)  # [S, H, Dk]: head h reads kv head h // rep
+    v = v.float().repeat_interleave(rep, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q.float(), k) * scale  # [H, L, S]
+    qi = torch.arange(q_start, q_start + L, device=q.device)[:, None]
+    kj = torch.arange(k.shape[0], device=q.device)[None, :]
+    visible = kj <= qi
+    if window is not None:
+        visible &= kj > qi - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(H, 1, 1).expand(H, L, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hls,shd->lhd", probs, v)
+
+
+def reference_paged_attention(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor,
+                              query_start: list[int], seq_lens: list[int], scale: float,
+                              window: int | None = None, sinks: torch.Tensor | None = None,
+                              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Twin of both kernels: q [T, H, D] -> [T, H, Dv] in q.dtype, lengths read on the host.
+    Sequence b owns rows query_start[b]:query_start[b+1] of q, its last query at seq_lens[b]-1."""
+    out = q.new_empty(q.shape[0], q.shape[1], pool.v.shape[-1]) if out is None else out
+    for b, n in enumerate(seq_lens):
+        s, e = query_start[b], query_start[b + 1]
+        k, v = _gather(pool, block_tables[b], n, torch.float32)
+        out[s:e] = dense_attention(q[s:e], k, v, n - (e - s), scale, window, sinks).to(out.dtype)
+    return out
+
+
+# -- Triton ------------------------------------------------------------------------------------
+@triton.jit
+def _tile_rows(bt_ptr, b, n, nmask, stride_bt, BS: tl.constexpr):
+    """int64 pool rows of positions n [BN] of sequence b (0 where masked)."""
+    page = tl.load(bt_ptr + b * stride_bt + n // BS, mask=nmask, other=0)
+    return page.to(tl.int64) * BS + (n % BS)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b in float32. IEEE: float32 operands and product (float32 models, and the
+    interpreter, whose bf16 dot is wrong: the operands' values are the same)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _attend(q, acc, m_i, l_i, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, nmask, visible, kh, d, dmask,
+            qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
+            FP8: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile into the online softmax (base 2) of q [M, BD]; returns (acc, m, l)."""
+    kvmask = nmask[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :], mask=kvmask, other=0.0)
+    v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :], mask=kvmask, other=0.0)
+    if FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    s = _dot(q, tl.trans(k), IEEE)  # [M, BN] float32
+    if FP8:
+        s = s * tl.load(ks_ptr + rows * stride_sr + kh, mask=nmask, other=0.0)[None, :]
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8:
+        p = p * tl.load(vs_ptr + rows * stride_sr + kh, mask=nmask, other=0.0)[None, :]
+    pv = _dot(p.to(v.dtype), v, IEEE)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, sinks_ptr, h, hmask, HAS_SINKS: tl.constexpr):
+    """acc / softmax denominator, the sink's exp added to it."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_i, sink)
+        keep = tl.math.exp2(m_i - m_all)
+        acc = acc * keep[:, None]
+        l_i = l_i * keep + tl.math.exp2(sink - m_all)
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only on rows never stored
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, sinks_ptr, out_ptr, part_ptr, ml_ptr,
+    qk_scale, window, stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
+    stride_bt, stride_ot, stride_oh,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+    BN: tl.constexpr, S: tl.constexpr, FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - lo, S), BN) * BN
+    start = lo + sp * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    g = tl.arange(0, GP)
+    gmask = g < G
+    h = kh * G + g
+    d = tl.arange(0, BD)
+    dmask = d < D
+    qmask = gmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b * stride_qt + h[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, BD], tl.float32)
+    for n0 in range(start, end, BN):
+        n = n0 + tl.arange(0, BN)
+        nmask = n < end
+        rows = _tile_rows(bt_ptr, b, n, nmask, stride_bt, BS)
+        visible = gmask[:, None] & nmask[None, :]
+        acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, nmask, visible,
+                                kh, d, dmask, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh,
+                                stride_sr, FP8, IEEE)
+    if S == 1:
+        o = _finish(acc, m_i, l_i, sinks_ptr, h, gmask, HAS_SINKS)
+        optr = out_ptr + b * stride_ot + h[:, None] * stride_oh + d[None, :]
+        tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        row = (b * (G * tl.num_programs(1)) + h) * S + sp  # [GP] partial index (b, h, sp)
+        tl.store(part_ptr + row[:, None] * BD + d[None, :], acc, mask=qmask)
+        tl.store(ml_ptr + row * 2, m_i, mask=gmask)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_ptr, ml_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh,
+                          H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, S: tl.constexpr,
+                          SP: tl.constexpr, HAS_SINKS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    smask = s < S
+    row = (b * H + h) * S + s
+    m_s = tl.load(ml_ptr + row * 2, mask=smask, other=float("-inf"))
+    l_s = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0)
+    m_all = tl.max(m_s, 0)  # finite: split 0 always holds the last key
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink)
+    w = tl.math.exp2(m_s - m_all)  # 0 for empty splits (m = -inf)
+    d = tl.arange(0, BD)
+    dmask = d < D
+    acc = tl.load(part_ptr + row[:, None] * BD + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    num = tl.sum(acc * w[:, None], 0)  # [BD]
+    den = tl.sum(l_s * w, 0)
+    if HAS_SINKS:
+        den += tl.math.exp2(sink - m_all)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, (num / den).to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, cuq_ptr, sinks_ptr, out_ptr,
+    qk_scale, window, stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
+    stride_bt, stride_ot, stride_oh,
+    G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, TPB: tl.constexpr, FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    t0 = tl.program_id(1) * TPB
+    kh = tl.program_id(2)
+    q0 = tl.load(cuq_ptr + b)
+    q_len = tl.load(cuq_ptr + b + 1) - q0
+    if t0 < q_len:
+        ctx = tl.load(lens_ptr + b) - q_len  # cached tokens before this step's queries
+        r = tl.arange(0, BM)
+        tok = t0 + r // G
+        h = kh * G + r % G
+        rmask = (r < TPB * G) & (tok < q_len)
+        d = tl.arange(0, BD)
+        dmask = d < D
+        qmask = rmask[:, None] & dmask[None, :]
+        qrow = (q0 + tok).to(tl.int64)
+        q = tl.load(q_ptr + qrow[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=qmask, other=0.0)
+        qpos = ctx + tok  # [BM] cache index of each row's token
+        hi = ctx + tl.minimum(t0 + TPB, q_len)  # one past the tile's last token
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(ctx + t0 - window + 1, 0)
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, BD], tl.float32)
+        for n0 in range(lo, hi, BN):
+            n = n0 + tl.arange(0, BN)
+            nmask = n < hi
+            rows = _tile_rows(bt_ptr, b, n, nmask, stride_bt, BS)
+            visible = nmask[None, :] & (n[None, :] <= qpos[:, None])
+            if HAS_WINDOW:
+                visible = visible & (n[None, :] > qpos[:, None] - window)
+            acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, nmask,
+                                    visible, kh, d, dmask, qk_scale, stride_kr, stride_kh, stride_vr,
+                                    stride_vh, stride_sr, FP8, IEEE)
+        o = _finish(acc, m_i, l_i, sinks_ptr, h, rmask, HAS_SINKS)
+        optr = out_ptr + qrow[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :]
+        tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+# -- launchers ---------------------------------------------------------------------------------
+def decode_splits(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs for SPLIT_WAVES per SM, none under MIN_SPLIT_TOKENS.
+    Depends on host shapes only (max_len: the block table's capacity), so graphs can fix it."""
+    sms = sm_count(device.index or 0) if device.type == "cuda" else 4
+    want = -(-SPLIT_WAVES * sms // (num_seqs * num_kv_heads))
+    return max(1, min(want, -(-max_len // MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def _check(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+           out: torch.Tensor) -> tuple[int, int, int]:
+    T, H, D = q.shape
+    R, Hkv, Dk = pool.k.shape
+    assert Dk == D and pool.v.shape == pool.k.shape, "Dk == Dv == q's head dim (MLA stays on the twin)"
+    assert H % Hkv == 0 and R % pool.block_size == 0
+    assert q.stride(-1) == 1 and pool.k.stride(-1) == 1 and pool.v.stride(-1) == 1 and out.stride(-1) == 1
+    assert out.shape == (T, H, D) and out.dtype == q.dtype
+    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    assert pool.k.dtype in (q.dtype, FP8) and pool.v.dtype == pool.k.dtype
+    if pool.is_fp8:
+        assert pool.k_scale is not None and pool.k_scale.dtype == torch.float32
+        assert pool.k_scale.shape == (R, Hkv) and pool.k_scale.stride(1) == 1
+        assert pool.v_scale.stride() == pool.k_scale.stride()
+    assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (block_tables.shape[0],)
+    return H, Hkv, D
+
+
+def _common(q: torch.Tensor, pool: KVPool, scale: float, window: int | None, sinks: torch.Tensor | None):
+    ks = pool.k_scale if pool.is_fp8 else pool.k  # any pointer when unused
+    vs = pool.v_scale if pool.is_fp8 else pool.v
+    sr = pool.k_scale.stride(0) if pool.is_fp8 else 0
+    args = (pool.k, pool.v, ks, vs)
+    strides = (pool.k.stride(0), pool.k.stride(1), pool.v.stride(0), pool.v.stride(1), sr)
+    flags = dict(FP8=pool.is_fp8, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
+                 IEEE=q.dtype == torch.float32 or interpreting())
+    return args, strides, flags, scale * LOG2E, 0 if window is None else int(window)
+
+
+def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, num_splits: int | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """One query per sequence: q [B, H, D] (row b = sequence b's last token) -> [B, H, D]."""
+    out = torch.empty_like(q) if out is None else out
+    H, Hkv, D = _check(q, pool, block_tables, seq_lens, out)
+    B, G = q.shape[0], H // Hkv
+    cfg = {**DECODE_CFG, **(config or {})}
+    S = num_splits or decode_splits(B, Hkv, block_tables.shape[1] * pool.block_size, q.device)
+    BD = max(16, triton.next_power_of_2(D))
+    kv, strides, flags, qk_scale, win = _common(q, pool, scale, window, sinks)
+    part = torch.empty(B * H * S * BD if S > 1 else 1, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * H * S * 2 if S > 1 else 1, dtype=torch.float32, device=q.device)
+    sinks_arg = sinks if sinks is not None else seq_lens
+    _decode_split_kernel[(B, Hkv, S)](
+        q, *kv, block_tables, seq_lens, sinks_arg, out, part, ml, qk_scale, win,
+        q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
+        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BD=BD, BS=pool.block_size, BN=cfg["BN"],
+        S=S, **flags, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if S > 1:
+        _decode_reduce_kernel[(B, H)](part, ml, sinks_arg, out, out.stride(0), out.stride(1), H=H, D=D,
+                                      BD=BD, S=S, SP=triton.next_power_of_2(S),
+                                      HAS_SINKS=sinks is not None, num_warps=4)
+    return out
+
+
+def paged_prefill(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start: torch.Tensor, max_q_len: int, scale: float, window: int | None = None,
+                  sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  config: dict | None = None) -> torch.Tensor:
+    """Varlen queries over each sequence's cached prefix: q [T, H, D] -> [T, H, D].
+    query_start [B + 1] int32 on the device; max_q_len >= every sequence's query count."""
+    out = torch.empty_like(q) if out is None else out
+    H, Hkv, D = _check(q, pool, block_tables, seq_lens, out)
+    assert query_start.dtype == torch.int32 and query_start.shape == (block_tables.shape[0] + 1,)
+    G = H // Hkv
+    cfg = {**PREFILL_CFG, **(config or {})}
+    BM = max(cfg["BM"], 16, triton.next_power_of_2(G))
+    TPB = BM // G
+    kv, strides, flags, qk_scale, win = _common(q, pool, scale, window, sinks)
+    grid = (block_tables.shape[0], triton.cdiv(max_q_len, TPB), Hkv)
+    _prefill_kernel[grid](
+        q, *kv, block_tables, seq_lens, query_start, sinks if sinks is not None else seq_lens, out,
+        qk_scale, win, q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0),
+        out.stride(1), G=G, D=D, BD=max(16, triton.next_power_of_2(D)), BS=pool.block_size, BM=BM,
+        BN=cfg["BN"], TPB=TPB, **flags, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out

@@ -1,0 +1,170 @@
+"""The `kv_write` and `attention` ops over the paged KV cache, through the route registry.
+
+Shape legend: T new tokens, B sequences, H/Hkv heads, Dk/Dv head dims, R pool rows.
+  kv_write(k, v, pool, slot_mapping)      k [T, Hkv, Dk], v [T, Hkv, Dv] -> pool rows slot_mapping [T]
+  paged_attention(q, pool, batch, spec)   q [T, H, Dk] -> [T, H, Dv]; the new tokens' K/V are
+                                          already in the pool (kv_write runs first)
+Routes of `attention`, in selection order (status and record in docs/ROUTES.md):
+  triton_paged_decode    split-KV decode, one query per sequence (decode steps only); graph-safe
+  triton_paged_prefill   varlen queries over the cached prefix (any step)
+  triton_paged           decode kernel on decode steps, prefill kernel on the others: the one to
+                         force for a whole run (LOWBIT_ROUTE_ATTENTION=triton_paged)
+  torch                  reference: gather each sequence's rows, float32 softmax; reads host
+                         lengths, so decode graphs are off while it serves decode steps
+`kv_write` has one route, torch (index_copy_: no host read, graph-safe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.kernels import routes
+from lowbit.kernels.runtime import capability, triton_refusal
+
+BENCH = "docs/BENCHMARKS.md#attention"
+GRAPH_SAFE_DECODE = ("triton_paged_decode", "triton_paged")  # routes a captured decode may run
+MAX_HEAD_DIM = 256
+
+
+@dataclass
+class KVWriteCall:
+    k: torch.Tensor  # [T, Hkv, Dk]
+    v: torch.Tensor  # [T, Hkv, Dv]
+    pool: object  # lowbit.kernels.attention.KVPool
+    slot_mapping: torch.Tensor  # [T] int64
+    forced: bool = False
+
+
+@dataclass
+class AttentionCall:
+    q: torch.Tensor  # [T, H, Dk]
+    pool: object  # KVPool: k [R, Hkv, Dk], v [R, Hkv, Dv]
+    block_tables: torch.Tensor  # [B, W] int32
+    seq_lens: torch.Tensor  # [B] int32 (device)
+    query_start: list[int]  # [B + 1] host (prefill grid, torch route)
+    context_lens: list[int]  # [B] host (torch route)
+    decode: bool  # one query per sequence, each over a cached context
+    scale: float
+    window: int | None = None
+    sinks: torch.Tensor | None = None  # [H]
+    forced: bool = False
+
+
+def _refusal(call: AttentionCall) -> str | None:
+    q, pool = call.q, call.pool
+    reason = triton_refusal(q, call.forced)
+    if reason is not None:
+        return reason
+    if call.block_tables is None or call.seq_lens is None:
+        return "the batch carries no paged metadata (block tables, sequence lengths)"
+    if pool.k.shape[-1] != pool.v.shape[-1]:
+        return "MLA head dims differ"
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"queries are {q.dtype}"
+    if pool.k.dtype not in (q.dtype, torch.float8_e4m3fn):
+        return f"KV pool is {pool.k.dtype}, queries are {q.dtype}"
+    if pool.is_fp8 and q.is_cuda and capability(q.device.index or 0) < (8, 9):
+        return "fp8 KV needs compute capability 8.9 or newer"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}"
+    if q.shape[1] % pool.k.shape[1]:
+        return f"{q.shape[1]} query heads do not group over {pool.k.shape[1]} kv heads"
+    return None
+
+
+def _admit_decode(call: AttentionCall) -> str | None:
+    if not call.decode:
+        return f"not a decode step ({call.query_start[-1]} queries for {len(call.context_lens)} sequences)"
+    return _refusal(call)
+
+
+def _starts_on_device(query_start: list[int], device: torch.device) -> torch.Tensor:
+    """query_start as int32 on the device, built once per step (every layer asks for it)."""
+    key = (tuple(query_start), device)
+    if _STARTS.get("key") != key:
+        _STARTS["key"] = key
+        _STARTS["value"] = torch.tensor(query_start, dtype=torch.int32, device=device)
+    return _STARTS["value"]
+
+
+_STARTS: dict = {}
+
+
+def _run_decode(call: AttentionCall) -> torch.Tensor:
+    from lowbit.kernels.attention import paged_decode
+
+    return paged_decode(call.q, call.pool, call.block_tables, call.seq_lens, call.scale,
+                        call.window, call.sinks)
+
+
+def _run_prefill(call: AttentionCall) -> torch.Tensor:
+    from lowbit.kernels.attention import paged_prefill
+
+    qs = call.query_start
+    max_q = max(qs[i + 1] - qs[i] for i in range(len(qs) - 1))
+    return paged_prefill(call.q, call.pool, call.block_tables, call.seq_lens,
+                         _starts_on_device(qs, call.q.device), max_q, call.scale, call.window, call.sinks)
+
+
+def _run_paged(call: AttentionCall) -> torch.Tensor:
+    return _run_decode(call) if call.decode else _run_prefill(call)
+
+
+def _run_torch(call: AttentionCall) -> torch.Tensor:
+    from lowbit.kernels.attention import reference_paged_attention
+
+    if call.q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise AssertionError("the torch attention route reads host lengths; it cannot be captured")
+    qs = call.query_start
+    lens = [c + qs[b + 1] - qs[b] for b, c in enumerate(call.context_lens)]
+    return reference_paged_attention(call.q, call.pool, call.block_tables, qs, lens, call.scale,
+                                     call.window, call.sinks)
+
+
+def _run_kv_write(call: KVWriteCall) -> None:
+    from lowbit.kernels.attention import reference_kv_write
+
+    reference_kv_write(call.k, call.v, call.pool, call.slot_mapping)
+
+
+routes.register("kv_write", routes.Route(
+    "torch", routes.DEFAULT, "reference (admits every call; index_copy_, graph-safe)",
+    lambda call: None, _run_kv_write), reference=True)
+routes.register("attention", routes.Route(
+    "triton_paged_decode", routes.OPT_IN, BENCH, _admit_decode, _run_decode))
+routes.register("attention", routes.Route(
+    "triton_paged_prefill", routes.OPT_IN, BENCH, _refusal, _run_prefill))
+routes.register("attention", routes.Route(
+    "triton_paged", routes.OPT_IN, BENCH, _refusal, _run_paged))
+routes.register("attention", routes.Route(
+    "torch", routes.DEFAULT, "reference (admits every call)", lambda call: None, _run_torch),
+    reference=True)
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, pool, slot_mapping: torch.Tensor, *, layer: str = "") -> None:
+    """Store the step's k/v rows into the pool (fp8 pools: with per-token-per-head scales)."""
+    routes.dispatch("kv_write", KVWriteCall(k, v, pool, slot_mapping), layer)
+
+
+def paged_attention(call: AttentionCall, *, layer: str = "") -> torch.Tensor:
+    """[T, H, Dv] in q.dtype, by the route the registry picks for this call."""
+    return routes.dispatch("attention", call, layer)
+
+
+def decode_graph_refusal() -> str | None:
+    """Why a captured decode step would not run a graph-safe attention route, or None.
+    Admission is per call; this answers for the routes the registry could pick."""
+    forced = routes.forced_name("attention")
+    if forced is not None:
+        if forced in GRAPH_SAFE_DECODE:
+            return None
+        return f"LOWBIT_ROUTE_ATTENTION={forced} is not a graph-safe decode route"
+    for route in routes.ops()["attention"].routes:
+        if route.status == routes.DEFAULT:
+            if route.name in GRAPH_SAFE_DECODE:
+                return None
+            break
+    return ("decode attention runs the torch route, which reads host lengths "
+            f"(force LOWBIT_ROUTE_ATTENTION={GRAPH_SAFE_DECODE[-1]} to capture decode graphs)")
