@@ -72,7 +72,7 @@ def test_auto_and_empty_mean_unforced(op, monkeypatch, value):
 
 
 def test_check_env_strict(op):
-    routes.check_env({"LOWBIT_ROUTE_T_OP": "fancy", "LOWBIT_ROUTE_ATTENTION": "anything"})
+    routes.check_env({"LOWBIT_ROUTE_T_OP": "fancy", "LOWBIT_ROUTE_SAMPLE": "anything"})
     with pytest.raises(LowbitError, match="names no op"):
         routes.check_env({"LOWBIT_ROUTE_LINEAER": "torch"})
     with pytest.raises(LowbitError, match="valid names"):
