@@ -20,12 +20,18 @@ def _run_label(rec: dict) -> str:
 
 
 def eval_points(records: list[dict]) -> list[dict]:
-    pts = []
+    """Distinct (format, bits per weight, KL) points; a record's `results` list wins over
+    its top-level fields (an eval record repeats its student there)."""
+    seen, pts = set(), []
     for rec in records:
-        for item in [rec, *(rec.get("results") or [])]:
-            if isinstance(item, dict) and all(k in item for k in ("format", "bits_per_weight", "kl_mean")):
-                pts.append({"format": str(item["format"]), "bpw": float(item["bits_per_weight"]),
-                            "kl": float(item["kl_mean"])})
+        items = rec.get("results") if isinstance(rec.get("results"), list) else [rec]
+        for item in items:
+            if not isinstance(item, dict) or not all(k in item for k in ("format", "bits_per_weight", "kl_mean")):
+                continue
+            key = (str(item["format"]), float(item["bits_per_weight"]), float(item["kl_mean"]))
+            if key not in seen:
+                seen.add(key)
+                pts.append({"format": key[0], "bpw": key[1], "kl": key[2]})
     return pts
 
 
@@ -80,11 +86,13 @@ def plot_kl(records: list[dict], out: Path) -> Path | None:
     pts = eval_points(records)
     if not pts:
         return None
+    positive = [p for p in pts if p["kl"] > 0]
+    shown = positive or pts  # the teacher itself (KL 0) has no place on a log axis
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.scatter([p["bpw"] for p in pts], [p["kl"] for p in pts])
-    for p in pts:
+    ax.scatter([p["bpw"] for p in shown], [p["kl"] for p in shown])
+    for p in shown:
         ax.annotate(p["format"], (p["bpw"], p["kl"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    if all(p["kl"] > 0 for p in pts):
+    if positive:
         ax.set_yscale("log")
     ax.set_xlabel("bits per weight")
     ax.set_ylabel("KL divergence to the bf16 teacher (mean)")

@@ -29,9 +29,11 @@ def test_report_plots_serve_and_skips_missing_eval(tmp_path, capsys):
 
 def test_report_plots_kl_from_eval_records(tmp_path):
     rec_dir, img = tmp_path / "records", tmp_path / "img"
-    write_record({"kind": "eval", "results": [{"format": "nvfp4", "bits_per_weight": 4.5, "kl_mean": 0.02},
-                                              {"format": "nf3", "bits_per_weight": 3.25, "kl_mean": 0.09}]},
-                 rec_dir)
+    teacher = {"format": "bf16", "bits_per_weight": 16.0, "kl_mean": 0.0}
+    for student in ({"format": "nvfp4", "bits_per_weight": 4.5, "kl_mean": 0.02},
+                    {"format": "nf3", "bits_per_weight": 3.25, "kl_mean": 0.09}):
+        # the eval command's shape: the student on top, teacher and student under results
+        write_record({"kind": "eval", **student, "results": [teacher, student]}, rec_dir)
     write_record({"kind": "eval", "format": "fp8", "bits_per_weight": 8.0, "kl_mean": 0.001}, rec_dir)
     lat = {"kind": "latency", "model": "m", "weight_format": "bf16",
            "cells": [{"test": "pp16", "tok_s_mean": 100.0, "tok_s_sd": 1.0},
@@ -42,7 +44,7 @@ def test_report_plots_kl_from_eval_records(tmp_path):
     assert (img / "latency.png").read_bytes().startswith(PNG)
     from lowbit.bench.record import load_records
 
-    assert sorted(p["format"] for p in eval_points(load_records(rec_dir))) == ["fp8", "nf3", "nvfp4"]
+    assert sorted(p["format"] for p in eval_points(load_records(rec_dir))) == ["bf16", "fp8", "nf3", "nvfp4"]
 
 
 def test_append_md_creates_then_appends(tmp_path):
