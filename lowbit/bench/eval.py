@@ -145,7 +145,7 @@ def evaluate(teacher: LoadedModel, student: LoadedModel, ids: list[int], width: 
         bits, nbytes = weight_bits(loaded)
         same = role == "teacher"
         rows.append(EvalResult(
-            model=name, format=loaded.weight_format, bits_per_weight=round(bits, 4), bytes=nbytes,
+            model=name, format=loaded.weight_format.split(" (")[0], bits_per_weight=round(bits, 4), bytes=nbytes,
             ppl=math.exp(float(torch.cat(nll).double().mean())),
             kl_mean=0.0 if same else float(kl.mean()),
             kl_p99=0.0 if same else float(torch.quantile(kl, 0.99)),
