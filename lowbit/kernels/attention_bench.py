@@ -1,6 +1,6 @@
 """Decode attention benchmark: the split-KV paged kernel against torch SDPA on gathered K/V.
 
-    python -m lowbit.kernels.attention_bench --out DIR [--copy-gbps N]
+    python -m lowbit.kernels.attention_bench --out DIR [--copy-gbps N] [--sweep]
         [--batches 1,8,32] [--contexts 1024,8192,32768]
 
 Shapes: Qwen3-30B-A3B attention (H/Hkv = 32/4, D = 128), bf16 KV, block size 16; every
@@ -14,6 +14,7 @@ Per point (B sequences x context tokens):
   sdpa      torch.nn.functional.scaled_dot_product_attention (enable_gqa) on K/V already
             gathered into contiguous [B, Hkv, context, D] (the gather is not timed): an
             in-process peer that reads the same bytes without a block table
+  sweep     (--sweep) graph-replayed time of each launch config in SWEEP; the best per point
   GB/s and % of the copy bandwidth (--copy-gbps, else measured here: read + write bytes of
   a 1 GiB device-to-device copy); rel_err: triton vs sdpa outputs.
 Inputs rotate over enough sets (>= 256 MiB of K/V in all) that no step finds its K/V in L2.
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 H, HKV, D, BS = 32, 4, 128, 16
 ROTATE_BYTES = 256 << 20
 MAX_SETS = 128
+SWEEP = [dict(BN=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
 
 
 def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
@@ -45,25 +47,25 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def _inputs(batch: int, context: int, sets: int, seed: int = 0):
+def _inputs(batch: int, context: int, sets: int, seed: int = 0, device: str = "cuda"):
     """One pool holding sets * batch sequences; per set: q, block tables, seq_lens, dense K/V."""
     from lowbit.kernels.attention import KVPool
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     per_seq = -(-context // BS)
     blocks = sets * batch * per_seq
-    k = torch.randn((blocks + 1) * BS, HKV, D, generator=g, device="cuda").bfloat16()
-    v = torch.randn((blocks + 1) * BS, HKV, D, generator=g, device="cuda").bfloat16()
+    k = torch.randn((blocks + 1) * BS, HKV, D, generator=g, device=device).bfloat16()
+    v = torch.randn((blocks + 1) * BS, HKV, D, generator=g, device=device).bfloat16()
     pool = KVPool(k, v, BS)
-    order = torch.randperm(blocks, generator=g, device="cuda").to(torch.int32).view(sets, batch, per_seq)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    pos = torch.arange(context, device="cuda")
+    order = torch.randperm(blocks, generator=g, device=device).to(torch.int32).view(sets, batch, per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    pos = torch.arange(context, device=device)
     out = []
     for s in range(sets):
         rows = order[s][:, pos // BS].long() * BS + pos % BS  # [B, context]
         dense_k = k[rows].permute(0, 2, 1, 3).contiguous()  # [B, Hkv, context, D]
         dense_v = v[rows].permute(0, 2, 1, 3).contiguous()
-        q = torch.randn(batch, H, D, generator=g, device="cuda").bfloat16()
+        q = torch.randn(batch, H, D, generator=g, device=device).bfloat16()
         out.append((q, order[s].contiguous(), lens, dense_k, dense_v))
     return pool, out
 
@@ -95,20 +97,21 @@ def _graph_ms(fns: list) -> float:
     return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / len(fns)
 
 
-def bench_point(batch: int, context: int, copy_gbps: float) -> dict:
+def bench_point(batch: int, context: int, copy_gbps: float, sweep: bool = False,
+                device: str = "cuda") -> dict:
     from triton.testing import do_bench
 
     from lowbit.kernels.attention import decode_splits, paged_decode
 
     kv_bytes = batch * context * HKV * D * 2 * 2
     sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / kv_bytes)))
-    pool, inputs = _inputs(batch, context, sets)
+    pool, inputs = _inputs(batch, context, sets, device=device)
     scale = D ** -0.5
-    outs = [torch.empty(batch, H, D, device="cuda", dtype=torch.bfloat16) for _ in inputs]
+    outs = [torch.empty(batch, H, D, device=device, dtype=torch.bfloat16) for _ in inputs]
 
-    def triton_fn(i):
+    def triton_fn(i, cfg=None):
         q, tables, lens, _, _ = inputs[i]
-        return lambda: paged_decode(q, pool, tables, lens, scale, out=outs[i])
+        return lambda: paged_decode(q, pool, tables, lens, scale, out=outs[i], config=cfg)
 
     def sdpa_fn(i):
         q, _, _, k, v = inputs[i]
@@ -119,7 +122,7 @@ def bench_point(batch: int, context: int, copy_gbps: float) -> dict:
     tri_ms = do_bench(_rotating(tri), warmup=25, rep=200, return_mode="median")
     graph_ms = _graph_ms(tri)
     row = {"B": batch, "context": context, "H": H, "Hkv": HKV, "D": D, "kv_dtype": "bfloat16",
-           "splits": decode_splits(batch, HKV, context, torch.device("cuda")), "input_sets": sets,
+           "splits": decode_splits(batch, HKV, context, torch.device(device)), "input_sets": sets,
            "kv_bytes": kv_bytes, "triton_us": tri_ms * 1e3, "graph_us": graph_ms * 1e3}
     try:
         sdpa_ms = do_bench(_rotating(sdpa), warmup=25, rep=200, return_mode="median")
@@ -134,12 +137,17 @@ def bench_point(batch: int, context: int, copy_gbps: float) -> dict:
         row[f"{key}_gbps"] = kv_bytes / (us * 1e-6) / 1e9 if us else None
         row[f"{key}_pct_copy"] = 100 * row[f"{key}_gbps"] / copy_gbps if us else None
     row["speedup_vs_sdpa"] = row["sdpa_us"] / row["triton_us"] if row.get("sdpa_us") else None
+    if sweep:  # graph-replayed time of each launch config (DECODE_CFG is the default)
+        row["sweep"] = [{**cfg, "graph_us": _graph_ms([triton_fn(i, cfg) for i in range(sets)]) * 1e3}
+                        for cfg in SWEEP]
+        best = min(row["sweep"], key=lambda r: r["graph_us"])
+        row["best_config"] = best
     return row
 
 
 def bench_attention(out_dir: str | Path, copy_gbps: float | None = None,
                     batches: tuple[int, ...] = (1, 8, 32),
-                    contexts: tuple[int, ...] = (1024, 8192, 32768)) -> list[dict]:
+                    contexts: tuple[int, ...] = (1024, 8192, 32768), sweep: bool = False) -> list[dict]:
     """Run every (B, context) point; write attention_bench.json and .md under out_dir."""
     from lowbit.bench.record import environment
 
@@ -149,7 +157,7 @@ def bench_attention(out_dir: str | Path, copy_gbps: float | None = None,
     rows = []
     for b in batches:
         for c in contexts:
-            rows.append(bench_point(b, c, copy_gbps))
+            rows.append(bench_point(b, c, copy_gbps, sweep))
             torch.cuda.empty_cache()  # the point's pool is garbage now
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,6 +182,11 @@ def markdown(record: dict) -> str:
              _fmt(r["graph_us"], ".1f"), _fmt(r["graph_pct_copy"], ".0f"), _fmt(r["sdpa_us"], ".1f"),
              _fmt(r["sdpa_pct_copy"], ".0f"), _fmt(r["speedup_vs_sdpa"], ".2f"),
              _fmt(r.get("rel_err_vs_sdpa"), ".1e")] for r in record["rows"]]
+    if any("best_config" in r for r in record["rows"]):
+        head.append("best config (graph us)")
+        for line, r in zip(body, record["rows"]):
+            c = r.get("best_config")
+            line.append(f"BN {c['BN']} w{c['num_warps']} s{c['num_stages']} ({c['graph_us']:.1f})" if c else "-")
     env = record["env"]
     return (f"## Decode attention, H/Hkv = {H}/{HKV}, D = {D}, bf16 KV, block size {BS}\n\n"
             f"{md_table(head, body)}\n\nCopy bandwidth {record['copy_gbps']:.0f} GB/s "
@@ -188,9 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--copy-gbps", type=float, default=None, help="copy bandwidth to compare with (default: measure)")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--contexts", default="1024,8192,32768")
+    p.add_argument("--sweep", action="store_true", help="also time every launch config in SWEEP (graph replay)")
     args = p.parse_args(argv)
     ints = lambda s: tuple(int(x) for x in s.split(","))
-    bench_attention(args.out, args.copy_gbps, ints(args.batches), ints(args.contexts))
+    bench_attention(args.out, args.copy_gbps, ints(args.batches), ints(args.contexts), args.sweep)
     print((Path(args.out) / "attention_bench.md").read_text())
 
 

@@ -145,7 +145,9 @@ def test_kv_write_matches_paged_cache(kv):
     slot = SeqSlots.build([2, 0], 0, 20, BS, "cpu")
     want_k, want_v = cache.update(0, slot, 0, k, v)
     pool = KVPool(*cache.layer_pool(0, k, v))
-    pool.k.fill_(float("nan"))
+    for t in (pool.k, pool.v, pool.k_scale, pool.v_scale):
+        if t is not None:
+            t.fill_(float("nan"))
     attention_op.kv_write(k, v, pool, slot.write_rows)
     got_k, got_v = cache.update(0, SeqSlots.build([2, 0], 20, 0, BS, "cpu"), 20, k[:0], v[:0])
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
