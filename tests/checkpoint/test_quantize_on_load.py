@@ -92,6 +92,21 @@ def test_bad_requests_fail_with_a_sentence(tiny_moe_dir):
         load_model(tiny_moe_dir, quantize_lm_head=True)
 
 
+def test_missing_tensor_still_fails(tiny_moe_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for f in tiny_moe_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    gone = [k for k in tensors if ".mlp.experts.3.up_proj" in k and "layers.1." in k]
+    assert gone
+    save_file({k: v for k, v in tensors.items() if k not in gone}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(LowbitError, match="missing tensors for: model.layers.1.mlp.experts.w13"):
+        load_model(tmp_path, quantization="nvfp4")
+
+
 def test_generate_flag(tiny_moe_dir, capsys):
     rc = main(["generate", str(tiny_moe_dir), "It is a truth", "--max-tokens", "4", "--ignore-eos",
                "--quantization", "nvfp4"])

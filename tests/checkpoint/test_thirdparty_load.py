@@ -202,6 +202,13 @@ def test_gpt_oss_mxfp4_experts(tmp_path):
     got, lm = logits(tmp_path / "quant")
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert {v.format.name for v in quantized_weights(lm.model).values()} == {"mxfp4"}
+    # re-encoding: the MXFP4 stacks (our layout) and the transformers stacks (interleaved,
+    # transposed) hold the same values, so nvfp4 made from either is the same model
+    a = load_model(tmp_path / "quant", dtype="float32", quantization="nvfp4")
+    b = load_model(tmp_path / "dense", dtype="float32", quantization="nvfp4")
+    qa, qb = quantized_weights(a.model), quantized_weights(b.model)
+    assert set(qa) == set(qb) and "model.layers.1.mlp.experts.w13" in qa
+    assert all(torch.equal(qa[k].dequantize(), qb[k].dequantize()) for k in qa)
 
 
 def test_unsupported_and_incomplete_checkpoints(tmp_path):
