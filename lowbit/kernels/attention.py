@@ -23,6 +23,7 @@ launch except the grid bounds named below):
       under CUDA graphs W is the bucket's static width), so the grid never depends on
       lengths. Split size = ceil(visible / S) rounded up to BN, from the device length;
       splits past the end write (m = -inf, l = 0). S == 1: the program writes the output.
+      S is a run-time argument (as the table width grows, S changes without a recompile).
   _decode_reduce_kernel grid (B, H). Merges the S partial (acc, m, l) and the sink.
   _prefill_kernel       grid (B, ceil(max_q / TPB), Hkv). Rows of a tile are TPB query
       tokens x G heads (row r: token r // G, head r % G), so K/V are read once per kv head;
@@ -190,10 +191,10 @@ def _finish(acc, m_i, l_i, sinks_ptr, h, hmask, HAS_SINKS: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, sinks_ptr, out_ptr, part_ptr, ml_ptr,
-    qk_scale, window, stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
+    qk_scale, window, S, stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
     stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, S: tl.constexpr, FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BN: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -224,7 +225,7 @@ def _decode_split_kernel(
         acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, nmask, visible,
                                 kh, d, dmask, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh,
                                 stride_sr, FP8, IEEE)
-    if S == 1:
+    if DIRECT:  # S == 1
         o = _finish(acc, m_i, l_i, sinks_ptr, h, gmask, HAS_SINKS)
         optr = out_ptr + b * stride_ot + h[:, None] * stride_oh + d[None, :]
         tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -236,9 +237,9 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(part_ptr, ml_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh,
-                          H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, S: tl.constexpr,
-                          SP: tl.constexpr, HAS_SINKS: tl.constexpr):
+def _decode_reduce_kernel(part_ptr, ml_ptr, sinks_ptr, out_ptr, S, stride_ot, stride_oh,
+                          H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr,
+                          HAS_SINKS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP)
@@ -365,13 +366,13 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
     ml = torch.empty(B * H * S * 2 if S > 1 else 1, dtype=torch.float32, device=q.device)
     sinks_arg = sinks if sinks is not None else seq_lens
     _decode_split_kernel[(B, Hkv, S)](
-        q, *kv, block_tables, seq_lens, sinks_arg, out, part, ml, qk_scale, win,
+        q, *kv, block_tables, seq_lens, sinks_arg, out, part, ml, qk_scale, win, S,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BD=BD, BS=pool.block_size, BN=cfg["BN"],
-        S=S, **flags, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        DIRECT=S == 1, **flags, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if S > 1:
-        _decode_reduce_kernel[(B, H)](part, ml, sinks_arg, out, out.stride(0), out.stride(1), H=H, D=D,
-                                      BD=BD, S=S, SP=triton.next_power_of_2(S),
+        _decode_reduce_kernel[(B, H)](part, ml, sinks_arg, out, S, out.stride(0), out.stride(1), H=H, D=D,
+                                      BD=BD, SP=triton.next_power_of_2(S),
                                       HAS_SINKS=sinks is not None, num_warps=4)
     return out
 
