@@ -43,13 +43,10 @@ FORMATS = {
     "lut3": dict(bits=3, table="random", block_size=64, scale_kind="bf16", tables=4),
 }
 GEMV_CANDIDATES = [
-    dict(BN=32, G=32, SPLIT_K=1, num_warps=4),
-    dict(BN=64, G=32, SPLIT_K=1, num_warps=4),
-    dict(BN=16, G=32, SPLIT_K=1, num_warps=4),
-    dict(BN=32, G=32, SPLIT_K=2, num_warps=4),
-    dict(BN=32, G=64, SPLIT_K=1, num_warps=8),
-    dict(BN=64, G=32, SPLIT_K=1, num_warps=8),
-    dict(BN=16, G=64, SPLIT_K=2, num_warps=8),
+    dict(BN=32, G=32, SPLIT_K=0, num_warps=4),
+    dict(BN=16, G=32, SPLIT_K=0, num_warps=4),
+    dict(BN=64, G=32, SPLIT_K=0, num_warps=4),
+    dict(BN=32, G=64, SPLIT_K=0, num_warps=8),
 ]
 TORCH_TO_TRITON = {
     torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64", torch.bfloat16: "*bf16",
@@ -127,10 +124,10 @@ def compile_static(kernel, args, kwargs, arch: int) -> dict:
             "loop": n, "ops": dict(ops.most_common(6)), "consts": consts, **options}
 
 
-def static(arch: int) -> None:
+def static(arch: int, only: list[str]) -> None:
     from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv
     from lowbit.kernels.fp8_gemm import fp8_w8a8
-    from lowbit.kernels.moe import fused_moe
+    from lowbit.kernels.moe import fused_moe, fused_moe_gemv
 
     jobs = []
     for fmt in [*FORMATS, "fp8"]:
@@ -152,7 +149,13 @@ def static(arch: int) -> None:
             ids = torch.randint(0, e, (t, 8), dtype=torch.int32)
             jobs.append((f"moe {mode} {fmt}", lambda w13=w13, w2=w2, mode=mode, ids=ids, t=t, h=h: fused_moe(
                 torch.randn(t, h).bfloat16(), ids, torch.rand(t, 8), w13, w2, mode=mode)))
+        if fmt != "dense":
+            ids = torch.randint(0, e, (4, 8), dtype=torch.int32)
+            jobs.append((f"moe gemv {fmt}", lambda w13=w13, w2=w2, ids=ids, h=h: fused_moe_gemv(
+                torch.randn(4, h).bfloat16(), ids, torch.rand(4, 8), w13, w2)))
     for label, fn in jobs:
+        if only and not any(o in label for o in only):
+            continue
         with launch.recording() as rec:
             fn()
         for kernel, _grid, args, kwargs in rec:
@@ -167,21 +170,20 @@ def static(arch: int) -> None:
 
 
 def tune(out: str, shapes, formats, ms) -> None:
-    from triton.testing import do_bench
-
+    from lowbit.bench.kernels import copies_for, payload_bytes, timed
     from lowbit.kernels.dequant_gemm import fmt_key, lut_gemv
 
     table: dict = {}
     for n, k in shapes:
         for fmt in formats:
             w = make_weight(fmt, n, k, "cuda")
+            ws = [w] + [make_weight(fmt, n, k, "cuda") for _ in range(copies_for(payload_bytes(w)) - 1)]
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 best = None
                 for cfg in GEMV_CANDIDATES:
                     try:
-                        t = do_bench(lambda cfg=cfg, x=x, w=w: lut_gemv(x, w, config=cfg), warmup=25, rep=100,
-                                     return_mode="median")
+                        t = timed([lambda cfg=cfg, x=x, w=w: lut_gemv(x, w, config=cfg) for w in ws])["us"] / 1e3
                     except Exception as exc:  # a config the compiler rejects is skipped
                         print(f"skip {cfg}: {exc}")
                         continue
@@ -203,10 +205,11 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     ap.add_argument("--formats", default="int4,nvfp4")
     ap.add_argument("--m", default="1,4,16")
+    ap.add_argument("--only", default="", help="--static: comma-separated label filters")
     a = ap.parse_args()
     if a.static:
         os.environ.setdefault("TRITON_INTERPRET", "0")
-        static(a.arch)
+        static(a.arch, [o for o in a.only.split(",") if o])
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     tune(a.out, shapes, a.formats.split(","), [int(m) for m in a.m.split(",")])

@@ -7,11 +7,13 @@
    (cuBLAS), torch._weight_int4pack_mm (tinygemm, int4 g128), torch._scaled_mm (fp8, M
    padded to 16); ours per weight format (gemv; gemm at M = 16; fp8 W8A8).
 3. MoE layer at C1/C4/C16 for Qwen3-30B-A3B (E=128, top-8, 2048 -> 768) and Mixtral
-   (E=8, top-2, 4096 -> 14336): peer torch bf16 (loop over the experts used), ours (fused
-   decode route, timed as a CUDA-graph replay) in nvfp4, int4 and bf16.
-Times: triton.testing.do_bench median (L2 flushed before each call), three repeats:
-median, min and max. Bandwidth counts the weight payload each call must read once (for
-MoE, only the experts the routing used); % copy is that over the measured copy rate.
+   (E=8, top-2, 4096 -> 14336): peer torch bf16 (loop over the experts used), ours in
+   nvfp4 and int4 (per-slot gemv, and tensor-core tiles) and bf16 (tensor-core tiles).
+Times: CUDA-graph replays of back-to-back calls that rotate through weight copies (linear)
+or routings (MoE) holding more bytes than L2, three repeats: median, min and max (GPU
+time, no host launch overhead; the torch expert loop reads ids on the host, so it is timed
+eagerly with do_bench instead). Bandwidth counts the weight payload each call must read once
+(for MoE, only the experts the routing used); % copy is that over the measured copy rate.
 Each of our cases is checked once against its torch twin (relative error reported).
 Writes DIR/kernels.json and DIR/kernels.md after every section.
 """
@@ -43,23 +45,52 @@ DEV = "cuda"
 SMOKE = False  # --smoke: tiny shapes on the CPU through the Triton interpreter (code paths only)
 
 
-def timed(fn, graph: bool = False, repeats: int = 3) -> dict:
-    from triton.testing import do_bench, do_bench_cudagraph
-
+def timed(fns, repeats: int = 3) -> dict:
+    """Median / min / max microseconds per call of fns (one callable, or one per weight copy
+    so that the calls rotate through more bytes than L2 holds), replayed as a CUDA graph:
+    GPU time without the host's launch overhead, as the engine's decode step runs."""
+    fns = fns if isinstance(fns, list) else [fns]
     if SMOKE:
         t0 = time.perf_counter()
-        fn()
+        fns[0]()
         us = (time.perf_counter() - t0) * 1e6
         return {"us": us, "min_us": us, "max_us": us}
-
+    for f in fns:
+        f()  # compile, resolve, warm up outside the capture
+    torch.cuda.synchronize()
+    calls = len(fns) * max(1, 24 // len(fns))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
     runs = []
     for _ in range(repeats):
-        if graph:
-            runs.append(do_bench_cudagraph(fn, rep=30, return_mode="median"))
-        else:
-            runs.append(do_bench(fn, warmup=10, rep=30, return_mode="median"))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(4):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) * 1e3 / (4 * calls))
     runs.sort()
-    return {"us": runs[len(runs) // 2] * 1e3, "min_us": runs[0] * 1e3, "max_us": runs[-1] * 1e3}
+    return {"us": runs[len(runs) // 2], "min_us": runs[0], "max_us": runs[-1]}
+
+
+def timed_eager(fn, repeats: int = 3) -> dict:
+    """For calls a graph cannot hold (host reads): do_bench median, L2 flushed per call."""
+    from triton.testing import do_bench
+
+    if SMOKE:
+        return timed(fn)
+    runs = sorted(do_bench(fn, warmup=10, rep=50, return_mode="median") for _ in range(repeats))
+    return {"us": runs[1] * 1e3, "min_us": runs[0] * 1e3, "max_us": runs[-1] * 1e3}
+
+
+def copies_for(nbytes: int) -> int:
+    """Weight copies whose total exceeds 4x a 60 MB L2 (at most 16)."""
+    return 1 if SMOKE else max(2, min(16, -(-240 * 2**20 // max(nbytes, 1))))
 
 
 def payload_bytes(w) -> int:
@@ -89,37 +120,40 @@ def ceilings() -> dict:
 
 
 def _peers(n: int, k: int) -> dict:
-    """name -> (fn(x), weight bytes); peers the local torch build cannot run are left out."""
+    """name -> (make(copy) -> fn(x), weight bytes); peers this torch build lacks are left out."""
     out = {}
-    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-    out["torch bf16"] = (lambda x, w=w: F.linear(x, w), n * k * 2)
-    try:
+
+    def bf16(_i):
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        return lambda x: F.linear(x, w)
+
+    out["torch bf16"] = (bf16, n * k * 2)
+
+    def tinygemm(_i):
         q = torch.randint(0, 16, (n, k), dtype=torch.int32, device=DEV)
-        packed = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
-        wp = torch._convert_weight_to_int4pack(packed, 8)
+        wp = torch._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), 8)
         sz = torch.randn(k // 128, n, 2, dtype=torch.bfloat16, device=DEV)
-        fn = lambda x, wp=wp, sz=sz: torch._weight_int4pack_mm(x, wp, 128, sz)  # noqa: E731
-        fn(torch.randn(1, k, device=DEV, dtype=torch.bfloat16))
-        out["torch int4 tinygemm"] = (fn, n * k // 2 + sz.numel() * 2)
-    except Exception as exc:  # noqa: BLE001 - a peer this build lacks is reported, not fatal
-        print(f"  tinygemm peer unavailable: {type(exc).__name__}: {exc}"[:200], flush=True)
-    try:
+        return lambda x: torch._weight_int4pack_mm(x, wp, 128, sz)
+
+    def scaled(_i):
         wq = torch.randn(n, k, device=DEV).to(torch.float8_e4m3fn)
         one = torch.tensor(1.0, device=DEV)
+        xq = torch.zeros(16, k, device=DEV, dtype=torch.float8_e4m3fn)  # M padded to 16
+        return lambda x: torch._scaled_mm(xq[: max(16, x.shape[0])], wq.t(), scale_a=one,
+                                          scale_b=one, out_dtype=torch.bfloat16)
 
-        def scaled(x, wq=wq, one=one):
-            xq = torch.zeros(max(16, x.shape[0]), k, device=DEV, dtype=torch.float8_e4m3fn)
-            return torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-
-        scaled(torch.randn(1, k, device=DEV))
-        out["torch _scaled_mm fp8"] = (scaled, n * k)
-    except Exception as exc:  # noqa: BLE001
-        print(f"  _scaled_mm peer unavailable: {type(exc).__name__}: {exc}"[:200], flush=True)
+    for name, make, nbytes in (("torch int4 tinygemm", tinygemm, n * k // 2 + k // 128 * n * 4),
+                               ("torch _scaled_mm fp8", scaled, n * k)):
+        try:
+            make(0)(torch.randn(1, k, device=DEV, dtype=torch.bfloat16))
+            out[name] = (make, nbytes)
+        except Exception as exc:  # noqa: BLE001 - a peer this build lacks is reported, not fatal
+            print(f"  {name} unavailable: {type(exc).__name__}: {exc}"[:200], flush=True)
     return out
 
 
 def _ours(n: int, k: int) -> dict:
-    """name -> (weight, route, fn(x, w))."""
+    """name -> (make(copy) -> weight, route, fn(x, w))."""
     from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv
     from lowbit.kernels.fp8_gemm import fp8_w8a8
     from lowbit.kernels.samples import random_fp8_view, random_lut_view
@@ -127,13 +161,14 @@ def _ours(n: int, k: int) -> dict:
 
     out = {}
     for name, kw in LUT_FORMATS.items():
-        w = resolve(random_lut_view(n, k, device=DEV, **kw))
-        out[f"{name} gemv"] = (w, "gemv", lut_gemv)
-        out[f"{name} gemm"] = (w, "gemm", lut_gemm)
-    f8 = resolve(random_fp8_view(n, k, layout="channel", device=DEV))
-    out["fp8 w8a16 gemv"] = (f8, "gemv", lut_gemv)
-    fb = resolve(random_fp8_view(n, k, layout="block", device=DEV))
-    out["fp8 w8a8 (128x128)"] = (fb, "w8a8", fp8_w8a8)
+        make = lambda i, kw=kw: resolve(random_lut_view(n, k, device=DEV, seed=i, **kw))  # noqa: E731
+        out[f"{name} gemv"] = (make, "gemv", lut_gemv)
+        if name in ("int4_g128", "nvfp4"):
+            out[f"{name} gemm"] = (make, "gemm", lut_gemm)
+    out["fp8 w8a16 gemv"] = (lambda i: resolve(random_fp8_view(n, k, layout="channel", device=DEV, seed=i)),
+                             "gemv", lut_gemv)
+    out["fp8 w8a8 (128x128)"] = (lambda i: resolve(random_fp8_view(n, k, layout="block", device=DEV, seed=i)),
+                                 "w8a8", fp8_w8a8)
     return out
 
 
@@ -143,23 +178,29 @@ def linear_section(copy_tbps: float, quick: bool) -> list[dict]:
 
     rows = []
     for n, k in ((96, 256),) if SMOKE else (SHAPES[:1] if quick else SHAPES):
-        peers = _peers(n, k)
-        ours = _ours(n, k)
+        peers = {name: ([make(i) for i in range(copies_for(nb))], nb)
+                 for name, (make, nb) in _peers(n, k).items()}
+        ours = {}
+        for name, (make, route, fn) in _ours(n, k).items():
+            w0 = make(0)
+            ours[name] = ([w0] + [make(i) for i in range(1, copies_for(payload_bytes(w0)))], route, fn)
         for m in MS:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             base = None
-            for name, (fn, nbytes) in peers.items():
-                t = timed(lambda fn=fn, x=x: fn(x))
+            for name, (fns, nbytes) in peers.items():
+                t = timed([lambda fn=fn, x=x: fn(x) for fn in fns])
                 base = base or t["us"]
                 rows.append(_row("linear", f"{n}x{k}", m, name, t, nbytes, copy_tbps, None, base))
-            for name, (w, route, fn) in ours.items():
+                print(_fmt(rows[-1]), flush=True)
+            for name, (ws, route, fn) in ours.items():
                 if route == "gemm" and m != 16:
                     continue
                 try:
+                    w = ws[0]
                     y = fn(x, w)
                     ref = reference_w8a8(x, w) if route == "w8a8" else reference_linear(x, w)
                     err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
-                    t = timed(lambda fn=fn, w=w, x=x: fn(x, w))
+                    t = timed([lambda fn=fn, w=w, x=x: fn(x, w) for w in ws])
                 except Exception as exc:  # noqa: BLE001 - keep the other rows
                     print(f"  FAIL {name} M={m}: {type(exc).__name__}: {exc}"[:300], flush=True)
                     continue
@@ -183,7 +224,7 @@ def _torch_moe(x, ids, wts, w13, w2):
 
 
 def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
-    from lowbit.kernels.moe import fused_moe, reference_moe
+    from lowbit.kernels.moe import fused_moe, fused_moe_gemv, reference_moe
     from lowbit.kernels.samples import random_lut_view
     from lowbit.kernels.weights import resolve
 
@@ -201,31 +242,37 @@ def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
                             resolve(random_lut_view(h, inter, lead=(e,), device=DEV, seed=1, **kw)))
         for c in MOE_CONCURRENCY:
             g = torch.Generator(device=DEV).manual_seed(c)
-            ids = torch.rand(c, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32)
-            wts = torch.rand(c, top, device=DEV, generator=g)
-            x = torch.randn(c, h, device=DEV, dtype=torch.bfloat16)
-            active = ids.unique().numel()
-            t = timed(lambda x=x, ids=ids, wts=wts, d13=dense13, d2=dense2: _torch_moe(x, ids, wts, d13, d2))
+            batches = []  # 8 routings: consecutive calls read different experts, not L2
+            for _ in range(1 if SMOKE else 8):
+                ids = torch.rand(c, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32)
+                batches.append((torch.randn(c, h, device=DEV, dtype=torch.bfloat16), ids,
+                                torch.rand(c, top, device=DEV, generator=g)))
+            x, ids, wts = batches[0]
+            active = sum(b[1].unique().numel() for b in batches) / len(batches)
+            t = timed_eager(lambda x=x, ids=ids, wts=wts, d13=dense13, d2=dense2: _torch_moe(x, ids, wts, d13, d2))
             base = t["us"]
-            per_expert = 3 * inter * h * 2
-            rows.append(_row("moe", model, c, "torch bf16 expert loop", t, active * per_expert,
-                             copy_tbps, None, base))
+            rows.append(_row("moe", model, c, "torch bf16 expert loop", t,
+                             int(active * 3 * inter * h * 2), copy_tbps, None, base))
+            print(_fmt(rows[-1]), flush=True)
             for fmt, (w13, w2) in weights.items():
-                try:
-                    y = fused_moe(x, ids, wts, w13, w2, mode="decode")
-                    err = None
-                    if c == 4:
-                        ref = reference_moe(x, ids, wts, w13, w2)
-                        err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
-                    t = timed(lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: fused_moe(x, ids, wts, w13, w2, mode="decode"),
-                              graph=True)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"  FAIL moe {model} {fmt} C{c}: {type(exc).__name__}: {exc}"[:300], flush=True)
-                    continue
-                nbytes = active * (payload_bytes(w13) + payload_bytes(w2)) // e
-                rows.append(_row("moe", model, c, f"ours {fmt} (graph)", t, nbytes, copy_tbps, err, base))
-                print(_fmt(rows[-1]), flush=True)
-        del weights, dense13, dense2
+                impls = [("tc", fused_moe)] if fmt == "bf16" else [("gemv", fused_moe_gemv), ("tc", fused_moe)]
+                for impl, fn in impls:
+                    call = (lambda b, fn=fn, w13=w13, w2=w2: fn(*b, w13, w2)) if impl == "gemv" else \
+                        (lambda b, w13=w13, w2=w2: fused_moe(*b, w13, w2, mode="decode"))
+                    try:
+                        err = None
+                        if c == 4:
+                            y = call(batches[0])
+                            ref = reference_moe(x, ids, wts, w13, w2)
+                            err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+                        t = timed([lambda b=b, call=call: call(b) for b in batches])
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  FAIL moe {model} {fmt} {impl} C{c}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                        continue
+                    nbytes = int(active * (payload_bytes(w13) + payload_bytes(w2)) / e)
+                    rows.append(_row("moe", model, c, f"ours {fmt} {impl}", t, nbytes, copy_tbps, err, base))
+                    print(_fmt(rows[-1]), flush=True)
+        del weights
         torch.cuda.empty_cache()
     return rows
 

@@ -171,6 +171,28 @@ def lane_value(w, LANE: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr, 
 
 
 @triton.jit
+def e2m1_pair(w, LANE: tl.constexpr):
+    """float32 values (times 2**-14) of E2M1 codes LANE and LANE + 4 of each word in w.
+
+    The two codes sit 16 bits apart, so one shift puts both magnitudes (e1 e0 m) at bits
+    9-11 and 25-27 and another both signs at bits 15 and 31: a float16 pair built with two
+    shifts and two masks, then each half widened to float32 (exact, subnormals included).
+    """
+    u = w.to(tl.uint32, bitcast=True)
+    SM: tl.constexpr = 9 - 4 * LANE
+    SS: tl.constexpr = 12 - 4 * LANE
+    if SM >= 0:
+        tm = u << SM
+    else:
+        tm = u >> (-SM)
+    ts = u << SS
+    h2 = (tm & 0x0E000E00) | (ts & 0x80008000)
+    lo = (h2 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (h2 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def split_lanes(x, CPW: tl.constexpr):
     """x [G, CPW] -> CPW tensors [G] (column i = lane i); CPW is 4 or 8 (x4..x7 = x0 for 4)."""
     G: tl.constexpr = x.shape[0]

@@ -29,6 +29,7 @@ import triton.language as tl
 from lowbit.kernels import launch
 from lowbit.kernels.decode import (
     dequant_tile,
+    e2m1_pair,
     lane_value,
     load_scales,
     split_lanes,
@@ -41,16 +42,38 @@ _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
-def _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_row_ptr, xoff, kmask, CPW: tl.constexpr):
-    """One activation row against the decoded words: p [G, BN] and the row's sum per word [G]."""
+def _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_row_ptr, xoff, kmask, rb, half,
+             CPW: tl.constexpr, HAS_AB: tl.constexpr, ACT: tl.constexpr):
+    """One activation row against the decoded words: p [G, BN] (+ beta/alpha * the row's sum
+    per word, so that the affine decode's beta needs no separate accumulator) and xs [G].
+    ACT: the row is SiLU(row[:half]) * row[half:] (the MoE FC1 output), made on load."""
     x = tl.load(x_row_ptr + xoff, mask=kmask, other=0).to(tl.float32)  # [G, CPW]
+    if ACT:
+        up = tl.load(x_row_ptr + half + xoff, mask=kmask, other=0).to(tl.float32)
+        ez = tl.exp(-tl.abs(x))
+        x = x * tl.where(x >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez)) * up
     x0, x1, x2, x3, x4, x5, x6, x7 = split_lanes(x, CPW)
     p = v0 * x0[:, None] + v1 * x1[:, None] + v2 * x2[:, None] + v3 * x3[:, None]
     xs = x0 + x1 + x2 + x3
     if CPW == 8:
         p += v4 * x4[:, None] + v5 * x5[:, None] + v6 * x6[:, None] + v7 * x7[:, None]
         xs += x4 + x5 + x6 + x7
+    if HAS_AB:
+        p += xs[:, None] * rb
     return p, xs
+
+
+@triton.jit
+def _load_words(codes_ptr, row_off, wi, m2, BITS: tl.constexpr):
+    """int32 [G, BN]: 32-bit code words (3-bit: 24-bit groups assembled from 3 bytes)."""
+    if BITS == 3:
+        pb = codes_ptr + row_off[None, :] + 3 * wi[:, None]
+        w = tl.load(pb, mask=m2, other=0).to(tl.int32)
+        w = w | (tl.load(pb + 1, mask=m2, other=0).to(tl.int32) << 8)
+        w = w | (tl.load(pb + 2, mask=m2, other=0).to(tl.int32) << 16)
+    else:
+        w = tl.load(codes_ptr + row_off[None, :] + wi[:, None], mask=m2, other=0)
+    return w
 
 
 @triton.jit
@@ -58,52 +81,79 @@ def _gemv_kernel(
     x_ptr, y_ptr, bias_ptr, ws_ptr, sem_ptr,
     codes_ptr, table_ptr, tidx_ptr, ab_ptr, scales_ptr, offs_ptr,
     M, N, K, KW, w_split, stride_xm, stride_ym, stride_cw, stride_sn, stride_on, g, one_bits,
+    ids_ptr, tw_ptr, A, stride_ce, stride_te, stride_se, stride_oe, SPLIT_K,
     BITS: tl.constexpr, DECODE: tl.constexpr, SCALE_KIND: tl.constexpr, B: tl.constexpr,
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
-    SPLIT_K: tl.constexpr, ASM: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, MOE: tl.constexpr,
 ):
+    # MOE = 1 (expert FC1) / 2 (expert FC2): program axis 2 is a routed slot s (BM = 1);
+    # the weight is expert ids[s] of a stack, the activation row is x[s // A] (FC1) or
+    # SiLU(h[s, :K]) * h[s, K:] (FC2, h = the FC1 output, rows of 2K), and FC2 scales its
+    # output by the routing weight tw[s]. Outputs are per slot: y [S, N].
+    # y[m, n] = g * alpha_n * sum_w s[w, n] * (p[w, n] + beta_n / alpha_n * xs[w]) + sum_w o * xs
     CPW: tl.constexpr = 4 if BITS == 8 else 8  # codes per 32-bit word (3-bit: per 24-bit group)
-    HAS_Z: tl.constexpr = HAS_AB or HAS_OFFS
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     rows = pid_n * BN + tl.arange(0, BN)
     rmask = rows < N
-    row_off = rows.to(tl.int64) * stride_cw
-    srow_off = (rows // SROWS).to(tl.int64) * stride_sn
-    orow_off = rows.to(tl.int64) * stride_on
+    e = 0
+    xrow = pid_m * BM
+    if MOE > 0:
+        e = tl.load(ids_ptr + pid_m).to(tl.int64)
+        if MOE == 1:
+            xrow = pid_m // A
+    row_off = e * stride_ce + rows.to(tl.int64) * stride_cw
+    srow_off = e * stride_se + (rows // SROWS).to(tl.int64) * stride_sn
+    orow_off = e * stride_oe + rows.to(tl.int64) * stride_on
     if HAS_TIDX:
-        t = tl.load(tidx_ptr + rows, mask=rmask, other=0)
+        t = tl.load(tidx_ptr + e * stride_te + rows, mask=rmask, other=0)
     else:
         t = tl.zeros([BN], tl.int32)
     tb = (t * (1 << BITS))[None, :]
+    ACT: tl.constexpr = MOE == 2
     if HAS_AB:
-        alpha = tl.load(ab_ptr + 2 * t)[None, :]
-        beta = tl.load(ab_ptr + 2 * t + 1)[None, :]
+        alpha = tl.load(ab_ptr + 2 * t)
+        rb = (tl.load(ab_ptr + 2 * t + 1) / alpha)[None, :]
+    else:
+        alpha = tl.full([BN], 1.0, tl.float32)
+        rb = tl.zeros([1, BN], tl.float32)
     m0 = pid_m * BM
     acc0 = tl.zeros([G, BN], tl.float32)
     acc1 = tl.zeros([G, BN], tl.float32)
     acc2 = tl.zeros([G, BN], tl.float32)
     acc3 = tl.zeros([G, BN], tl.float32)
+    aco0 = tl.zeros([G, BN], tl.float32)
+    aco1 = tl.zeros([G, BN], tl.float32)
+    aco2 = tl.zeros([G, BN], tl.float32)
+    aco3 = tl.zeros([G, BN], tl.float32)
     j = tl.arange(0, G)
     gl = (j % 8) * (G // 8) + j // 8  # words of a tile in a permuted order: one word per thread
     lane = tl.arange(0, CPW)
-    for kw in range(0, w_split, G):
-        wi = pid_k * w_split + kw + gl  # [G] word index along the row
-        m2 = (wi < KW)[:, None] & rmask[None, :]
-        if BITS == 3:
-            pb = codes_ptr + row_off[None, :] + 3 * wi[:, None]
-            w = tl.load(pb, mask=m2, other=0).to(tl.int32)
-            w = w | (tl.load(pb + 1, mask=m2, other=0).to(tl.int32) << 8)
-            w = w | (tl.load(pb + 2, mask=m2, other=0).to(tl.int32) << 16)
+    wi = pid_k * w_split + gl  # [G] word index along the row
+    m2 = (wi < KW)[:, None] & rmask[None, :]
+    w = _load_words(codes_ptr, row_off, wi, m2, BITS)
+    s = load_scales(scales_ptr, (wi * CPW) // B, srow_off, m2, SCALE_KIND)  # [G, BN]
+    for _kw in range(0, w_split, G):
+        if PREFETCH:  # the next tile's loads are in flight while this one is decoded
+            wi_n = wi + G
+            m2_n = (wi_n < KW)[:, None] & rmask[None, :]
+            w_n = _load_words(codes_ptr, row_off, wi_n, m2_n, BITS)
+            s_n = load_scales(scales_ptr, (wi_n * CPW) // B, srow_off, m2_n, SCALE_KIND)
+        if DECODE == 2:  # E2M1: lanes L and L + 4 decoded together
+            v0, v4 = e2m1_pair(w, 0)
+            v1, v5 = e2m1_pair(w, 1)
+            v2, v6 = e2m1_pair(w, 2)
+            v3, v7 = e2m1_pair(w, 3)
         else:
-            w = tl.load(codes_ptr + row_off[None, :] + wi[:, None], mask=m2, other=0)
-        v0 = lane_value(w, 0, BITS, DECODE, table_ptr, tb, one_bits, ASM)
-        v1 = lane_value(w, 1, BITS, DECODE, table_ptr, tb, one_bits, ASM)
-        v2 = lane_value(w, 2, BITS, DECODE, table_ptr, tb, one_bits, ASM)
-        v3 = lane_value(w, 3, BITS, DECODE, table_ptr, tb, one_bits, ASM)
-        if CPW == 8:
+            v0 = lane_value(w, 0, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+            v1 = lane_value(w, 1, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+            v2 = lane_value(w, 2, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+            v3 = lane_value(w, 3, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+        if DECODE == 2:
+            pass
+        elif CPW == 8:
             v4 = lane_value(w, 4, BITS, DECODE, table_ptr, tb, one_bits, ASM)
             v5 = lane_value(w, 5, BITS, DECODE, table_ptr, tb, one_bits, ASM)
             v6 = lane_value(w, 6, BITS, DECODE, table_ptr, tb, one_bits, ASM)
@@ -113,44 +163,42 @@ def _gemv_kernel(
             v5 = v0
             v6 = v0
             v7 = v0
-        col = (wi * CPW) // B  # scale column of each word
-        s = load_scales(scales_ptr, col, srow_off, m2, SCALE_KIND)  # [G, BN]
-        if HAS_OFFS:  # w = t * s * g + o: g scales everything but the offset
-            s = s * g
-        sa = s
-        if HAS_AB:
-            sa = s * alpha
-            z = s * beta
         if HAS_OFFS:
-            o = tl.load(offs_ptr + col[:, None] + orow_off[None, :], mask=m2, other=0)
-            if HAS_AB:
-                z += o.to(tl.float32)
-            else:
-                z = o.to(tl.float32)
+            o = tl.load(offs_ptr + ((wi * CPW) // B)[:, None] + orow_off[None, :], mask=m2,
+                        other=0).to(tl.float32)
         xoff = (wi * CPW)[:, None] + lane[None, :]  # [G, CPW] activation columns
         kmask = xoff < K
-        p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + m0 * stride_xm, xoff,
-                         kmask & (m0 < M), CPW)
-        acc0 += p * sa
-        if HAS_Z:
-            acc0 += xs[:, None] * z
+        p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + xrow * stride_xm, xoff,
+                         kmask & (m0 < M), rb, K, CPW, HAS_AB, ACT)
+        acc0 += p * s
+        if HAS_OFFS:
+            aco0 += xs[:, None] * o
         if BM > 1:
-            p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (m0 + 1) * stride_xm, xoff,
-                             kmask & (m0 + 1 < M), CPW)
-            acc1 += p * sa
-            if HAS_Z:
-                acc1 += xs[:, None] * z
+            p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (xrow + 1) * stride_xm,
+                             xoff, kmask & (m0 + 1 < M), rb, K, CPW, HAS_AB, ACT)
+            acc1 += p * s
+            if HAS_OFFS:
+                aco1 += xs[:, None] * o
         if BM > 2:
-            p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (m0 + 2) * stride_xm, xoff,
-                             kmask & (m0 + 2 < M), CPW)
-            acc2 += p * sa
-            if HAS_Z:
-                acc2 += xs[:, None] * z
-            p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (m0 + 3) * stride_xm, xoff,
-                             kmask & (m0 + 3 < M), CPW)
-            acc3 += p * sa
-            if HAS_Z:
-                acc3 += xs[:, None] * z
+            p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (xrow + 2) * stride_xm,
+                             xoff, kmask & (m0 + 2 < M), rb, K, CPW, HAS_AB, ACT)
+            acc2 += p * s
+            if HAS_OFFS:
+                aco2 += xs[:, None] * o
+            p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (xrow + 3) * stride_xm,
+                             xoff, kmask & (m0 + 3 < M), rb, K, CPW, HAS_AB, ACT)
+            acc3 += p * s
+            if HAS_OFFS:
+                aco3 += xs[:, None] * o
+        if PREFETCH:
+            wi = wi_n
+            w = w_n
+            s = s_n
+        else:
+            wi = wi + G
+            m2 = (wi < KW)[:, None] & rmask[None, :]
+            w = _load_words(codes_ptr, row_off, wi, m2, BITS)
+            s = load_scales(scales_ptr, (wi * CPW) // B, srow_off, m2, SCALE_KIND)
     # [BN, BM]: column i is activation row m0 + i
     if BM == 1:
         y = tl.sum(acc0, 0)[:, None]
@@ -159,12 +207,21 @@ def _gemv_kernel(
     else:
         y = tl.reshape(tl.join(tl.join(tl.sum(acc0, 0), tl.sum(acc2, 0)),
                                tl.join(tl.sum(acc1, 0), tl.sum(acc3, 0))), (BN, 4))
-    if not HAS_OFFS:
-        y = y * g
+    y = y * (alpha * g)[:, None]
+    if HAS_OFFS:
+        if BM == 1:
+            y += tl.sum(aco0, 0)[:, None]
+        elif BM == 2:
+            y += tl.join(tl.sum(aco0, 0), tl.sum(aco1, 0))
+        else:
+            y += tl.reshape(tl.join(tl.join(tl.sum(aco0, 0), tl.sum(aco2, 0)),
+                                    tl.join(tl.sum(aco1, 0), tl.sum(aco3, 0))), (BN, 4))
+    if MOE == 2:
+        y = y * tl.load(tw_ptr + pid_m)
     ms = m0 + tl.arange(0, BM)
     ymask = rmask[:, None] & (ms < M)[None, :]
     yoff = ms[None, :] * stride_ym + rows[:, None]
-    if SPLIT_K == 1:
+    if not SPLIT:
         if HAS_BIAS:
             y += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[:, None]
         tl.store(y_ptr + yoff, y.to(y_ptr.dtype.element_ty), mask=ymask)
@@ -282,6 +339,18 @@ def _gemv_codes(w: LutWeight | Fp8View) -> tuple[torch.Tensor, int, int]:
     return words, words.stride(-2), words.shape[-1]
 
 
+def split_plan(cfg: dict, kw: int, tiles: int) -> tuple[int, int]:
+    """(splits, words per split) along K. SPLIT_K = 0 in a config: enough splits for about
+    four programs per SM, at most 8, and at most one split per tile of words."""
+    g_words = cfg["G"]
+    split = cfg.get("SPLIT_K", 0)
+    if split == 0:
+        split = min(8, max(1, round(4 * sm_count() / max(tiles, 1))))
+    split = max(1, min(split, triton.cdiv(kw, g_words)))
+    w_split = triton.cdiv(triton.cdiv(kw, split), g_words) * g_words
+    return triton.cdiv(kw, w_split), w_split
+
+
 def gemv_refusal(x: torch.Tensor, w: LutWeight | Fp8View) -> str | None:
     """Why lut_gemv cannot take this call, or None."""
     codes = w.view.codes if isinstance(w, LutWeight) else w.codes
@@ -305,11 +374,9 @@ def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
     cfg = config or launch.lookup("gemv", fmt_key(w), n, k, m)
     bm = 1 if m == 1 else (2 if m == 2 else 4)
     grid_m = triton.cdiv(m, bm)
-    g_words = cfg["G"]
-    split = max(1, min(cfg.get("SPLIT_K", 1), triton.cdiv(kw, g_words)))
-    w_split = triton.cdiv(triton.cdiv(kw, split), g_words) * g_words
-    split = triton.cdiv(kw, w_split)
-    grid_n = triton.cdiv(n, cfg["BN"])
+    bn = min(cfg["BN"], 16) if a.has_offs else cfg["BN"]  # offsets double the accumulators
+    grid_n = triton.cdiv(n, bn)
+    split, w_split = split_plan(cfg, kw, grid_n * grid_m)
     y = _out(out, m, n, x)
     ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
     sem = _semaphore(x.device, grid_n * grid_m)
@@ -317,10 +384,12 @@ def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
         x, y, x if bias is None else bias, ws, sem,
         codes, a.table, a.tidx, a.ab, a.scales, a.offs,
         m, n, k, kw, w_split, x.stride(0), y.stride(0), stride_cw, a.stride_sn, a.stride_on,
-        a.g, 0x3F800000, BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
+        a.g, 0x3F800000, x, x, 1, 0, 0, 0, 0, split,
+        BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
         SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
-        HAS_BIAS=bias is not None, BM=bm, BN=cfg["BN"], G=g_words, SPLIT_K=split,
-        ASM=not interpreting(), num_warps=cfg.get("num_warps", 4),
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, G=cfg["G"], SPLIT=split > 1,
+        ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=0,
+        num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 1),
     )
     return y

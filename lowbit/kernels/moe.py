@@ -270,6 +270,62 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
     return y
 
 
+def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
+             ids_flat: torch.Tensor, tw: torch.Tensor, a_top: int, cfg: dict) -> None:
+    """One expert layer as per-slot GEMVs: y [S, N] (float32) from rows of x (see
+    dequant_gemm._gemv_kernel, MOE modes 1 and 2)."""
+    from lowbit.kernels.dequant_gemm import _gemv_codes, _gemv_kernel, _semaphore, split_plan
+
+    a = weight_args(w)
+    codes, stride_cw, kw = _gemv_codes(w)
+    s, n = y.shape
+    bn = min(cfg["BN"], 16) if a.has_offs else cfg["BN"]
+    grid_n = triton.cdiv(n, bn)
+    split, w_split = split_plan(cfg, kw, grid_n * s)
+    ws = torch.empty(split if split > 1 else 1, s, n, dtype=torch.float32, device=x.device)
+    sem = _semaphore(x.device, grid_n * s)
+    launch.run(
+        _gemv_kernel, (grid_n, split, s),
+        x, y, x, ws, sem, codes, a.table, a.tidx, a.ab, a.scales, a.offs,
+        s, n, k, kw, w_split, x.stride(0), y.stride(0), stride_cw, a.stride_sn, a.stride_on,
+        a.g, 0x3F800000, ids_flat, tw, a_top, codes.stride(0), a.stride_te, a.stride_se,
+        a.stride_oe, split, BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
+        SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
+        HAS_BIAS=False, BM=1, BN=bn, G=cfg["G"], SPLIT=split > 1,
+        ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=moe,
+        num_warps=cfg.get("num_warps", 4), num_stages=1,
+    )
+
+
+def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
+                   w2: Resolved, config: dict | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode as per-slot GEMVs (LUT or fp8 experts): FC1 [S, 2I], FC2 with SiLU-gate on load
+    and the routing weight [S, H], then the ordered top-k sum. Three launches, no host read;
+    an expert used by several tokens is read once per token (from L2 when they coincide)."""
+    assert not isinstance(w13, DenseWeight) and not isinstance(w2, DenseWeight)
+    assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
+    t, h = x.shape
+    a_top = ids.shape[1]
+    s = t * a_top
+    inter = w13.n // 2
+    fmt = "fp8" if isinstance(w13, Fp8View) else f"lut{w13.view.bits}"
+    cfg = config or launch.lookup("moe_gemv", fmt, w13.lead[0], h, t)
+    ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
+    tw = weights.reshape(-1).to(torch.float32).contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    h1 = torch.empty(s, 2 * inter, dtype=torch.float32, device=x.device)
+    ys = torch.empty(s, h, dtype=torch.float32, device=x.device)
+    _gemv_fc(x, w13, h, h1, 1, ids_flat, tw, a_top, cfg.get("fc1", cfg))
+    _gemv_fc(h1, w2, inter, ys, 2, ids_flat, tw, a_top, cfg.get("fc2", cfg))
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
+    bnc = min(1024, triton.next_power_of_2(h))
+    launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, h, a_top, y.stride(0),
+               BN=bnc, num_warps=4)
+    return y
+
+
 def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
                   w2: Resolved, dot_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Torch twin: for each expert used, decode its weights with the format's reference and

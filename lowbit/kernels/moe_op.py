@@ -2,7 +2,9 @@
 
 Shape legend: T tokens, H hidden, I expert width, E experts, A top-k.
 Routes, in selection order (status and record in docs/ROUTES.md):
-  triton_fused_moe_decode   in-kernel expert discovery, T * A <= 256 slots, T <= 16
+  triton_fused_moe_decode   T <= 16 tokens: LUT / fp8 experts as per-slot GEMVs (expert id read
+                            on the device); dense experts as tensor-core tiles per expert
+                            found in-kernel (T * A <= 256 slots)
   triton_moe_grouped        device sort by expert, grouped GEMM with decode in the main loop
   torch                     reference: loop over the experts used (host read), float32
 """
@@ -15,7 +17,7 @@ import torch
 
 from lowbit.kernels import routes
 from lowbit.kernels.runtime import triton_refusal
-from lowbit.kernels.weights import Resolved, resolve
+from lowbit.kernels.weights import DenseWeight, Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
 DECODE_MAX_TOKENS = 16
@@ -49,13 +51,20 @@ def _admit_decode(call: MoeCall) -> str | None:
     t, a = call.ids.shape
     if t > DECODE_MAX_TOKENS or t * a > DECODE_MAX_SLOTS:
         return f"{t} tokens x top-{a}: the decode route takes <= {DECODE_MAX_TOKENS} tokens, <= {DECODE_MAX_SLOTS} slots"
-    return _refusal(call)
+    reason = _refusal(call)
+    if reason is None and not isinstance(call.w13, DenseWeight):
+        from lowbit.kernels.dequant_gemm import gemv_refusal
+
+        reason = gemv_refusal(call.x[:1], call.w13) or gemv_refusal(call.x[:1], call.w2)
+    return reason
 
 
 def _run(mode: str):
     def run(call: MoeCall) -> torch.Tensor:
-        from lowbit.kernels.moe import fused_moe
+        from lowbit.kernels.moe import fused_moe, fused_moe_gemv
 
+        if mode == "decode" and not isinstance(call.w13, DenseWeight):
+            return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2)
         return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode)
 
     return run

@@ -124,7 +124,7 @@ def classify_table(table: Tensor, bits: int) -> tuple[int, Tensor | None]:
     t = table.detach().to("cpu", torch.float32)
     codes = torch.arange(1 << bits, dtype=torch.float32)
     alpha, beta = t[:, 1] - t[:, 0], t[:, 0]
-    if torch.equal(alpha[:, None] * codes + beta[:, None], t):
+    if bool((alpha != 0).all()) and torch.equal(alpha[:, None] * codes + beta[:, None], t):
         # value = alpha' * (1 + c / 2**bits) + beta' with alpha' = alpha * 2**bits
         a = alpha * (1 << bits)
         return DECODE_AFFINE, torch.stack([a, beta - a], 1)

@@ -13,7 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from lowbit.kernels.moe import fused_moe, reference_moe  # noqa: E402
+from lowbit.kernels.moe import fused_moe, fused_moe_gemv, reference_moe  # noqa: E402
 from lowbit.kernels.runtime import interpreting  # noqa: E402
 from lowbit.kernels.weights import resolve  # noqa: E402
 from tests.kernels.cases import make_weight, poisoned, rel_err  # noqa: E402
@@ -64,3 +64,17 @@ def test_grouped_tiles_span_one_expert():
     out = poisoned(17, H, dtype=torch.bfloat16)
     fused_moe(x, ids, wts, w13, w2, mode="grouped", config=CFG, out=out)
     assert rel_err(out, reference_moe(x, ids, wts, w13, w2, dot_dtype=torch.bfloat16)) < BF16_RTOL
+
+
+@pytest.mark.parametrize("case", ["int4_g32_offsets", "nvfp4_two_tables", "lut3_offsets", "fp8_block"])
+def test_fused_moe_gemv_matches_twin(case):
+    """Per-slot GEMV decode: float32 throughout, so the twin needs no rounding (rel 1e-5)."""
+    w13 = make_weight(case, 2 * I, H, lead=(E,), seed=1)
+    w2 = make_weight(case, H, I, lead=(E,), seed=2)
+    cfg = dict(BN=16, G=8, SPLIT_K=2)
+    for t, a in ((1, 2), (5, 3)):
+        ids, wts = _routing(t, a, seed=t + 10)
+        x = torch.randn(t, H)
+        out = poisoned(t, H, dtype=torch.float32)
+        fused_moe_gemv(x, ids, wts, w13, w2, config=cfg, out=out)
+        assert rel_err(out, reference_moe(x, ids, wts, w13, w2)) < 1e-5, (case, t)
