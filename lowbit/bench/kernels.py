@@ -110,7 +110,9 @@ def ceilings() -> dict:
     a = torch.empty(1 << (16 if SMOKE else 30), dtype=torch.uint8, device=DEV)
     a.random_()
     b = torch.empty_like(a)
-    copy = timed(lambda a=a, b=b: b.copy_(a))
+    # eager: inside a CUDA graph copy_ becomes a memcpy node run by the copy engines, slower
+    # than the SMs' copy kernel (measured 2.77 vs 4.22 TB/s on an H200)
+    copy = timed_eager(lambda a=a, b=b: b.copy_(a))
     n = 64 if SMOKE else 8192
     x = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     y = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)

@@ -2,9 +2,9 @@
 
 Shape legend: x [..., K] flattened to [M, K]; W [N, K] (dense, LUT view or fp8); y [..., N].
 Routes, in selection order (see lowbit.kernels.routes; status and record in docs/ROUTES.md):
-  triton_lut_gemv    CUDA-core dequantizing GEMV, M <= 16 (LUT or fp8 weights)
+  triton_lut_gemv    CUDA-core dequantizing GEMV of LUT weights, M <= 4 (M <= 16 when forced)
   triton_lut_gemm    tensor-core tiles with in-register decode, bf16/fp16 activations
-  triton_fp8_w8a16   the gemv/gemm pair above on fp8 weights (codes are the fp8 values)
+  triton_fp8_w8a16   the gemv (M <= 4; forced: gemv to 16, gemm above) on fp8 weights
   triton_fp8_w8a8    fp8 x fp8 tensor-core GEMM with per-token activation scales (sm_89+)
   torch              reference: decode with the format's twin, float32 matmul (dense: F.linear)
 """
@@ -51,10 +51,15 @@ def _common_refusal(call: LinearCall, kinds: tuple[type, ...]) -> str | None:
     return None
 
 
+AUTO_GEMV_MAX_M = 4  # measured faster than the torch route up to here (docs/ROUTES.md)
+
+
 def _admit_gemv(kinds: tuple[type, ...]):
     def admit(call: LinearCall) -> str | None:
         from lowbit.kernels.dequant_gemm import gemv_refusal
 
+        if not call.forced and call.m > AUTO_GEMV_MAX_M:
+            return f"M = {call.m} > {AUTO_GEMV_MAX_M}: not measured faster unless forced"
         return _common_refusal(call, kinds) or gemv_refusal(call.x, call.weight)
 
     return admit
@@ -95,6 +100,8 @@ def _run_fp8_w8a16(call: LinearCall) -> torch.Tensor:
 
 
 def _admit_fp8_w8a16(call: LinearCall) -> str | None:
+    if not call.forced and call.m > AUTO_GEMV_MAX_M:
+        return f"M = {call.m} > {AUTO_GEMV_MAX_M}: not measured faster unless forced"
     reason = _common_refusal(call, (Fp8View,))
     if reason is None and call.m > 16 and call.x.dtype == torch.float32:
         reason = "tl.dot reads bf16/fp16 activations, got float32"
@@ -132,13 +139,15 @@ def _run_torch(call: LinearCall) -> torch.Tensor:
 
 
 routes.register("linear", routes.Route(
-    "triton_lut_gemv", routes.OPT_IN, BENCH, _admit_lut_gemv, _run_gemv))
+    "triton_lut_gemv", routes.DEFAULT, BENCH + " (M <= 4)", _admit_lut_gemv, _run_gemv))
 routes.register("linear", routes.Route(
     "triton_lut_gemm", routes.OPT_IN, BENCH, _admit_gemm((LutWeight,)), _run_gemm))
 routes.register("linear", routes.Route(
-    "triton_fp8_w8a16", routes.OPT_IN, BENCH, _admit_fp8_w8a16, _run_fp8_w8a16))
+    "triton_fp8_w8a16", routes.DEFAULT, BENCH + " (M <= 4)", _admit_fp8_w8a16, _run_fp8_w8a16))
 routes.register("linear", routes.Route(
-    "triton_fp8_w8a8", routes.OPT_IN, BENCH, _admit_w8a8, _run_w8a8))
+    "triton_fp8_w8a8", routes.MEASURED_NEGATIVE,
+    "50-108 us at 14336x4096 / 4096x14336, M = 1-16: 0.29-0.62x torch bf16, 2.9-5.6x slower "
+    "than torch._scaled_mm (docs/BENCHMARKS.md#kernels)", _admit_w8a8, _run_w8a8))
 routes.register("linear", routes.Route(
     "torch", routes.DEFAULT, "reference (admits every call)", lambda call: None, _run_torch),
     reference=True)

@@ -2,9 +2,11 @@
 
 Shape legend: T tokens, H hidden, I expert width, E experts, A top-k.
 Routes, in selection order (status and record in docs/ROUTES.md):
-  triton_fused_moe_decode   T <= 16 tokens: LUT / fp8 experts as per-slot GEMVs (expert id read
-                            on the device); dense experts as tensor-core tiles per expert
-                            found in-kernel (T * A <= 256 slots)
+  triton_fused_moe_decode   T <= 16 tokens, T * A <= 256 slots: LUT / fp8 experts as per-slot
+                            GEMVs (expert id read on the device) while slots < 2 E (fewer than
+                            two tokens per expert on average); otherwise, and for dense experts,
+                            tensor-core tiles per expert found in-kernel (crossover measured:
+                            docs/BENCHMARKS.md#kernels)
   triton_moe_grouped        device sort by expert, grouped GEMM with decode in the main loop
   torch                     reference: loop over the experts used (host read), float32
 """
@@ -56,6 +58,8 @@ def _admit_decode(call: MoeCall) -> str | None:
         from lowbit.kernels.dequant_gemm import gemv_refusal
 
         reason = gemv_refusal(call.x[:1], call.w13) or gemv_refusal(call.x[:1], call.w2)
+    if reason is None and isinstance(call.w13, DenseWeight) and call.x.dtype == torch.float32:
+        reason = "tensor-core tiles read bf16/fp16 activations, got float32"
     return reason
 
 
@@ -63,7 +67,8 @@ def _run(mode: str):
     def run(call: MoeCall) -> torch.Tensor:
         from lowbit.kernels.moe import fused_moe, fused_moe_gemv
 
-        if mode == "decode" and not isinstance(call.w13, DenseWeight):
+        t, a = call.ids.shape
+        if mode == "decode" and not isinstance(call.w13, DenseWeight) and t * a < 2 * call.w13.lead[0]:
             return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2)
         return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode)
 
@@ -77,7 +82,8 @@ def _run_torch(call: MoeCall) -> torch.Tensor:
 
 
 routes.register("moe", routes.Route(
-    "triton_fused_moe_decode", routes.OPT_IN, BENCH, _admit_decode, _run("decode")))
+    "triton_fused_moe_decode", routes.DEFAULT, BENCH + " (MoE rows: 2-270x the torch expert loop)",
+    _admit_decode, _run("decode")))
 routes.register("moe", routes.Route(
     "triton_moe_grouped", routes.OPT_IN, BENCH, _refusal, _run("grouped")))
 routes.register("moe", routes.Route(

@@ -135,3 +135,17 @@ def test_moe_torch_route_matches_a_plain_loop(monkeypatch):
             h = w13[ids[t, j]] @ x[t]
             ref[t] += wts[t, j] * (w2[ids[t, j]] @ (torch.nn.functional.silu(h[:6]) * h[6:]))
     torch.testing.assert_close(moe_experts(x, ids, wts, w13, w2), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_gemv_limited_to_measured_m(monkeypatch):
+    from lowbit.kernels.linear_op import LinearCall, _admit_lut_gemv
+    from lowbit.kernels.samples import random_lut_view
+    from lowbit.kernels.weights import resolve
+
+    w = resolve(random_lut_view(16, 64))
+    call = LinearCall(torch.randn(8, 64), w, None, (8, 16), forced=False)
+    assert "not measured faster" in _admit_lut_gemv(call)
+    call.forced = True
+    assert _admit_lut_gemv(call) is None  # the interpreter runs it when forced
+    call.forced, call.x = False, torch.randn(2, 64)
+    assert "cpu" in _admit_lut_gemv(call)  # auto selection keeps the torch route on a CPU
