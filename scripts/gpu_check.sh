@@ -1,27 +1,44 @@
 #!/usr/bin/env bash
-# One GPU call: correctness (tests/gpu), a gemv config sweep, then the kernel benchmark.
-#   bash scripts/gpu_check.sh            (from the repository root, on a CUDA machine)
-# Writes under $OUT (default ./gpu_out): pytest log, tuned configs, kernels.json/.md.
-# Each stage has its own time limit so that a slow stage still leaves the others' output.
+# The one GPU call: correctness, kernel roofline, engine latency, in stages.
+#   STAGES="tests tune kernels attention engine" bash scripts/gpu_check.sh   (repo root, CUDA machine)
+# Stages (each under its own time cap, a failing stage does not stop the next):
+#   tests      pytest tests/gpu (kernels vs torch twins at real sizes, graph replay)
+#   tune       gemv launch-config sweep (scripts/tune_kernels.py), fed to the benchmark
+#   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
+#   attention  python -m lowbit.kernels.attention_bench: paged decode attention vs SDPA
+#   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
+#              $QUANT: pp/tg cells, batched decode, depth; the Triton attention route is
+#              forced when its GPU test passed (else the torch route, said in the log)
+# Writes under $OUT (default ./gpu_out); the last lines printed are the summary tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
+RES=$(mktemp -d /tmp/gpu_check.XXXXXX)  # everything; $OUT gets the summaries and one archive
+trap 'tar czf "$OUT/results.tar.gz" -C "$RES" . 2>/dev/null' EXIT
 unset TRITON_INTERPRET
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export LOWBIT_COMMIT=${LOWBIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-T_TESTS=${T_TESTS:-200} T_TUNE=${T_TUNE:-150} T_BENCH=${T_BENCH:-330}
+STAGES=${STAGES:-tests tune kernels attention engine}
+T_TESTS=${T_TESTS:-200} T_TUNE=${T_TUNE:-150} T_BENCH=${T_BENCH:-330} T_ATT=${T_ATT:-60} T_ENGINE=${T_ENGINE:-170}
+QUANT=${QUANT:-nvfp4}
+CONFIG=${CONFIG:-lowbit/model_configs/Qwen__Qwen3-30B-A3B.json}
+CELLS=${CELLS:--p 8192 -n 64 -b 1,8,32 -d 0,32000 -r 3}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
-echo "== tests/gpu"
-timeout "$T_TESTS" python3 -m pytest -q -x -p no:cacheprovider -n 8 tests/gpu 2>&1 | tail -40 | tee "$OUT/tests_gpu.log"
+if has tests; then
+  echo "== tests/gpu"
+  timeout "$T_TESTS" python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tail -40 | tee "$OUT/tests_gpu.log"
+fi
 
-echo "== gemv config sweep (T_TUNE=0 skips it)"
-[ "$T_TUNE" -gt 0 ] && timeout "$T_TUNE" python3 scripts/tune_kernels.py --out "$OUT/tuned_gemv.json" --formats int4,nvfp4 \
-  --m 1 2>&1 | tee "$OUT/tune.log"
-if [ -s "$OUT/tuned_gemv.json" ]; then  # the benchmark below uses what the sweep found
-  python3 - "$OUT/tuned_gemv.json" <<'PY'
+if has tune; then
+  echo "== gemv config sweep"
+  timeout "$T_TUNE" python3 scripts/tune_kernels.py --out "$RES/tuned_gemv.json" --formats int4,nvfp4 --m 1,4 \
+    2>&1 | tee "$RES/tune.log" | tail -5
+  if [ -s "$RES/tuned_gemv.json" ]; then  # the benchmark below uses what the sweep found
+    python3 - "$RES/tuned_gemv.json" <<'PY'
 import json, sys
 from lowbit.kernels import launch
 tuned = json.load(open(sys.argv[1]))
@@ -31,7 +48,34 @@ cur.setdefault("gemv", {}).update(tuned["gemv"])
 path.write_text(json.dumps(cur, indent=1))
 print("configs ->", path)
 PY
+  fi
 fi
 
-echo "== kernel benchmark"
-timeout "$T_BENCH" python3 -m lowbit.bench.kernels --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80
+if has kernels; then
+  echo "== kernel benchmark"
+  timeout "$T_BENCH" python3 -m lowbit.bench.kernels --out "$RES" 2>&1 | tee "$OUT/bench.log" | tail -80
+fi
+
+ATT=torch
+if has attention || has engine; then
+  echo "== attention: GPU test, then benchmark"
+  if timeout "$T_ATT" python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_attention_gpu.py 2>&1 \
+       | tail -30 | tee "$OUT/attention_test.log" | grep -qE "[0-9]+ passed" \
+     && ! grep -qE "failed|error" "$OUT/attention_test.log"; then
+    ATT=triton_paged
+  fi
+  echo "attention route for the engine stage: $ATT"
+  if has attention; then
+    timeout "$T_ATT" python3 -m lowbit.kernels.attention_bench --out "$RES" 2>&1 | tail -30 | tee "$OUT/attention_bench.log"
+  fi
+fi
+
+if has engine; then
+  for fmt in bf16 "$QUANT"; do
+    echo "== engine latency: $fmt (attention route $ATT)"
+    q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
+    LOWBIT_ROUTE_ATTENTION=$ATT timeout "$T_ENGINE" python3 -m lowbit bench latency x --random-weights \
+      --config "$CONFIG" "${q[@]}" $CELLS --records "$RES" --append-md "$OUT/engine.md" 2>&1 \
+      | grep -v "^loading" | tail -25 | tee "$OUT/engine_$fmt.log"
+  done
+fi

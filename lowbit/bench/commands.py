@@ -56,7 +56,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
     cfg = EngineConfig.from_cli(args)
     depths = args.depth if args.depth is not None else [0, 32768]
-    rec = latency.measure(cfg, args.prompt, args.gen, depths, args.repeats, fit_depths=args.depth is None)
+    rec = latency.measure(cfg, args.prompt, args.gen, depths, args.repeats, fit_depths=args.depth is None,
+                          batches=tuple(args.batch))
     rec["env"] = environment(rec["device"])
     md = latency.summary_md(rec)
     _emit(args.output, latency.HEADERS, latency.table_rows(rec), md, rec)
@@ -169,6 +170,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--gen", type=int_list, default=[128], help="generated lengths (tg cells)")
     p.add_argument("-d", "--depth", type=int_list, default=None,
                    help="retained depths; default 0,32768 (those that fit the context)")
+    p.add_argument("-b", "--batch", type=int_list, default=[1],
+                   help="tg cells at depth 0: sequences decoding together (aggregate tok/s)")
     p.add_argument("-r", "--repeats", type=int, default=5)
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
     _record_args(p)

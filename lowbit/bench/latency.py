@@ -31,11 +31,13 @@ class Cell:
     kind: str  # "pp" | "tg"
     n: int
     depth: int
+    batch: int = 1  # tg: sequences decoding together (each over its own depth + 1 tokens)
     samples: list[float] = field(default_factory=list)  # seconds per repeat
 
     @property
     def name(self) -> str:
-        return f"{self.kind}{self.n}" + (f" @ d{self.depth}" if self.depth else "")
+        return (f"{self.kind}{self.n}" + (f" x{self.batch}" if self.batch > 1 else "")
+                + (f" @ d{self.depth}" if self.depth else ""))
 
 
 def _sync(device: str) -> None:
@@ -76,17 +78,19 @@ class Session:
         self._check_reused(hits)
         return out.metrics["prefill_s"]
 
-    def decode(self, n: int) -> float:
-        """Seconds for n decode steps after the depth."""
-        out = self._generate(self.depth + self.random_ids(1), n + 1)
-        assert out.metrics["output_tokens"] == n + 1, "ignore_eos keeps the length"
+    def decode(self, n: int, batch: int = 1) -> float:
+        """Seconds for n decode steps after the depth, with `batch` sequences in each step."""
+        prompts = [self.depth + self.random_ids(1) for _ in range(batch)]
+        out = self._generate(prompts, n + 1)
+        assert out.metrics["output_tokens"] == batch * (n + 1), "ignore_eos keeps the length"
         return out.metrics["decode_s"]
 
-    def _generate(self, ids: list[int], max_tokens: int):
+    def _generate(self, ids: list[int] | list[list[int]], max_tokens: int):
         from lowbit import SamplingParams
 
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return self.llm.generate([ids], sp)[0]
+        prompts = ids if ids and isinstance(ids[0], list) else [ids]
+        return self.llm.generate(prompts, sp)[0]
 
     def _prefix_hits(self) -> int | None:
         blocks = getattr(getattr(self.llm, "engine", None), "blocks", None)
@@ -185,16 +189,18 @@ def usable_depths(depths: list[int], prompt: list[int], gen: list[int], max_len:
 
 
 def run_cells(s: Session, prompt: list[int], gen: list[int], depths: list[int],
-              repeats: int) -> list[Cell]:
+              repeats: int, batches: tuple[int, ...] = (1,)) -> list[Cell]:
     s.prefill(min(prompt))  # warm-up: first calls allocate, compile, capture graphs
-    s.decode(2)
+    for b in batches:
+        s.decode(2, b)
     cells = []
     for d in sorted(depths):
         s.set_depth(d)
-        row = [Cell("pp", p, d) for p in prompt] + [Cell("tg", n, d) for n in gen]
+        bs = batches if d == 0 else (1,)  # batched cells at depth 0: a pool of B deep contexts is huge
+        row = [Cell("pp", p, d) for p in prompt] + [Cell("tg", n, d, b) for n in gen for b in bs]
         for _ in range(repeats):
             for c in row:
-                c.samples.append(s.prefill(c.n) if c.kind == "pp" else s.decode(c.n))
+                c.samples.append(s.prefill(c.n) if c.kind == "pp" else s.decode(c.n, c.batch))
         cells += row
     return cells
 
@@ -203,20 +209,30 @@ def cell_rows(s: Session, cells: list[Cell], bandwidth: float) -> list[dict]:
     wb = weight_bytes(s.model, s.config)
     rows = []
     for c in cells:
-        rates = [c.n / t for t in c.samples]
+        rates = [c.batch * c.n / t for t in c.samples]  # aggregate over the batch
         mean, sd = mean_sd(rates)
-        row = {"test": c.name, "kind": c.kind, "n": c.n, "depth": c.depth, "tok_s_mean": mean,
-               "tok_s_sd": sd, "ms_per_tok": 1e3 / mean, "samples_s": c.samples}
+        row = {"test": c.name, "kind": c.kind, "n": c.n, "depth": c.depth, "batch": c.batch,
+               "tok_s_mean": mean, "tok_s_sd": sd, "ms_per_tok": 1e3 * c.batch / mean,
+               "samples_s": c.samples}
         if c.kind == "tg":
-            per_tok = wb["active"] + s.kv_bytes(c.depth + 1 + (c.n + 1) / 2)  # mean context
-            row.update(bytes_per_token=per_tok, gb_s=per_tok * mean / 1e9,
-                       mbu=per_tok * mean / bandwidth)
+            per_step = step_bytes(wb, c.batch) + c.batch * s.kv_bytes(c.depth + 1 + (c.n + 1) / 2)
+            steps_s = mean / c.batch
+            row.update(bytes_per_step=per_step, gb_s=per_step * steps_s / 1e9,
+                       mbu=per_step * steps_s / bandwidth)
         rows.append(row)
     return rows
 
 
+def step_bytes(wb: dict, batch: int) -> float:
+    """Weight bytes one decode step of `batch` sequences reads: the dense weights once, and
+    each expert at most once: the expected share of distinct experts that B tokens, each
+    picking k of E uniformly, touch is 1 - (1 - k/E)^B."""
+    touched = 1 - (1 - wb["active_fraction"]) ** batch
+    return wb["dense"] + wb["experts_all"] * touched
+
+
 def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[int],
-            repeats: int, fit_depths: bool = False) -> dict:
+            repeats: int, fit_depths: bool = False, batches: tuple[int, ...] = (1,)) -> dict:
     """Load, check lengths, time every cell, measure the copy ceiling; return the record.
     fit_depths: drop the depths that do not fit the context instead of refusing."""
     if torch.cuda.is_available():
@@ -225,11 +241,13 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
         # a pool sized for the cells, with room for the free blocks the allocator takes before
         # the retained depth's; the rest of the memory stays free for long-context activations
         need = context_needed(prompt, gen, depths)
-        cfg = dataclasses.replace(cfg, kv_cache_tokens=need + max(need // 4, 4096))
+        need += (max(batches) - 1) * (max(gen) + 2)
+        cfg = dataclasses.replace(cfg, kv_cache_tokens=need + max(need // 4, 4096),
+                                  max_num_seqs=max(cfg.max_num_seqs, max(batches)))
     s = Session(cfg)
     depths = usable_depths(depths, prompt, gen, s.llm.max_model_len, fit_depths)
     mem_loaded = peak_memory(s.device)
-    cells = run_cells(s, prompt, gen, depths, repeats)
+    cells = run_cells(s, prompt, gen, depths, repeats, batches)
     mem = peak_memory(s.device)
     bw = copy_bandwidth(s.device)
     return {"kind": "latency", "model": cfg.config if cfg.random_weights else cfg.model,
