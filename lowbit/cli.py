@@ -113,6 +113,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return main_eval(args)
 
 
+def cmd_routes(args: argparse.Namespace) -> int:
+    import json
+
+    from lowbit import kernels
+
+    if args.run:  # generate a few tokens first, so the counts say which routes served a model
+        from lowbit import LLM, SamplingParams
+
+        llm = LLM(args.run, device=args.device)
+        llm.generate([list(range(1, 9))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    if args.json:
+        print(json.dumps({"routes": kernels.route_table(), **kernels.counters()}, indent=1))
+        return 0
+    print(kernels.format_table())
+    refusals = kernels.counters()["route_refusals"]
+    if refusals:
+        print("\nrefusals (op, route: reason x count)")
+        for r in refusals:
+            print(f"  {r['op']}, {r['route']}: {r['reason']} x{r['count']}")
+    print("\nForce a route with LOWBIT_ROUTE_<OP>=<route>; docs/ROUTES.md explains each status.")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lowbit", description="Run quantized MoE language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -133,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--quiet-stats", action="store_true", help="print the speed line to stderr")
     g.set_defaults(func=cmd_generate)
+
+    r = sub.add_parser("routes", help="kernel routes: status, the record it cites, calls, refusals")
+    r.add_argument("--run", metavar="MODEL", default=None, help="generate a few tokens on MODEL first")
+    r.add_argument("--device", default=None)
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_routes)
 
     i = sub.add_parser("info", help="architecture, parameter counts, bytes per format")
     i.add_argument("model")
@@ -176,12 +205,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from lowbit.distributed.launcher import world_size
+    from lowbit.distributed.launcher import run_parallel, world_size
+
+    if world_size(args) > 1:  # rank 0 serves, the other ranks follow its model (docs/DISTRIBUTED.md)
+        return run_parallel(serve, args)
+    return serve(args)
+
+
+def serve(args: argparse.Namespace) -> int:
     from lowbit.server.launch import run_server
 
-    if world_size(args) > 1:
-        raise LowbitError("lowbit serve does not run tensor / expert parallel yet (docs/DISTRIBUTED.md); "
-                          "use lowbit generate, or serve on one GPU")
     return run_server(EngineConfig.from_cli(args))
 
 

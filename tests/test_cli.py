@@ -44,3 +44,14 @@ def test_info_counts_parameters(tiny_moe_dir, capsys):
     assert main(["info", str(tiny_moe_dir)]) == 0
     out = capsys.readouterr().out
     assert "qwen3_moe" in out and "active per token" in out and "bytes" in out
+
+
+def test_routes_lists_registry_and_counts_a_run(tiny_moe_dir, capsys):
+    assert main(["routes", "--run", str(tiny_moe_dir)]) == 0
+    out = capsys.readouterr().out
+    for op in ("linear", "moe", "attention"):
+        assert f"\n{op} " in out
+    assert "MEASURED_NEGATIVE" in out and "DEFAULT" in out
+    rows = [ln.split() for ln in out.splitlines()]
+    torch_linear = [r for r in rows if r[:2] == ["linear", "torch"]][0]
+    assert int(torch_linear[3]) > 0  # the torch route served the run's linear calls

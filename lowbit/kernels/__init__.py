@@ -19,6 +19,7 @@ The two entry points the model layers call (signatures are stable):
 call by lowbit.kernels.routes (LOWBIT_ROUTE_LINEAR / LOWBIT_ROUTE_MOE force one; docs/ROUTES.md).
 """
 
+from lowbit.kernels import attention_op  # noqa: F401  registers the attention and kv_write ops
 from lowbit.kernels.linear_op import linear
 from lowbit.kernels.moe_op import moe_experts
 from lowbit.kernels.routes import counters, format_table, route_table
