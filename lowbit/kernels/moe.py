@@ -18,9 +18,10 @@ program to (expert, slots):
   decode (S <= 256): program p takes the p-th distinct expert of ids (ascending), found
     in-kernel from an [E, S] comparison; its slots are compacted with a prefix sum
     (invariant: at most BM slots per expert, so BM >= T). Programs past the count exit.
-  grouped (prefill): slots sorted by expert on the device (torch.sort, stable); each
-    expert's run is cut into tiles of BM; program p finds its expert from the cumulative
-    tile counts. The grid is the bound ceil(S / BM) + min(E, S) tiles.
+  grouped (prefill): slots sorted by expert on the device (`sort_by_expert`: torch.sort,
+    stable, and a scatter-add histogram, no host read); each expert's run is cut into tiles
+    of BM; program p finds its expert from the cumulative tile counts. The grid is the bound
+    ceil(S / BM) + min(E, S) tiles, so the whole route can be captured in a CUDA graph.
 Reference twin: `reference_moe` (loop over experts, the format's decode, float32).
 """
 
@@ -219,6 +220,24 @@ def moe_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved) -> str | None:
     return None
 
 
+def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
+    """Device-side grouping of the slots by expert, with no host read (CUDA-graph safe).
+
+    ids_flat int32 [S] -> order int32 [S] (slots sorted by expert, stable), tile_end int32 [E]
+    (cumulative tiles of BM slots), seg_start int32 [E] (first sorted position of each
+    expert), counts int32 [E], and the grid bound ceil(S / BM) + min(E, S), which depends on
+    shapes only. Counts come from a scatter-add histogram: `torch.bincount` would read the
+    maximum id on the host to size its output.
+    """
+    s = ids_flat.numel()
+    order = torch.sort(ids_flat, stable=True).indices.to(torch.int32)
+    counts = torch.zeros(e, dtype=torch.int32, device=ids_flat.device)
+    counts.scatter_add_(0, ids_flat.long(), torch.ones_like(ids_flat))
+    tile_end = torch.cumsum((counts + bm - 1) // bm, 0, dtype=torch.int32)
+    seg_start = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    return order, tile_end, seg_start, counts, triton.cdiv(s, bm) + min(e, s)
+
+
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
               w2: Resolved, mode: str = "decode", config: dict | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
@@ -242,12 +261,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
         mode_id = MODE_DECODE
     else:
         bm = cfg.get("BM", 64)
-        sorted_ids, order = torch.sort(ids_flat.long(), stable=True)
-        counts = torch.bincount(ids_flat.long(), minlength=e)
-        tile_end = torch.cumsum((counts + bm - 1) // bm, 0).to(torch.int32)
-        seg_start = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-        order, counts = order.to(torch.int32), counts.to(torch.int32)
-        tiles = triton.cdiv(s, bm) + min(e, s)
+        order, tile_end, seg_start, counts, tiles = sort_by_expert(ids_flat, e, bm)
         mode_id = MODE_GROUPED
     common = dict(MODE=mode_id, SP=max(16, triton.next_power_of_2(s)),
                   EP=max(16, triton.next_power_of_2(e)), BM=bm, DOT_F32=interpreting(),

@@ -1,0 +1,382 @@
+"""Hybrid expert layouts: experts of two LUT formats (and shared experts) in one MoE launch.
+
+Shape legend: T tokens, H hidden, I expert width, E experts of the layer (routed, then
+shared), Eg experts of group g, A top-k, S slots (T * A, shared slots included), BM slot
+rows per tile, BN output columns, BK reduction step.
+
+Layout (`HybridExperts`): one or two groups, each a stacked LUT weight pair
+  w13 [Eg, 2I, H] (gate rows, then up rows) and w2 [Eg, H, I] of one format
+  (docs/FORMATS.md, the LUT view), with a per-expert float32 global scale
+  g13 [Eg, 2] (gate half, up half) and g2 [Eg, 2] (both columns equal); the LUT views'
+  own global_scale is not read. A device descriptor maps a layer expert to its place:
+  expert_group int32 [E] (0 or 1) and expert_local int32 [E] (index in that group's stack).
+Typical uses: hot experts nvfp4 in group 0 and cold experts nf3 in group 1 (quantize-on-load
+policy: lowbit.quantize.policy.HybridSpec); routed experts in group 0 and DeepSeek-style
+shared experts in group 1, selected by extra slots of weight 1.0 (`with_shared_slots`).
+
+Kernels: the FC1 + SiLU-gate and FC2 launches of lowbit.kernels.moe with the same program
+to (expert, slots) mapping (`_tile_slots`, decode or grouped), plus one scalar branch per
+program on expert_group[e]: both groups' decode paths are compiled into the kernel and a
+program runs the one of its expert. No host read (CUDA-graph safe). Invariant: within a
+program every slot belongs to one expert, so the branch is uniform across the program.
+Reference twin: `reference_hybrid` (decode of the experts used, float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit.errors import LowbitError
+from lowbit.formats.base import LutView, lut_view_decode
+from lowbit.kernels import launch
+from lowbit.kernels.decode import dequant_tile, weight_args
+from lowbit.kernels.moe import (
+    MODE_DECODE,
+    MODE_GROUPED,
+    _expert_rows,
+    _moe_combine_kernel,
+    _tile_slots,
+    sort_by_expert,
+)
+from lowbit.kernels.runtime import interpreting, round_for_dot
+from lowbit.kernels.weights import LutWeight, resolve
+
+
+@dataclass
+class ExpertGroup:
+    """One format's stack: w13 [Eg, 2I, H], w2 [Eg, H, I], g13 / g2 float32 [Eg, 2]."""
+
+    w13: LutWeight
+    w2: LutWeight
+    g13: torch.Tensor
+    g2: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.w13.lead[0]
+
+
+@dataclass
+class HybridExperts:
+    groups: list[ExpertGroup]  # 1 or 2
+    expert_group: torch.Tensor  # int32 [E]
+    expert_local: torch.Tensor  # int32 [E]
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_group.numel()
+
+    @property
+    def hidden(self) -> int:
+        return self.groups[0].w2.n
+
+    @property
+    def inter(self) -> int:
+        return self.groups[0].w13.n // 2
+
+    def formats(self) -> list[str]:
+        return [f"lut{g.w13.view.bits}" for g in self.groups]
+
+
+def _lut(w) -> LutWeight:
+    r = resolve(w)
+    if not isinstance(r, LutWeight) or len(r.lead) != 1:
+        raise LowbitError("hybrid expert groups hold stacked LUT weights [E, N, K] "
+                          f"(nvfp4, mxfp4, nf4, nf3, int4, lut3, lut4), got {type(r).__name__}.")
+    return r
+
+
+def make_group(w13, w2) -> ExpertGroup:
+    """A group from stacked quantized weights (no copy); g from their global scales."""
+    a, b = _lut(w13), _lut(w2)
+    if a.lead != b.lead or a.n % 2:
+        raise LowbitError(f"w13 {a.lead + (a.n,)} and w2 {b.lead + (b.n,)} do not pair up.")
+    dev = a.view.codes.device
+    g13 = torch.full((a.lead[0], 2), float(a.view.global_scale), device=dev)
+    g2 = torch.full((b.lead[0], 2), float(b.view.global_scale), device=dev)
+    return ExpertGroup(a, b, g13, g2)
+
+
+def hybrid_experts(groups: list[ExpertGroup], members: list[list[int]]) -> HybridExperts:
+    """members[g] = the layer experts group g holds, in its stack order."""
+    if not 1 <= len(groups) <= 2 or len(members) != len(groups):
+        raise LowbitError("a hybrid layout has one or two expert groups.")
+    n = 1 + max((max(m) for m in members if m), default=-1)
+    grp, loc = torch.full((n,), -1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+    for g, (group, ids) in enumerate(zip(groups, members)):
+        if len(ids) != group.size:
+            raise LowbitError(f"group {g} stacks {group.size} experts but lists {len(ids)}.")
+        grp[ids] = g
+        loc[ids] = torch.arange(len(ids), dtype=torch.int32)
+    if (grp < 0).any():
+        raise LowbitError("every expert of the layer must belong to exactly one group.")
+    h, inter = groups[0].w2.n, groups[0].w13.n // 2
+    for group in groups:
+        if group.w2.n != h or group.w13.n != 2 * inter:
+            raise LowbitError("the groups of a hybrid layout disagree on H or I.")
+    dev = groups[0].w13.view.codes.device
+    return HybridExperts(groups, grp.to(dev), loc.to(dev))
+
+
+def with_shared_slots(ids: torch.Tensor, weights: torch.Tensor, first: int, n_shared: int):
+    """Append n_shared always-selected slots (experts first .. first+n_shared-1, weight 1.0):
+    ids [T, A + n_shared] int32, weights [T, A + n_shared] float32. Device ops only."""
+    t = ids.shape[0]
+    extra = torch.arange(first, first + n_shared, dtype=torch.int32, device=ids.device)
+    ones = torch.ones(t, n_shared, dtype=torch.float32, device=ids.device)
+    return (torch.cat([ids.to(torch.int32), extra.expand(t, n_shared)], 1),
+            torch.cat([weights.float(), ones], 1))
+
+
+def _view2d(w) -> LutView:
+    r = resolve(w)
+    if not isinstance(r, LutWeight) or r.lead:
+        raise LowbitError(f"a shared expert weight must be a 2D LUT weight, got {type(r).__name__}.")
+    return r.view
+
+
+def _rows(v: LutView, rows: torch.Tensor) -> LutView:
+    """The rows `rows` of a 2D view (a copy), table_index made explicit."""
+    ti = v.table_index if v.table_index is not None else torch.zeros(
+        v.codes.shape[0], dtype=torch.int32, device=v.codes.device)
+    return replace(v, codes=v.codes[rows], table_index=ti[rows], scales=v.scales[rows],
+                   offsets=None if v.offsets is None else v.offsets[rows])
+
+
+def _cols(v: LutView, start: int, width: int) -> LutView:
+    """Columns start .. start+width-1 of a 2D view; both multiples of the block size."""
+    b = v.block_size
+    assert start % b == 0 and width % b == 0 and (width * v.bits) % 8 == 0
+    c0, c1 = start * v.bits // 8, (start + width) * v.bits // 8
+    return replace(v, codes=v.codes[:, c0:c1], scales=v.scales[:, start // b:(start + width) // b],
+                   offsets=None if v.offsets is None else v.offsets[:, start // b:(start + width) // b])
+
+
+def shared_group(gate, up, down, n_shared: int) -> ExpertGroup:
+    """DeepSeek-style shared MLP (gate/up [n_shared * I, H], down [H, n_shared * I], each a
+    2D LUT weight of one format) as n_shared experts of width I: exact, since the gated MLP
+    is a sum over its intermediate columns. Copies the (small) shared weights once."""
+    vg, vu, vd = (_view2d(w) for w in (gate, up, down))
+    for v in (vg, vu, vd):
+        if v.bits != vg.bits or v.block_size != vg.block_size or v.scale_kind != vg.scale_kind \
+                or (v.offsets is None) != (vg.offsets is None) or v.scales.dtype != vg.scales.dtype:
+            raise LowbitError("shared expert weights must share one LUT format to be fused.")
+    inter = vg.codes.shape[0] // n_shared
+    if vg.codes.shape[0] != inter * n_shared or (n_shared > 1 and inter % vd.block_size):
+        raise LowbitError(f"shared width {vg.codes.shape[0]} is not {n_shared} blocks-aligned experts.")
+    tg = vg.table.shape[0]
+    vu = replace(vu, table_index=(torch.zeros(vu.codes.shape[0], dtype=torch.int32, device=vu.codes.device)
+                                  if vu.table_index is None else vu.table_index) + tg)
+    table = torch.cat([vg.table, vu.table]).contiguous()
+    dev = vg.codes.device
+    parts13, parts2 = [], []
+    for c in range(n_shared):
+        r = torch.arange(c * inter, (c + 1) * inter, device=dev)
+        pg, pu = _rows(vg, r), _rows(vu, r)
+        parts13.append(replace(pg, codes=torch.cat([pg.codes, pu.codes]),
+                               table_index=torch.cat([pg.table_index, pu.table_index]),
+                               scales=torch.cat([pg.scales, pu.scales]),
+                               offsets=None if pg.offsets is None else torch.cat([pg.offsets, pu.offsets])))
+        parts2.append(_cols(vd, c * inter, inter) if n_shared > 1 else vd)
+    w13 = _stack(parts13, table)
+    w2 = _stack(parts2, vd.table)
+    g13 = torch.tensor([[vg.global_scale, vu.global_scale]] * n_shared, device=dev)
+    g2 = torch.full((n_shared, 2), float(vd.global_scale), device=dev)
+    return ExpertGroup(w13, w2, g13, g2)
+
+
+def _stack(parts: list[LutView], table: torch.Tensor) -> LutWeight:
+    v = parts[0]
+    ti = [p.table_index for p in parts]
+    view = replace(v, codes=torch.stack([p.codes for p in parts]).contiguous(),
+                   table=table, scales=torch.stack([p.scales for p in parts]).contiguous(),
+                   table_index=None if ti[0] is None else torch.stack(ti).contiguous(),
+                   offsets=None if v.offsets is None else torch.stack([p.offsets for p in parts]).contiguous(),
+                   global_scale=1.0)
+    return resolve(view)
+
+
+# -- kernels ---------------------------------------------------------------------------
+@triton.jit
+def _acc_rows(acc, a_ptr, sl_row, valid, K, e, rows, rmask, g, codes_ptr, table_ptr, tidx_ptr,
+              ab_ptr, scales_ptr, offs_ptr, KC, sce, scn, ste, sse, ssn, soe, son,
+              BITS: tl.constexpr, DECODE: tl.constexpr, SK: tl.constexpr, B: tl.constexpr,
+              HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [BM, BN] += a[sl_row, :K] @ W_e[rows, :K]^T, W decoded with global scale g."""
+    r = _expert_rows(e, rows, rmask, tidx_ptr, ab_ptr, sce, scn, ste, sse, ssn, soe, son,
+                     BITS, 1, HAS_TIDX, HAS_AB, BN)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        at = tl.load(a_ptr + sl_row[:, None] + kk[None, :], mask=valid[:, None] & (kk < K)[None, :],
+                     other=0)
+        w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, r[0], r[3], r[4], r[5],
+                         r[1], r[2], rmask, k0, KC, g, BN, BK, BITS, DECODE, SK, B, HAS_AB, HAS_OFFS)
+        if DOT_F32:
+            acc = tl.dot(at.to(tl.bfloat16).to(tl.float32), tl.trans(w.to(tl.bfloat16).to(tl.float32)),
+                         acc, input_precision="ieee")
+        else:
+            acc = tl.dot(at.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    return acc
+
+
+@triton.jit
+def _hybrid_fc_kernel(
+    a_ptr, out_ptr, tw_ptr, ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
+    grp_ptr, loc_ptr, S, E, K, N, A, stride_at,
+    ga_ptr, ca_ptr, ta_ptr, ia_ptr, aba_ptr, sa_ptr, oa_ptr, KCA, sce_a, scn_a, ste_a, sse_a,
+    ssn_a, soe_a, son_a,
+    gb_ptr, cb_ptr, tb_ptr, ib_ptr, abb_ptr, sb_ptr, ob_ptr, KCB, sce_b, scn_b, ste_b, sse_b,
+    ssn_b, soe_b, son_b,
+    BITS_A: tl.constexpr, DECODE_A: tl.constexpr, SK_A: tl.constexpr, B_A: tl.constexpr,
+    HAS_TIDX_A: tl.constexpr, HAS_AB_A: tl.constexpr, HAS_OFFS_A: tl.constexpr,
+    BITS_B: tl.constexpr, DECODE_B: tl.constexpr, SK_B: tl.constexpr, B_B: tl.constexpr,
+    HAS_TIDX_B: tl.constexpr, HAS_AB_B: tl.constexpr, HAS_OFFS_B: tl.constexpr,
+    FC1: tl.constexpr, MODE: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """FC1 (FC1=True): out = h [S, N=I], h[s] = SiLU(a[t] Wg^T) * (a[t] Wu^T), a = x rows of
+    tokens t = s // A. FC2: out = ys [S, N=H], ys[s] = tw[s] * (a[s] W2^T), a = h."""
+    e, slots, valid, live = _tile_slots(ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr,
+                                        counts_ptr, S, E, tl.program_id(0), MODE, SP, EP, BM)
+    if live:
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cmask = cols < N
+        sl = slots.to(tl.int64)
+        if FC1:
+            arow = (slots // A).to(tl.int64) * stride_at
+        else:
+            arow = sl * stride_at
+        grp = tl.load(grp_ptr + e)
+        le = tl.load(loc_ptr + e)
+        acc = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        if grp == 0:
+            acc = _acc_rows(acc, a_ptr, arow, valid, K, le, cols, cmask, tl.load(ga_ptr + 2 * le),
+                            ca_ptr, ta_ptr, ia_ptr, aba_ptr, sa_ptr, oa_ptr, KCA, sce_a, scn_a,
+                            ste_a, sse_a, ssn_a, soe_a, son_a, BITS_A, DECODE_A, SK_A, B_A,
+                            HAS_TIDX_A, HAS_AB_A, HAS_OFFS_A, BN, BK, DOT_F32)
+            if FC1:
+                acc_u = _acc_rows(acc_u, a_ptr, arow, valid, K, le, cols + N, cmask,
+                                  tl.load(ga_ptr + 2 * le + 1), ca_ptr, ta_ptr, ia_ptr, aba_ptr,
+                                  sa_ptr, oa_ptr, KCA, sce_a, scn_a, ste_a, sse_a, ssn_a, soe_a,
+                                  son_a, BITS_A, DECODE_A, SK_A, B_A, HAS_TIDX_A, HAS_AB_A,
+                                  HAS_OFFS_A, BN, BK, DOT_F32)
+        else:
+            acc = _acc_rows(acc, a_ptr, arow, valid, K, le, cols, cmask, tl.load(gb_ptr + 2 * le),
+                            cb_ptr, tb_ptr, ib_ptr, abb_ptr, sb_ptr, ob_ptr, KCB, sce_b, scn_b,
+                            ste_b, sse_b, ssn_b, soe_b, son_b, BITS_B, DECODE_B, SK_B, B_B,
+                            HAS_TIDX_B, HAS_AB_B, HAS_OFFS_B, BN, BK, DOT_F32)
+            if FC1:
+                acc_u = _acc_rows(acc_u, a_ptr, arow, valid, K, le, cols + N, cmask,
+                                  tl.load(gb_ptr + 2 * le + 1), cb_ptr, tb_ptr, ib_ptr, abb_ptr,
+                                  sb_ptr, ob_ptr, KCB, sce_b, scn_b, ste_b, sse_b, ssn_b, soe_b,
+                                  son_b, BITS_B, DECODE_B, SK_B, B_B, HAS_TIDX_B, HAS_AB_B,
+                                  HAS_OFFS_B, BN, BK, DOT_F32)
+        if FC1:
+            ez = tl.exp(-tl.abs(acc))  # SiLU without overflow
+            val = acc * tl.where(acc >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez)) * acc_u
+        else:
+            val = acc * tl.load(tw_ptr + sl, mask=valid, other=0)[:, None]
+        tl.store(out_ptr + sl[:, None] * N + cols[None, :], val, mask=valid[:, None] & cmask[None, :])
+
+
+def _group_args(w: LutWeight, g: torch.Tensor, suffix: str) -> tuple[list, dict]:
+    a = weight_args(w)
+    args = [g, a.codes, a.table, a.tidx, a.ab, a.scales, a.offs, a.kc, a.stride_ce, a.stride_cn,
+            a.stride_te, a.stride_se, a.stride_sn, a.stride_oe, a.stride_on]
+    consts = {f"BITS_{suffix}": a.bits, f"DECODE_{suffix}": a.decode, f"SK_{suffix}": a.scale_kind,
+              f"B_{suffix}": a.block, f"HAS_TIDX_{suffix}": a.has_tidx,
+              f"HAS_AB_{suffix}": a.has_ab, f"HAS_OFFS_{suffix}": a.has_offs}
+    return args, consts
+
+
+def _pair_args(experts: HybridExperts, fc1: bool) -> tuple[list, dict]:
+    gs = experts.groups if len(experts.groups) == 2 else experts.groups * 2
+    args, consts = [], {}
+    for grp, suffix in zip(gs, "AB"):
+        a, c = _group_args(grp.w13 if fc1 else grp.w2, grp.g13 if fc1 else grp.g2, suffix)
+        args += a
+        consts.update(c)
+    return args, consts
+
+
+def fused_moe_hybrid(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     experts: HybridExperts, mode: str = "decode", config: dict | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, H] in x.dtype (or out's float32) over a hybrid layout; ids index the layer's
+    experts (shared ones included). mode "decode" (S <= 256) or "grouped" (any T)."""
+    t, h = x.shape
+    a_top = ids.shape[1]
+    s, e, inter = t * a_top, experts.num_experts, experts.inter
+    assert h == experts.hidden, (h, experts.hidden)
+    cfg = dict(BM=64, BN1=64, BK1=64, BN2=64, BK2=64, num_warps=4, num_stages=2)
+    cfg.update(config or {})
+    ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
+    tw = weights.reshape(-1).to(torch.float32).contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if mode == "decode":
+        assert s <= 256, "the decode mapping takes at most 256 slots"
+        bm, tiles = max(16, triton.next_power_of_2(t)), min(e, s)
+        order = tile_end = seg_start = counts = ids_flat
+        mode_id = MODE_DECODE
+    else:
+        bm = cfg["BM"]
+        order, tile_end, seg_start, counts, tiles = sort_by_expert(ids_flat, e, bm)
+        mode_id = MODE_GROUPED
+    common = dict(MODE=mode_id, SP=max(16, triton.next_power_of_2(s)),
+                  EP=max(16, triton.next_power_of_2(e)), BM=bm, DOT_F32=interpreting(),
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    route = (ids_flat, order, tile_end, seg_start, counts, experts.expert_group, experts.expert_local)
+    hbuf = torch.empty(s, inter, dtype=torch.float32, device=x.device)
+    ys = torch.empty(s, h, dtype=torch.float32, device=x.device)
+    a1, c1 = _pair_args(experts, True)
+    launch.run(_hybrid_fc_kernel, (tiles, triton.cdiv(inter, cfg["BN1"])), x, hbuf, tw, *route,
+               s, e, h, inter, a_top, x.stride(0), *a1, **c1, FC1=True, BN=cfg["BN1"],
+               BK=cfg["BK1"], **common)
+    a2, c2 = _pair_args(experts, False)
+    launch.run(_hybrid_fc_kernel, (tiles, triton.cdiv(h, cfg["BN2"])), hbuf, ys, tw, *route,
+               s, e, inter, h, a_top, inter, *a2, **c2, FC1=False, BN=cfg["BN2"],
+               BK=cfg["BK2"], **common)
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
+    bnc = min(1024, triton.next_power_of_2(h))
+    launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, h, a_top, y.stride(0),
+               BN=bnc, num_warps=4)
+    return y
+
+
+def _expert_dense(w: LutWeight, g: torch.Tensor, le: int, k: int) -> torch.Tensor:
+    """float32 [N, k] of expert le: rows of the first half with g[le, 0], the rest g[le, 1]."""
+    v = w.view
+    one = replace(v, codes=v.codes[le], scales=v.scales[le],
+                  table_index=None if v.table_index is None else v.table_index[le],
+                  offsets=None if v.offsets is None else v.offsets[le])
+    half = v.codes.shape[-2] // 2
+    g0, g1 = (float(z) for z in g[le].tolist())
+    top = lut_view_decode(replace(one, global_scale=g0))[:half, :k]
+    bottom = lut_view_decode(replace(one, global_scale=g1))[half:, :k]
+    return torch.cat([top, bottom])
+
+
+def reference_hybrid(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     experts: HybridExperts, dot_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch twin: per expert used (host read), its group's decode, gated MLP in float32."""
+    h, inter = experts.hidden, experts.inter
+    rnd = (lambda t: t) if dot_dtype is None else (lambda t: round_for_dot(t, dot_dtype))
+    xf = rnd(x.float())
+    out = torch.zeros(x.shape[0], h, dtype=torch.float32, device=x.device)
+    grp, loc = experts.expert_group.tolist(), experts.expert_local.tolist()
+    for e in torch.unique(ids).tolist():
+        group = experts.groups[grp[e]]
+        d13 = rnd(_expert_dense(group.w13, group.g13, loc[e], h))
+        d2 = rnd(_expert_dense(group.w2, group.g2, loc[e], inter))
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        hc = xf[tok] @ d13.t()
+        act = torch.nn.functional.silu(hc[:, :inter]) * hc[:, inter:]
+        out.index_add_(0, tok, (rnd(act) @ d2.t()) * weights[tok, slot, None].float())
+    return out.to(x.dtype)
