@@ -9,6 +9,9 @@ Routes, in selection order (status and record in docs/ROUTES.md):
                             docs/BENCHMARKS.md#kernels)
   triton_moe_grouped        device sort by expert, grouped GEMM with decode in the main loop
   torch                     reference: loop over the experts used (host read), float32
+A hybrid layout (lowbit.kernels.moe_hybrid.HybridExperts: two formats and / or shared
+experts, passed as w13 with w2=None) takes the same routes: the decode route runs its tiles
+(no per-slot GEMV variant yet), the grouped route its grouped tiles, torch its twin.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.kernels import routes
+from lowbit.kernels.moe_layout import HybridExperts
 from lowbit.kernels.runtime import triton_refusal
 from lowbit.kernels.weights import DenseWeight, Resolved, resolve
 
@@ -31,8 +35,8 @@ class MoeCall:
     x: torch.Tensor  # [T, H]
     ids: torch.Tensor  # [T, A] int32
     weights: torch.Tensor  # [T, A] float32
-    w13: Resolved  # [E, 2I, H]
-    w2: Resolved  # [E, H, I]
+    w13: Resolved | HybridExperts  # [E, 2I, H], or the whole hybrid layout
+    w2: Resolved | None  # [E, H, I]; None with a hybrid layout
     forced: bool = False
 
 
@@ -44,6 +48,9 @@ def _refusal(call: MoeCall) -> str | None:
         return f"activations are {call.x.dtype}"
     if call.ids.dtype not in (torch.int32, torch.int64):
         return f"topk_ids are {call.ids.dtype}, not int32/int64"
+    if isinstance(call.w13, HybridExperts):
+        h = call.w13.hidden
+        return None if call.x.shape[1] == h else f"x has {call.x.shape[1]} columns, the experts {h}"
     from lowbit.kernels.moe import moe_refusal
 
     return moe_refusal(call.x, call.w13, call.w2)
@@ -54,7 +61,7 @@ def _admit_decode(call: MoeCall) -> str | None:
     if t > DECODE_MAX_TOKENS or t * a > DECODE_MAX_SLOTS:
         return f"{t} tokens x top-{a}: the decode route takes <= {DECODE_MAX_TOKENS} tokens, <= {DECODE_MAX_SLOTS} slots"
     reason = _refusal(call)
-    if reason is None and not isinstance(call.w13, DenseWeight):
+    if reason is None and not isinstance(call.w13, (DenseWeight, HybridExperts)):
         from lowbit.kernels.dequant_gemm import gemv_refusal
 
         reason = gemv_refusal(call.x[:1], call.w13) or gemv_refusal(call.x[:1], call.w2)
@@ -67,6 +74,10 @@ def _run(mode: str):
     def run(call: MoeCall) -> torch.Tensor:
         from lowbit.kernels.moe import fused_moe, fused_moe_gemv
 
+        if isinstance(call.w13, HybridExperts):
+            from lowbit.kernels.moe_hybrid import fused_moe_hybrid
+
+            return fused_moe_hybrid(call.x, call.ids, call.weights, call.w13, mode=mode)
         t, a = call.ids.shape
         if mode == "decode" and not isinstance(call.w13, DenseWeight) and t * a < 2 * call.w13.lead[0]:
             return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2)
@@ -78,6 +89,10 @@ def _run(mode: str):
 def _run_torch(call: MoeCall) -> torch.Tensor:
     from lowbit.kernels.moe import reference_moe
 
+    if isinstance(call.w13, HybridExperts):
+        from lowbit.kernels.moe_hybrid import reference_hybrid
+
+        return reference_hybrid(call.x, call.ids, call.weights, call.w13)
     return reference_moe(call.x, call.ids, call.weights, call.w13, call.w2)
 
 
@@ -93,6 +108,9 @@ routes.register("moe", routes.Route(
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2,
                 *, layer: str = "") -> torch.Tensor:
-    """y [T, H] in x.dtype. See lowbit.kernels for the contract."""
+    """y [T, H] in x.dtype. See lowbit.kernels for the contract; w13 may also be a
+    HybridExperts layout (then w2 is None and the ids index its experts)."""
+    if isinstance(w13, HybridExperts):
+        return routes.dispatch("moe", MoeCall(x, topk_ids, topk_weights, w13, None), layer)
     call = MoeCall(x, topk_ids, topk_weights, resolve(w13), resolve(w2))
     return routes.dispatch("moe", call, layer)

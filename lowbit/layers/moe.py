@@ -121,10 +121,41 @@ class SparseMoE(nn.Module):
         self.experts = Experts(E, D, inter, f"{prefix}.experts", expert_bias, activation, limit)
         self.shared_experts = GatedMLP(D, shared_inter, f"{prefix}.shared_experts") if shared_inter else None
 
+    def _fused_shared(self, x: torch.Tensor):
+        """The routed + shared layout when the fused kernels would run it (CUDA, or a forced
+        moe route), every weight is LUT-quantized and the shared width is whole experts."""
+        ex, sh = self.experts, self.shared_experts
+        if sh is None or ex.b13 is not None or ex.activation != "silu" or kernel_ops() is None:
+            return None
+        from lowbit.kernels.routes import forced_name
+
+        if not (x.is_cuda or forced_name("moe") not in (None, "torch")):
+            return None
+        weights = (ex.w13, ex.w2, sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight)
+        key = tuple(id(w) for w in weights)
+        cached = getattr(self, "_shared_layout", None)
+        if cached is None or cached[0] != key:
+            from lowbit.kernels.moe_layout import shared_layout
+
+            inter = ex.w13.shape[1] // 2
+            n_shared = sh.gate_proj.out_features // inter
+            layout = None
+            if n_shared * inter == sh.gate_proj.out_features and not isinstance(ex.w13, nn.Parameter):
+                layout = shared_layout(*weights, n_shared)
+            cached = self._shared_layout = (key, layout)
+        return cached[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D]
         logits = nn.functional.linear(x.float(), self.gate.weight.float(),
                                       None if self.gate.bias is None else self.gate.bias.float())
         ids, w = route(logits, self.spec, self.e_score_correction_bias)
+        layout = self._fused_shared(x)
+        if layout is not None:  # shared experts as extra slots of weight 1 in the routed launch
+            from lowbit.kernels.moe_layout import with_shared_slots
+
+            n_exp = self.experts.w13.shape[0]
+            ids, w = with_shared_slots(ids, w, n_exp, layout.num_experts - n_exp)
+            return kernel_ops().moe_experts(x, ids, w, layout, None, layer=self.experts.prefix)
         y = self.experts(x, ids, w)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

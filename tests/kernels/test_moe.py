@@ -78,3 +78,32 @@ def test_fused_moe_gemv_matches_twin(case):
         out = poisoned(t, H, dtype=torch.float32)
         fused_moe_gemv(x, ids, wts, w13, w2, config=cfg, out=out)
         assert rel_err(out, reference_moe(x, ids, wts, w13, w2)) < 1e-5, (case, t)
+
+
+def test_grouped_sort_has_no_host_read():
+    """The grouped route's expert sort runs only device ops (CUDA-graph safe): no bincount,
+    nonzero, unique or scalar read; and it agrees with a host-side count."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lowbit.kernels.moe import sort_by_expert
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ids, _ = _routing(17, 3, seed=4)
+    flat = ids.reshape(-1).contiguous()
+    with Record() as rec:
+        order, tile_end, seg_start, counts, tiles = sort_by_expert(flat, E, 16)
+    host = ("bincount", "nonzero", "unique", "_local_scalar_dense", "item")
+    assert not [op for op in rec.ops if any(h in op for h in host)], rec.ops
+    want = torch.bincount(flat.long(), minlength=E)
+    assert torch.equal(counts.long(), want)
+    assert torch.equal(tile_end.long(), torch.cumsum((want + 15) // 16, 0))
+    assert torch.equal(seg_start.long(), torch.cumsum(want, 0) - want)
+    assert torch.equal(flat[order.long()], torch.sort(flat).values) and tiles == 4 + 6

@@ -12,11 +12,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from lowbit.kernels.moe_hybrid import (  # noqa: E402
-    fused_moe_hybrid,
+from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid  # noqa: E402
+from lowbit.kernels.moe_layout import (  # noqa: E402
     hybrid_experts,
     make_group,
-    reference_hybrid,
     shared_group,
     with_shared_slots,
 )
