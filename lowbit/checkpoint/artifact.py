@@ -40,6 +40,7 @@ MANIFEST = "lowbit.json"
 INDEX = "model.safetensors.index.json"
 ARTIFACT_VERSION = 1
 DENSE = "dense"
+HYBRID = "hybrid"  # an expert stack in two formats: entry "parts" {part: format, shape, payload, experts}
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf")
 SKIP_FILES = ("config.json", INDEX, MANIFEST, "hf_quant_config.json")
 
@@ -95,7 +96,40 @@ def artifact_entries(model: nn.Module, source_dtype: torch.dtype) -> tuple[dict,
                           "dtype": _dtype_name(source_dtype),
                           "bits_per_weight": round(qt.bits_per_weight, 6), "payload": payload}
         keys.extend((key, (qt, k)) for k, key in payload.items())
+    for pname, ht in _hybrid_weights(model).items():
+        parts = {}
+        for part, qt in ht.parts.items():
+            payload = {k: f"{pname}.{part}.{k}" for k in qt.payload}
+            parts[part] = {"format": qt.format.name, "shape": list(qt.shape), "payload": payload,
+                           "experts": ht.members[part]}
+            keys.extend((key, (qt, k)) for k, key in payload.items())
+        entries[pname] = {"format": HYBRID, "shape": list(ht.shape), "dtype": _dtype_name(source_dtype),
+                          "bits_per_weight": round(ht.bits_per_weight, 6), "parts": parts}
     return dict(sorted(entries.items())), sorted(keys, key=lambda kv: kv[0])
+
+
+def _hybrid_weights(model: nn.Module) -> dict:
+    """Expert stacks held by parts in two formats (lowbit.kernels.moe_layout.HybridTensor)."""
+    from lowbit.kernels.moe_layout import HybridTensor
+
+    return {f"{name}.{attr}" if name else attr: v for name, mod in model.named_modules()
+            for attr, v in vars(mod).items() if isinstance(v, HybridTensor)}
+
+
+def _load_hybrid(pname: str, entry: dict, read):
+    """A HybridTensor from its manifest entry (parts: format, shape, payload keys, experts)."""
+    from lowbit.kernels.moe_layout import HybridTensor
+
+    parts, members = {}, {}
+    for part, p in dict(entry.get("parts", {})).items():
+        fmt = FORMATS.get(p.get("format"))
+        if fmt is None:
+            raise LowbitError(f"artifact tensor {pname!r} part {part} has format {p.get('format')!r}, "
+                              "unknown to this lowbit; upgrade lowbit or re-export")
+        payload = {k: read(key, pname) for k, key in dict(p.get("payload", {})).items()}
+        parts[part] = QuantizedTensor(fmt, tuple(p["shape"]), payload)
+        members[part] = list(p.get("experts", []))
+    return HybridTensor(tuple(entry["shape"]), parts, members)
 
 
 def _tensor(item) -> torch.Tensor:
@@ -281,6 +315,13 @@ def _load_one(pname: str, meta: nn.Parameter, entries: dict, read, filler) -> No
             raise LowbitError(f"artifact tensor {pname!r} is {list(t.shape)} in its shard but "
                               f"lowbit.json says {entry['shape']}; re-export the artifact")
         filler.dense(pname, meta).data.copy_(t)
+        return
+    if fmt_name == HYBRID and pname in filler.targets:
+        try:
+            ht = _load_hybrid(pname, entry, read)
+        except (LowbitError, KeyError) as e:
+            raise LowbitError(f"artifact tensor {pname!r}: {e}; re-export the artifact") from None
+        filler.swap(pname, ht)
         return
     fmt = FORMATS.get(fmt_name)
     if fmt is None:

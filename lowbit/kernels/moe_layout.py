@@ -194,3 +194,70 @@ def shared_layout(w13, w2, gate, up, down, n_shared: int) -> HybridExperts | Non
         return None
     e = routed.size
     return hybrid_experts([routed, shared], [list(range(e)), list(range(e, e + n_shared))])
+
+
+class HybridTensor:
+    """An expert stack [E, N, K] held in two formats: parts {"hot": QuantizedTensor [Eh, N, K],
+    "cold": QuantizedTensor [Ec, N, K]} and members {part: layer expert ids, in stack order}.
+    What an Experts module holds after a hybrid quantization (lowbit.quantize.policy.HybridSpec);
+    the artifact stores each part's payload under `<parameter>.<part>.<payload name>`."""
+
+    def __init__(self, shape: tuple[int, ...], parts: dict, members: dict[str, list[int]]):
+        self.shape = tuple(int(s) for s in shape)
+        self.parts, self.members = dict(parts), {k: list(v) for k, v in members.items()}
+        self.format = _HybridName("hybrid(" + ",".join(f"{k}={q.format.name}" for k, q in self.parts.items()) + ")")
+        ids = sorted(i for m in self.members.values() for i in m)
+        if ids != list(range(self.shape[0])) or set(self.parts) != set(self.members):
+            raise LowbitError(f"hybrid stack {list(self.shape)}: every expert must sit in exactly one part.")
+        for k, q in self.parts.items():
+            if tuple(q.shape) != (len(self.members[k]), *self.shape[1:]):
+                raise LowbitError(f"hybrid part {k} is {list(q.shape)}, expected {len(self.members[k])} experts.")
+        self._layout: tuple | None = None
+
+    def _where(self, e: int) -> tuple[str, int]:
+        for k, m in self.members.items():
+            if e in m:
+                return k, m.index(e)
+        raise LowbitError(f"expert index {e} is out of range for {self.shape[0]} experts.")
+
+    def __getitem__(self, e: int):
+        part, local = self._where(int(e))
+        return self.parts[part][local]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.stack([self[e].dequantize(dtype) for e in range(self.shape[0])])
+
+    def to(self, device) -> HybridTensor:
+        return HybridTensor(self.shape, {k: q.to(device) for k, q in self.parts.items()}, self.members)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(q.nbytes for q in self.parts.values())
+
+    @property
+    def bits_per_weight(self) -> float:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return self.nbytes * 8 / n
+
+
+@dataclass
+class _HybridName:
+    name: str
+
+
+def layout_of(w13: HybridTensor, w2: HybridTensor) -> HybridExperts:
+    """The kernel layout of a hybrid w13 / w2 pair (same parts and members); cached on w13."""
+    if w13._layout is not None and w13._layout[0] is w2:
+        return w13._layout[1]
+    if w13.members != w2.members:
+        raise LowbitError("hybrid w13 and w2 must split the experts the same way.")
+    parts = list(w13.parts)
+    layout = hybrid_experts([make_group(w13.parts[k], w2.parts[k]) for k in parts],
+                            [w13.members[k] for k in parts])
+    w13._layout = (w2, layout)
+    return layout

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.kernels import routes
-from lowbit.kernels.moe_layout import HybridExperts
+from lowbit.kernels.moe_layout import HybridExperts, HybridTensor, layout_of
 from lowbit.kernels.runtime import triton_refusal
 from lowbit.kernels.weights import DenseWeight, Resolved, resolve
 
@@ -109,7 +109,10 @@ routes.register("moe", routes.Route(
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2,
                 *, layer: str = "") -> torch.Tensor:
     """y [T, H] in x.dtype. See lowbit.kernels for the contract; w13 may also be a
-    HybridExperts layout (then w2 is None and the ids index its experts)."""
+    HybridExperts layout (then w2 is None and the ids index its experts), or w13 and w2
+    HybridTensor stacks (quantized per expert group), turned into a layout once."""
+    if isinstance(w13, HybridTensor):
+        w13, w2 = layout_of(w13, w2), None
     if isinstance(w13, HybridExperts):
         return routes.dispatch("moe", MoeCall(x, topk_ids, topk_weights, w13, None), layer)
     call = MoeCall(x, topk_ids, topk_weights, resolve(w13), resolve(w2))
