@@ -8,14 +8,18 @@ from lowbit.checkpoint.tokenizer import Tokenizer
 from lowbit.errors import LowbitError
 
 QWEN3 = Path(__file__).resolve().parents[2].parent / "shared" / "tokenizers" / "qwen3"
+DEMO = Path(__file__).resolve().parents[2] / "lowbit" / "demo_model"
 
 
-@pytest.fixture
-def qwen3_dir(tmp_path):
-    if not QWEN3.exists():
-        pytest.skip("shared/tokenizers/qwen3 is not beside the checkout")
-    for f in QWEN3.iterdir():
-        shutil.copy(f, tmp_path / f.name)
+@pytest.fixture(params=["demo", "qwen3"])
+def qwen3_dir(tmp_path, request):
+    """A ChatML tokenizer directory: the demo model's always, the real Qwen3 one where the
+    project's shared folder is beside the checkout."""
+    src = DEMO if request.param == "demo" else QWEN3
+    if not src.exists():
+        pytest.skip(f"{src} is not beside the checkout")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, tmp_path / f)
     return tmp_path
 
 
