@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,14 +34,34 @@ STOP = "__stop__"
 
 
 # rank 0's view of the workers: "loading" (waiting for the handshake), "driven" (in
-# worker_loop), "gone" (released or failed); busy: a call is in flight
+# worker_loop), "gone" (released or failed), "lost" (one exited while driven); busy: a
+# call is in flight
 _RUN = {"workers": "loading", "busy": False}
+_LOST_HOOKS: list[Callable[[str], None]] = []
 
 
 def begin_driving() -> None:
     """This process (rank 0) drives the workers from now on."""
     ps.set_driver(True)
     _RUN.update(workers="loading", busy=False)
+    _LOST_HOOKS.clear()
+
+
+def on_workers_lost(hook: Callable[[str], None]) -> None:
+    """Call `hook(reason)` (from another thread) if a worker exits while rank 0 drives it."""
+    _LOST_HOOKS.append(hook)
+
+
+def lose_workers(reason: str) -> None:
+    """The launcher saw a worker exit early: the world is broken, nothing more is sent."""
+    log.error("lost a worker: %s", reason)
+    _RUN["workers"] = "lost"
+    for hook in list(_LOST_HOOKS):
+        hook(reason)
+
+
+def workers_lost() -> bool:
+    return _RUN["workers"] == "lost"
 
 
 def drive_workers(model: torch.nn.Module) -> torch.nn.Module:
@@ -49,7 +70,8 @@ def drive_workers(model: torch.nn.Module) -> torch.nn.Module:
     if not ps.is_driver():
         return model
     errors = _gather_status(None)
-    _RUN["workers"] = "gone" if errors else "driven"  # after a failed handshake every worker exits
+    if not workers_lost():  # after a failed handshake every worker exits
+        _RUN["workers"] = "gone" if errors else "driven"
     if errors:
         raise LowbitError("a worker could not load its shard: " + "; ".join(errors))
     return DriverModel(model)
@@ -69,7 +91,7 @@ def _gather_status(error: str | None) -> list[str]:
 def release_workers() -> bool:
     """Rank 0 is done (or failed): let the workers exit. False when a call was cut short
     and the workers are stuck inside it (the launcher then terminates them)."""
-    if _RUN["busy"]:
+    if _RUN["busy"] or workers_lost():
         return False
     if _RUN["workers"] == "driven":
         ps.broadcast_object((STOP, []))

@@ -9,6 +9,12 @@ its role from the environment.
 Rank 0 runs the command; its model, loaded through lowbit.checkpoint.loader, is a
 DriverModel. Every other rank loads its shard with the same arguments, reports whether
 that worked, then follows rank 0 (lowbit.distributed.driver.worker_loop) until told to stop.
+
+Lifetimes of spawned ranks: a worker ignores SIGINT and SIGTERM (a Ctrl-C or a stop sent to
+the whole process group reaches rank 0, which stops the workers once its command is done)
+and exits when rank 0 dies. Rank 0 watches the workers: one that exits before it is told
+to stop is lost; rank 0 then calls the command's `driver.on_workers_lost` hooks (the
+server shuts down, exit 1) and, if it is still alive LOST_GRACE_S later, exits 1.
 """
 
 from __future__ import annotations
@@ -16,8 +22,12 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import socket
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -31,6 +41,7 @@ from lowbit.errors import LowbitError
 log = logging.getLogger("lowbit")
 
 JOIN_TIMEOUT_S = 60.0
+LOST_GRACE_S = 60.0  # after a worker is lost, rank 0 gets this long to stop on its own
 
 
 def parallel_sizes(args: argparse.Namespace) -> tuple[int, int]:
@@ -58,25 +69,55 @@ def run_parallel(main: Callable[[argparse.Namespace], int], args: argparse.Names
     for w in workers:
         w.start()
     os.environ.update(env, RANK="0", LOCAL_RANK="0")
+    done = threading.Event()  # rank 0 finished its command: workers may exit from now on
+    threading.Thread(target=_watch_workers, args=(workers, done), name="lowbit-workers", daemon=True).start()
     wait = JOIN_TIMEOUT_S
     try:
-        return _run_rank(main, args, tp, ep)
+        rc = _run_rank(main, args, tp, ep, done)
     except BaseException:
         wait = 5.0  # released workers exit at once; stuck ones are ended
         raise
     finally:
+        done.set()
         for w in workers:
-            w.join(wait)
+            w.join(wait if not driver.workers_lost() else 5.0)
             if w.is_alive():
                 w.terminate()
+    bad = [f"rank {r} exited with {w.exitcode}" for r, w in enumerate(workers, 1) if w.exitcode != 0]
+    if bad:
+        log.error("workers failed: %s", "; ".join(bad))
+    return rc or int(bool(bad))
+
+
+def _watch_workers(workers: list, done: threading.Event) -> None:
+    """Rank 0's watch: a worker that exits while rank 0 still drives it is lost."""
+    sentinels = {w.sentinel: rank for rank, w in enumerate(workers, 1)}
+    while not done.is_set():
+        ready = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
+        if ready and not done.is_set():
+            rank = sentinels[ready[0]]
+            driver.lose_workers(f"rank {rank} exited with status {workers[rank - 1].exitcode}")
+            if not done.wait(LOST_GRACE_S):
+                log.error("rank 0 did not stop within %.0f s of losing a worker; exiting", LOST_GRACE_S)
+                os._exit(1)
+            return
 
 
 def _spawned(main, args: argparse.Namespace, tp: int, ep: int, rank: int, env: dict) -> None:
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when workers stop
+        signal.signal(sig, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, name="lowbit-parent", daemon=True).start()
     raise SystemExit(_run_rank(main, args, tp, ep))
 
 
-def _run_rank(main, args: argparse.Namespace, tp: int, ep: int) -> int:
+def _exit_with_parent() -> None:
+    multiprocessing.parent_process().join()
+    log.error("rank 0 is gone; this worker exits")
+    os._exit(1)
+
+
+def _run_rank(main, args: argparse.Namespace, tp: int, ep: int, done: threading.Event | None = None) -> int:
     device = "cuda" if _uses_cuda(args) else "cpu"
     layout = ps.init_distributed(tp, ep, device)
     if device == "cpu":  # ranks share the cores
@@ -89,12 +130,17 @@ def _run_rank(main, args: argparse.Namespace, tp: int, ep: int) -> int:
     try:
         rc = main(args)
     except BaseException:
-        if driver.release_workers():  # else they are inside a collective; see run_parallel
-            ps.destroy_distributed()
+        _finish(done)
         raise
-    driver.release_workers()
-    ps.destroy_distributed()
+    _finish(done)
     return rc
+
+
+def _finish(done: threading.Event | None) -> None:
+    if done is not None:
+        done.set()
+    if driver.release_workers():  # else a worker is lost or inside a collective; see run_parallel
+        ps.destroy_distributed()
 
 
 def _follow(args: argparse.Namespace) -> int:

@@ -140,6 +140,12 @@ def current_layout() -> ParallelLayout | None:
     return None if _STATE is None else _STATE.layout
 
 
+def local_heads(heads: int) -> int:
+    """Heads of `heads` this rank holds: heads/tp, or one copied head when heads < tp."""
+    tp = 1 if _STATE is None else _STATE.layout.tp
+    return max(1, heads // tp)
+
+
 def current_device() -> torch.device:
     return _STATE.device if _STATE is not None else torch.device("cpu")
 

@@ -135,11 +135,17 @@ class AsyncLLMEngine:
                         self._deliver(delta.request_id, delta)
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine; streams learn why
             log.exception("engine loop failed")
-            self.error = e
-            with self._lock:
-                ids = list(self._streams)
-            for request_id in ids:
-                self._deliver(request_id, EngineUnavailable(f"the engine failed: {e}"))
+            self.fail(e)
+
+    def fail(self, error: BaseException) -> None:
+        """The engine is dead (from any thread; the first error stays): /health answers 503,
+        new requests are refused, every open stream gets the error."""
+        if self.error is None:
+            self.error = error
+        with self._lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self._deliver(request_id, EngineUnavailable(f"the engine failed: {error}"))
 
     def _apply_commands(self, block: bool) -> bool:
         """Run queued adds and aborts; False once asked to stop."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.distributed.parallel_state import local_heads
 from lowbit.errors import LowbitError
 
 log = logging.getLogger("lowbit")
@@ -140,11 +141,13 @@ def _load_fp8(pool: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, dtyp
 
 # -- sizing -------------------------------------------------------------------------------
 def kv_bytes_per_token(arch, dtype: torch.dtype, num_layers: int) -> int:
-    """Upper bound on cache bytes per token over all layers, from the config's head shapes."""
+    """Upper bound on this rank's cache bytes per token over all layers, from the config's
+    head shapes (under tensor parallelism a rank caches only its own heads)."""
     if arch.kv_lora_rank:  # MLA: per-head keys (nope + rope) and values, uncompressed
         heads, dk, dv = arch.num_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.v_head_dim
     else:
         heads, dk, dv = arch.num_kv_heads, arch.head_dim, arch.head_dim
+    heads = local_heads(heads)
     elem = torch.empty((), dtype=dtype).element_size()
     scales = 2 * heads * 4 if dtype == FP8 else 0
     return num_layers * (heads * (dk + dv) * elem + scales)

@@ -16,8 +16,10 @@ import threading
 import uvicorn
 
 from lowbit.config import EngineConfig
+from lowbit.distributed import driver
 from lowbit.engine.async_engine import AsyncLLMEngine
 from lowbit.engine.engine import LLMEngine
+from lowbit.errors import LowbitError
 from lowbit.server.app import create_app
 
 log = logging.getLogger("lowbit")
@@ -42,6 +44,12 @@ class GracefulServer(uvicorn.Server):
         self.engine.accepting = False
         super().handle_exit(sig, frame)
 
+    def fail(self, reason: str) -> None:
+        """A worker process is gone (tensor / expert parallel): the engine is dead, stop
+        serving and exit non-zero."""
+        self.engine.fail(LowbitError(f"a worker process failed: {reason}"))
+        self.should_exit = True
+
     @contextlib.contextmanager
     def capture_signals(self):
         if threading.current_thread() is not threading.main_thread():
@@ -65,6 +73,7 @@ def run_server(config: EngineConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app, engine = build(config)
     server = GracefulServer(uvicorn_config(app, config), engine)
+    driver.on_workers_lost(server.fail)  # only ever called under tensor / expert parallelism
     server.run()
     if engine.error is not None:
         log.error("the engine failed: %s", engine.error)
