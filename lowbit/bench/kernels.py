@@ -8,7 +8,12 @@
    padded to 16); ours per weight format (gemv; gemm at M = 16; fp8 W8A8).
 3. MoE layer at C1/C4/C16 for Qwen3-30B-A3B (E=128, top-8, 2048 -> 768) and Mixtral
    (E=8, top-2, 4096 -> 14336): peer torch bf16 (loop over the experts used), ours in
-   nvfp4 and int4 (per-slot gemv, and tensor-core tiles) and bf16 (tensor-core tiles).
+   nvfp4 and int4 (per-slot gemv, and tensor-core tiles) and bf16 (tensor-core tiles);
+   DeepSeek-V3 (E=256, top-8, 7168 -> 2048) in nvfp4 and gpt-oss-20b (E=32, top-4,
+   2880 -> 2880) in mxfp4 (routed experts without gpt-oss's biases: see MOE_FORMATS).
+4. Mixed layouts (moe_mixed): Qwen3-30B-A3B with 16 hot experts nvfp4 and 112 cold nf3 in
+   one launch pair; DeepSeek-V3 with its shared expert fused as a slot of weight 1, against
+   the routed launch plus the shared MLP as three gemvs.
 Times: CUDA-graph replays of back-to-back calls that rotate through weight copies (linear)
 or routings (MoE) holding more bytes than L2, three repeats: median, min and max (GPU
 time, no host launch overhead; the torch expert loop reads ids on the host, so it is timed
@@ -39,7 +44,14 @@ LUT_FORMATS = {
     "nf4": dict(bits=4, table="nf", block_size=64, scale_kind="bf16"),
     "lut3": dict(bits=3, table="random", block_size=64, scale_kind="bf16", tables=4),
 }
-MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336),
+              "deepseek-v3": (256, 8, 7168, 2048), "gpt-oss-20b": (32, 4, 2880, 2880)}
+# formats per model: gpt-oss ships mxfp4 experts; its expert biases and clamped SwiGLU are
+# not in the fused route (the layer keeps those on the torch path), so its cells time the
+# routed experts without biases, as a lower bound of what a biased route would cost
+MOE_FORMATS = {"deepseek-v3": ("nvfp4",), "gpt-oss-20b": ("mxfp4",)}
+SHARED = {"deepseek-v3": 1}  # shared experts of width I, fused as extra slots (section moe_mixed)
+HYBRID_HOT = 16  # hybrid cell: the 16 hottest of Qwen3-30B-A3B's 128 experts nvfp4, the rest nf3
 MOE_CONCURRENCY = (1, 4, 16)
 DEV = "cuda"
 SMOKE = False  # --smoke: tiny shapes on the CPU through the Triton interpreter (code paths only)
@@ -238,7 +250,7 @@ def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
         dense13 = torch.randn(e, 2 * inter, h, device=DEV, dtype=torch.bfloat16) * 0.02
         dense2 = torch.randn(e, h, inter, device=DEV, dtype=torch.bfloat16) * 0.02
         weights = {"bf16": (resolve(dense13), resolve(dense2))}
-        for fmt in ("nvfp4", "int4_g128"):
+        for fmt in MOE_FORMATS.get(model, ("nvfp4", "int4_g128")):
             kw = LUT_FORMATS[fmt]
             weights[fmt] = (resolve(random_lut_view(2 * inter, h, lead=(e,), device=DEV, **kw)),
                             resolve(random_lut_view(h, inter, lead=(e,), device=DEV, seed=1, **kw)))
@@ -279,6 +291,90 @@ def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
     return rows
 
 
+def _moe_batches(c: int, e: int, top: int, h: int, hot: int = 0) -> list:
+    """8 routings of c tokens (1 in smoke runs); hot > 0 skews them: the first slot of each
+    token picks one of experts 0 .. hot-1 (the hybrid layout's hot group)."""
+    g = torch.Generator(device=DEV).manual_seed(c)
+    out = []
+    for _ in range(1 if SMOKE else 8):
+        ids = torch.rand(c, e, device=DEV, generator=g)
+        if hot:
+            ids[:, :hot] += 1.0
+        ids = ids.topk(top, -1).indices.to(torch.int32)
+        out.append((torch.randn(c, h, device=DEV, dtype=torch.bfloat16), ids,
+                    torch.rand(c, top, device=DEV, generator=g)))
+    return out
+
+
+def moe_mixed_section(copy_tbps: float, quick: bool) -> list[dict]:
+    """Hybrid layouts in one launch pair: Qwen3-30B-A3B with hot experts nvfp4 and cold ones
+    nf3 (skewed routing), and DeepSeek-V3 with its shared expert fused as a slot of weight 1,
+    against the routed launch plus the shared MLP as three gemv launches."""
+    from lowbit.kernels.dequant_gemm import lut_gemv
+    from lowbit.kernels.moe import fused_moe
+    from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid
+    from lowbit.kernels.moe_layout import (
+        hybrid_experts,
+        make_group,
+        shared_group,
+        with_shared_slots,
+    )
+    from lowbit.kernels.samples import random_lut_view
+    from lowbit.kernels.weights import resolve
+
+    def stack(fmt, n, h, inter, seed=0):
+        kw = LUT_FORMATS[fmt]
+        return (resolve(random_lut_view(2 * inter, h, lead=(n,), device=DEV, seed=seed, **kw)),
+                resolve(random_lut_view(h, inter, lead=(n,), device=DEV, seed=seed + 1, **kw)))
+
+    rows = []
+    cells = {"qwen3-30b-a3b": "hybrid"} if quick else {"qwen3-30b-a3b": "hybrid", "deepseek-v3": "shared"}
+    for model, kind in cells.items():
+        e, top, h, inter = (8, 2, 64, 32) if SMOKE else MOE_MODELS[model]
+        if kind == "hybrid":
+            hot = 2 if SMOKE else HYBRID_HOT
+            g_hot, g_cold = make_group(*stack("nvfp4", hot, h, inter)), make_group(*stack("lut3", e - hot, h, inter, 2))
+            layout = hybrid_experts([g_hot, g_cold], [list(range(hot)), list(range(hot, e))])
+            per = [payload_bytes(g.w13) / g.size + payload_bytes(g.w2) / g.size for g in (g_hot, g_cold)]
+        else:
+            hot, n_sh = 0, SHARED[model]
+            w13, w2 = stack("nvfp4", e, h, inter)
+            kw = LUT_FORMATS["nvfp4"]
+            parts = [resolve(random_lut_view(n, k, device=DEV, seed=9 + i, **kw))
+                     for i, (n, k) in enumerate(((n_sh * inter, h), (n_sh * inter, h), (h, n_sh * inter)))]
+            layout = hybrid_experts([make_group(w13, w2), shared_group(*parts, n_sh)],
+                                    [list(range(e)), list(range(e, e + n_sh))])
+            per = [(payload_bytes(w13) + payload_bytes(w2)) / e] * 2
+        grp = layout.expert_group.tolist()
+        for c in MOE_CONCURRENCY:
+            batches = _moe_batches(c, e, top, h, hot)
+            if kind == "shared":
+                batches = [(x, *with_shared_slots(ids, w, e, n_sh)) for x, ids, w in batches]
+            active = [b[1].unique().tolist() for b in batches]
+            nbytes = int(sum(per[grp[i]] for a in active for i in a) / len(active))
+            x, ids, wts = batches[0]
+            y = fused_moe_hybrid(x, ids, wts, layout)
+            ref = reference_hybrid(x, ids, wts, layout)
+            err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+            t = timed([lambda b=b, lay=layout: fused_moe_hybrid(*b, lay) for b in batches])
+            label = f"ours nvfp4:{hot}+nf3 tc" if kind == "hybrid" else "ours nvfp4 +shared slot tc"
+            rows.append(_row("moe", model, c, label, t, nbytes, copy_tbps, err, None))
+            print(_fmt(rows[-1]), flush=True)
+            if kind == "shared":  # peer: routed launch, then the shared MLP as three gemvs
+                def separate(b, top=top, w13=w13, w2=w2, parts=parts):
+                    xs, i2, w2s = b[0], b[1][:, :top], b[2][:, :top]
+                    yr = fused_moe(xs, i2, w2s, w13, w2)
+                    gu = F.silu(lut_gemv(xs, parts[0])) * lut_gemv(xs, parts[1])
+                    return yr + lut_gemv(gu.to(xs.dtype), parts[2])
+                t = timed([lambda b=b: separate(b) for b in batches])
+                rows.append(_row("moe", model, c, "ours nvfp4 routed tc + shared 3 gemv", t, nbytes,
+                                 copy_tbps, None, None))
+                print(_fmt(rows[-1]), flush=True)
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _row(kind, shape, m, impl, t, nbytes, copy_tbps, err, base) -> dict:
     tbps = nbytes / t["us"] / 1e6
     return {"kind": kind, "shape": shape, "M": m, "impl": impl, **t, "bytes": nbytes,
@@ -315,7 +411,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="one linear shape, one MoE model")
-    ap.add_argument("--sections", default="linear,moe")
+    ap.add_argument("--sections", default="linear,moe,moe_mixed")
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     a = ap.parse_args()
     if a.smoke:
@@ -336,7 +432,7 @@ def main() -> None:
     print(f"ceilings: {result['ceilings']['copy_TBps']:.2f} TB/s copy, "
           f"{result['ceilings']['bf16_TFLOPs']:.0f} TFLOP/s bf16", flush=True)
     copy = result["ceilings"]["copy_TBps"]
-    sections = {"linear": linear_section, "moe": moe_section}
+    sections = {"linear": linear_section, "moe": moe_section, "moe_mixed": moe_mixed_section}
     for name in a.sections.split(","):
         result["rows"] += sections[name](copy, a.quick)
         (out / "kernels.json").write_text(json.dumps(result, indent=1))
