@@ -124,7 +124,7 @@ def check_launched(tp: int, ep: int) -> None:
     if layout is None or (layout.tp, layout.ep) != (tp, ep):
         raise LowbitError(
             f"--tensor-parallel-size {tp} --expert-parallel-size {ep} needs one process per GPU: "
-            "`lowbit generate` starts them itself; other entry points must run under torchrun and call "
+            "`lowbit generate` starts them itself, as does `lowbit serve`; other entry points must run under torchrun and call "
             "lowbit.distributed.init_distributed first (docs/DISTRIBUTED.md)")
 
 
