@@ -9,6 +9,7 @@
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
 #              $QUANT: pp/tg cells, batched decode, depth; the Triton attention route is
 #              forced when its GPU test passed (else the torch route, said in the log)
+#              (docs/SERVING.md#gpu-benchmark-status says what the last H200 run showed)
 # Writes under $OUT (default ./gpu_out); the last lines printed are the summary tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,10 +21,11 @@ unset TRITON_INTERPRET
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export LOWBIT_COMMIT=${LOWBIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 STAGES=${STAGES:-tests tune kernels attention engine}
-T_TESTS=${T_TESTS:-200} T_TUNE=${T_TUNE:-150} T_BENCH=${T_BENCH:-330} T_ATT=${T_ATT:-60} T_ENGINE=${T_ENGINE:-170}
+T_TESTS=${T_TESTS:-200} T_TUNE=${T_TUNE:-150} T_BENCH=${T_BENCH:-330} T_ATT=${T_ATT:-60}
+T_ENGINE_BF16=${T_ENGINE_BF16:-240} T_ENGINE_Q=${T_ENGINE_Q:-240}  # engine stage: a cap per format
 QUANT=${QUANT:-nvfp4}
 CONFIG=${CONFIG:-lowbit/model_configs/Qwen__Qwen3-30B-A3B.json}
-CELLS=${CELLS:--p 8192 -n 64 -b 1,8,32 -d 0,32000 -r 3}
+CELLS=${CELLS:--p 8192 -n 32 -b 1,8,32 -d 0,32000 -r 2}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
@@ -71,11 +73,16 @@ if has attention || has engine; then
 fi
 
 if has engine; then
+  # one log for both formats ($OUT holds at most 8 files): the [latency] progress lines
+  # stream in as they come (a capped run still shows its last step), the table comes last
   for fmt in bf16 "$QUANT"; do
-    echo "== engine latency: $fmt (attention route $ATT)"
+    cap=$T_ENGINE_BF16; [ "$fmt" != bf16 ] && cap=$T_ENGINE_Q
+    echo "== engine latency: $fmt (attention route $ATT, cap ${cap} s)" | tee -a "$OUT/engine.log"
     q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
-    LOWBIT_ROUTE_ATTENTION=$ATT timeout "$T_ENGINE" python3 -m lowbit bench latency x --random-weights \
+    LOWBIT_ROUTE_ATTENTION=$ATT timeout "$cap" python3 -m lowbit bench latency x --random-weights \
       --config "$CONFIG" "${q[@]}" $CELLS --records "$RES" --append-md "$OUT/engine.md" 2>&1 \
-      | grep -v "^loading" | tail -25 | tee "$OUT/engine_$fmt.log"
+      | grep --line-buffered -v "^loading" | tee -a "$OUT/engine.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" = 124 ] && echo "engine latency $fmt: stopped by its ${cap} s cap" | tee -a "$OUT/engine.log"
   done
 fi

@@ -10,6 +10,8 @@ the K/V of every cached token at the cell's mean context (windowed layers: the w
 The depth is computed once per D (untimed) and each cell's request reuses it through the
 engine's prefix cache (see Session). Times come back from the engine after the sampled
 token reached the host, so no extra device sync is needed.
+Progress goes to stderr as the run goes (ready, each warm-up step, each cell's sample),
+so a run stopped by a time cap still says where it was; the table prints at the end.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +43,20 @@ class Cell:
                 + (f" @ d{self.depth}" if self.depth else ""))
 
 
+def progress(msg: str, t0: float | None = None) -> None:
+    """One line on stderr, flushed, with the seconds since t0 when given."""
+    tail = f" ({time.perf_counter() - t0:.2f} s)" if t0 is not None else ""
+    print(f"[latency] {msg}{tail}", file=sys.stderr, flush=True)
+
+
+def _timed(msg: str, fn, *args):
+    t0 = time.perf_counter()
+    progress(f"{msg} ...")
+    out = fn(*args)
+    progress(f"{msg} done", t0)
+    return out
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
@@ -56,9 +73,11 @@ class Session:
         from lowbit import LLM
 
         t0 = time.perf_counter()
+        progress(f"loading {cfg.config if cfg.random_weights else cfg.model} ...")
         self.llm = LLM(**cfg.llm_kwargs())
         _sync(self.llm.device)
         self.time_to_ready_s = time.perf_counter() - t0
+        progress(f"ready: model built, weights filled, KV cache and graphs set up on {self.llm.device}", t0)
         self.model, self.config, self.device = self.llm.model, self.llm.config, self.llm.device
         self.depth: list[int] = []
         self._rng = random.Random(0)
@@ -190,17 +209,23 @@ def usable_depths(depths: list[int], prompt: list[int], gen: list[int], max_len:
 
 def run_cells(s: Session, prompt: list[int], gen: list[int], depths: list[int],
               repeats: int, batches: tuple[int, ...] = (1,)) -> list[Cell]:
-    s.prefill(min(prompt))  # warm-up: first calls allocate, compile, capture graphs
+    # warm-up: first calls allocate, compile, capture graphs
+    _timed(f"warm-up pp{min(prompt)}", s.prefill, min(prompt))
     for b in batches:
-        s.decode(2, b)
+        _timed(f"warm-up tg2 x{b}", s.decode, 2, b)
     cells = []
     for d in sorted(depths):
-        s.set_depth(d)
+        if d:
+            _timed(f"depth {d}: prefill of the retained context", s.set_depth, d)
+        else:
+            s.set_depth(d)
         bs = batches if d == 0 else (1,)  # batched cells at depth 0: a pool of B deep contexts is huge
         row = [Cell("pp", p, d) for p in prompt] + [Cell("tg", n, d, b) for n in gen for b in bs]
-        for _ in range(repeats):
+        for r in range(repeats):
             for c in row:
                 c.samples.append(s.prefill(c.n) if c.kind == "pp" else s.decode(c.n, c.batch))
+                progress(f"{c.name} repeat {r + 1}/{repeats}: {c.samples[-1]:.3f} s "
+                         f"({c.batch * c.n / c.samples[-1]:.1f} tok/s)")
         cells += row
     return cells
 

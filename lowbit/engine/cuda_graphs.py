@@ -4,7 +4,9 @@ A decode step of B sequences is padded up to the next bucket (1, 2, 4, 8, then m
 of 16 up to --max-num-seqs); padding rows read and write the pool's scratch block, which
 the block manager never hands out, and their outputs are dropped.
 Capture records the model forward on static buffers (input ids, positions, slot mapping,
-block tables, sequence lengths); replay copies the step's metadata into them.
+block tables, sequence lengths); replay copies the step's metadata into them. A bucket is
+captured at its first decode step, so a run pays only for the batch sizes it uses (the
+bucket list up to 256 sequences is 20 graphs of every layer).
 
 A graph replays kernels with the arguments they had at capture, so it is only correct for
 a model whose layers read the batch through those tensors alone. A model says so with
@@ -12,8 +14,9 @@ a model whose layers read the batch through those tensors alone. A model says so
 op's torch route still reads Python lengths, so graphs also need a graph-safe route to
 serve decode (lowbit.kernels.attention_op.decode_graph_refusal). Each bucket's warm-up
 step runs with torch's sync debug mode set to error: a layer that reads device values on
-the host (a reference MoE route) turns graphs off, with the reason logged, instead of
-breaking the capture.
+the host (the reference MoE route, which serves more tokens than the fused decode route
+takes) makes that bucket run eagerly, with the reason logged once, instead of breaking
+the capture; the other buckets keep their graphs.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from lowbit.engine.batch import ForwardBatch
 
 log = logging.getLogger("lowbit")
+
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
@@ -60,6 +64,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
+        self.eager: dict[int, str] = {}  # bucket -> why its steps run eagerly
         self.pool = None
 
     def _static_batch(self, b: int) -> ForwardBatch:
@@ -67,20 +72,36 @@ class DecodeGraphs:
                             self.kv_cache, self.slot_mapping[:b], self.block_tables[:b],
                             self.seq_lens[:b])
 
-    def capture(self) -> str | None:
-        """Capture every bucket; or the reason a warm-up step cannot be captured."""
-        for b in reversed(self.buckets):  # largest first, so smaller graphs share its pool
-            batch = self._static_batch(b)
-            reason = self._warm_up(b, batch)
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def ready(self, num_seqs: int) -> bool:
+        """Whether a decode step of num_seqs sequences replays a graph; the first step of a
+        bucket captures it, or records why that bucket runs eagerly."""
+        b = self.bucket_for(num_seqs)
+        if b is None or b in self.eager:
+            return False
+        if b not in self.graphs:
+            reason = self.capture(b)
             if reason is not None:
-                return reason
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.hidden[b] = self.model(self.input_ids[:b], batch)
-            self.pool = graph.pool()
-            self.graphs[b] = graph
+                self.eager[b] = reason
+                log.info("decode steps of up to %d sequences run eagerly: %s", b, reason)
+                return False
+        return True
+
+    def capture(self, b: int) -> str | None:
+        """Capture bucket b; or the reason its warm-up step cannot be captured."""
+        batch = self._static_batch(b)
+        reason = self._warm_up(b, batch)
+        if reason is not None:
+            return reason
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):  # one pool: buckets never replay at once
+            self.hidden[b] = self.model(self.input_ids[:b], batch)
+        self.pool = graph.pool()
+        self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        log.info("captured the decode CUDA graph for %d sequences", b)
         return None
 
     def _warm_up(self, b: int, batch: ForwardBatch) -> str | None:
@@ -98,11 +119,9 @@ class DecodeGraphs:
             torch.cuda.set_sync_debug_mode(previous)
         return None
 
-    def bucket_for(self, num_seqs: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_seqs), None)
-
     def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         B = batch.num_seqs
+        assert self.ready(B), f"no decode graph for {B} sequences: {self.eager.get(self.bucket_for(B))}"
         b = self.bucket_for(B)
         self.input_ids[:B].copy_(input_ids)
         self.positions[:B].copy_(batch.positions)

@@ -45,13 +45,10 @@ class ModelRunner:
         self.before_forward: list[Callable[[ForwardBatch, torch.Tensor], None]] = []
         self.graphs: DecodeGraphs | None = None
         reason = graphs_wanted(model, device, enforce_eager)
-        if reason is None:
+        if reason is None:  # each bucket is captured at its first decode step
             max_blocks = -(-max_model_len // kv_cache.block_size)
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, device)
-            reason = self.graphs.capture()
-            if reason is not None:
-                self.graphs = None
-        if reason is not None:
+        else:
             log.info("decode CUDA graphs off: %s", reason)
 
     @torch.inference_mode()
@@ -84,7 +81,7 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if self.graphs is not None and batch.mode.is_decode and self.graphs.bucket_for(batch.num_seqs):
+        if self.graphs is not None and batch.mode.is_decode and self.graphs.ready(batch.num_seqs):
             return self.graphs.run(input_ids, batch)
         return self.model(input_ids, batch)
 

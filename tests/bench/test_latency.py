@@ -12,8 +12,14 @@ from lowbit.errors import LowbitError
 def test_latency_cells_table_and_record(tiny_moe_dir, tmp_path, capsys):
     rc = main(["bench", "latency", str(tiny_moe_dir), "-p", "16", "-n", "8", "-d", "0,32", "-r", "2",
                "--records", str(tmp_path), "--append-md", str(tmp_path / "B.md")])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
     assert rc == 0
+    # progress on stderr as it goes, so a capped run says where it stopped
+    for line in ("[latency] ready:", "[latency] warm-up pp16 done", "[latency] warm-up tg2 x1 done",
+                 "[latency] depth 32: prefill", "[latency] tg8 @ d32 repeat 2/2:"):
+        assert line in err
+    assert err.index("ready:") < err.index("warm-up pp16") < err.index("pp16 repeat 1/2")
     assert "| model | format | dtype | device | test | t/s | ms/tok | GB/s | MBU |" in out
     for cell in ("| pp16 |", "| tg8 |", "| pp16 @ d32 |", "| tg8 @ d32 |"):
         assert cell in out
@@ -24,10 +30,10 @@ def test_latency_cells_table_and_record(tiny_moe_dir, tmp_path, capsys):
         assert len(c["samples_s"]) == 2 and all(t > 0 for t in c["samples_s"])
         assert c["tok_s_mean"] > 0 and c["ms_per_tok"] > 0
         if c["kind"] == "tg":
-            assert 0 < c["mbu"] < 1 and c["bytes_per_token"] > rec["weight_bytes"]["active"]
+            assert 0 < c["mbu"] < 1 and c["bytes_per_step"] > rec["weight_bytes"]["active"]
     # deeper context reads more KV per token
     tg = {c["test"]: c for c in rec["cells"] if c["kind"] == "tg"}
-    assert tg["tg8 @ d32"]["bytes_per_token"] > tg["tg8"]["bytes_per_token"]
+    assert tg["tg8 @ d32"]["bytes_per_step"] > tg["tg8"]["bytes_per_step"]
     assert rec["time_to_ready_s"] > 0 and rec["memory"]["peak_rss_bytes"] > 0
     assert rec["copy_bandwidth_Bps"] > 1e8
     assert rec["env"]["versions"]["torch"] and rec["env"]["device"]
