@@ -34,7 +34,7 @@ import triton.language as tl
 from lowbit.kernels import launch
 from lowbit.kernels.decode import WeightArgs, dequant_tile, weight_args
 from lowbit.kernels.runtime import interpreting, round_for_dot
-from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved
+from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, expert_dense
 
 MODE_DECODE = 0
 MODE_GROUPED = 1
@@ -347,14 +347,14 @@ def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13
     dot_dtype=torch.bfloat16 rounds x, the decoded weights and h where the kernels do."""
     h = x.shape[1]
     inter = w13.n // 2
-    dense13, dense2 = w13.dense(h), w2.dense(inter)  # [E, 2I, H], [E, H, I]
     out_dtype = x.dtype
     rnd = (lambda t: t) if dot_dtype is None else (lambda t: round_for_dot(t, dot_dtype))
-    dense13, dense2, x = rnd(dense13), rnd(dense2), rnd(x.float())
+    x = rnd(x.float())
     out = torch.zeros(x.shape[0], h, dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():  # host read: reference path only
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        hcat = x[tok].float() @ dense13[e].t()
+        w13_e, w2_e = rnd(expert_dense(w13, e, h)), rnd(expert_dense(w2, e, inter))  # one expert at a time
+        hcat = x[tok].float() @ w13_e.t()
         act = torch.nn.functional.silu(hcat[:, :inter]) * hcat[:, inter:]
-        out.index_add_(0, tok, (rnd(act) @ dense2[e].t()) * weights[tok, slot, None].float())
+        out.index_add_(0, tok, (rnd(act) @ w2_e.t()) * weights[tok, slot, None].float())
     return out.to(out_dtype)

@@ -116,6 +116,21 @@ class LutWeight:
 
 
 Resolved = DenseWeight | LutWeight | Fp8View
+
+
+def expert_dense(w: Resolved, e: int, k: int) -> Tensor:
+    """Reference decode of expert e of a stacked weight [E, N, K]: float32 [N, k], without
+    decoding the other experts (a prefill touches many experts, each once)."""
+    if isinstance(w, DenseWeight):
+        return w.w[e, :, :k].float()
+    if isinstance(w, Fp8View):
+        return Fp8View(w.codes[e:e + 1], w.scales[e:e + 1], w.scale_kind, w.block_rows,
+                       w.block_cols).dense(k)[0]
+    v = w.view
+    one = LutView(v.codes[e:e + 1], v.bits, v.block_size, v.table,
+                  None if v.table_index is None else v.table_index[e:e + 1], v.scales[e:e + 1],
+                  v.scale_kind, v.global_scale, None if v.offsets is None else v.offsets[e:e + 1])
+    return lut_view_decode(one)[0, :, :k]
 _CACHE: dict[int, tuple[weakref.ref, tuple, Resolved]] = {}
 
 
