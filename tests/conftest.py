@@ -26,6 +26,16 @@ def write_tokenizer(path, vocab: int = 200) -> None:
         {"eos_token": "<|im_end|>", "chat_template": template}))
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models' ops are microseconds long: one thread beats two fighting over the
+    cores (on a busy machine, by 40x). Folders whose tests run tiny models use it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lowbit.config import EngineConfig
 from lowbit.engine.engine import LLMEngine
@@ -11,13 +10,8 @@ from tests.engine.tiny_model import make_tiny_model
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The tiny model's ops are microseconds long: one thread beats two fighting over
-    the cores (on a busy machine, by 40x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
 
 from lowbit.config import EngineConfig
@@ -60,11 +59,8 @@ class RunningServer:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
