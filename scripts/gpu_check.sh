@@ -37,7 +37,7 @@ fi
 
 if has tune; then
   echo "== gemv config sweep"
-  timeout "$T_TUNE" python3 scripts/tune_kernels.py --out "$RES/tuned_gemv.json" --formats int4,nvfp4 --m 1,4 \
+  timeout "$T_TUNE" python3 scripts/tune_kernels.py --out "$RES/tuned_gemv.json" --formats int4_g128,nvfp4 --m 1,4 \
     2>&1 | tee "$RES/tune.log" | tail -5
   if [ -s "$RES/tuned_gemv.json" ]; then  # the benchmark below uses what the sweep found
     python3 - "$RES/tuned_gemv.json" <<'PY'

@@ -31,17 +31,16 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from lowbit.kernels import launch  # noqa: E402
-from lowbit.kernels.samples import random_fp8_view, random_lut_view  # noqa: E402
+from lowbit.kernels.samples import (  # noqa: E402
+    BENCH_LUT_FORMATS,
+    BENCH_SHAPES,
+    random_fp8_view,
+    random_lut_view,
+)
 from lowbit.kernels.weights import resolve  # noqa: E402
 
-SHAPES = ((4096, 14336), (14336, 4096), (2048, 6144))  # N x K
-FORMATS = {
-    "int4": dict(bits=4, table="int", block_size=128, scale_kind="f16", offsets=True),
-    "nvfp4": dict(bits=4, table="e2m1", block_size=16, scale_kind="e4m3"),
-    "mxfp4": dict(bits=4, table="e2m1", block_size=32, scale_kind="e8m0"),
-    "nf4": dict(bits=4, table="nf", block_size=64, scale_kind="bf16"),
-    "lut3": dict(bits=3, table="random", block_size=64, scale_kind="bf16", tables=4),
-}
+SHAPES = BENCH_SHAPES  # N x K
+FORMATS = BENCH_LUT_FORMATS
 GEMV_CANDIDATES = [
     dict(BN=32, G=32, SPLIT_K=0, num_warps=4),
     dict(BN=16, G=32, SPLIT_K=0, num_warps=4),
@@ -138,7 +137,7 @@ def static(arch: int, only: list[str]) -> None:
         jobs.append((f"gemm {fmt} M=64", lambda w=w, k=k: lut_gemm(torch.randn(64, k).bfloat16(), w)))
     fb = make_weight("fp8_block", 4096, 4096, "cpu")
     jobs.append(("w8a8 block M=16", lambda: fp8_w8a8(torch.randn(16, 4096).bfloat16(), fb)))
-    for fmt in ("nvfp4", "int4", "dense"):
+    for fmt in ("nvfp4", "int4_g128", "dense"):
         e, h, i = 128, 2048, 768
         if fmt == "dense":
             w13 = resolve(torch.randn(e, 2 * i, h).bfloat16())

@@ -35,15 +35,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SHAPES = ((4096, 14336), (14336, 4096), (2048, 6144))
+from lowbit.kernels.samples import BENCH_LUT_FORMATS, BENCH_SHAPES
+
+SHAPES = BENCH_SHAPES
 MS = (1, 4, 16)
-LUT_FORMATS = {
-    "int4_g128": dict(bits=4, table="int", block_size=128, scale_kind="f16", offsets=True),
-    "nvfp4": dict(bits=4, table="e2m1", block_size=16, scale_kind="e4m3"),
-    "mxfp4": dict(bits=4, table="e2m1", block_size=32, scale_kind="e8m0"),
-    "nf4": dict(bits=4, table="nf", block_size=64, scale_kind="bf16"),
-    "lut3": dict(bits=3, table="random", block_size=64, scale_kind="bf16", tables=4),
-}
+LUT_FORMATS = BENCH_LUT_FORMATS
 MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336),
               "deepseek-v3": (256, 8, 7168, 2048), "gpt-oss-20b": (32, 4, 2880, 2880)}
 # formats per model: gpt-oss ships mxfp4 experts; its expert biases and clamped SwiGLU are

@@ -16,6 +16,17 @@ from lowbit.formats.nf import NF3_TABLE, NF4_TABLE
 from lowbit.kernels.weights import Fp8View
 
 TABLES = ("random", "e2m1", "int", "nf")
+
+# The weights the benchmark and the tuner time: N x K shapes and random_lut_view arguments
+# that mimic each format's table, block and scale encoding.
+BENCH_SHAPES = ((4096, 14336), (14336, 4096), (2048, 6144))
+BENCH_LUT_FORMATS = {
+    "int4_g128": dict(bits=4, table="int", block_size=128, scale_kind="f16", offsets=True),
+    "nvfp4": dict(bits=4, table="e2m1", block_size=16, scale_kind="e4m3"),
+    "mxfp4": dict(bits=4, table="e2m1", block_size=32, scale_kind="e8m0"),
+    "nf4": dict(bits=4, table="nf", block_size=64, scale_kind="bf16"),
+    "lut3": dict(bits=3, table="random", block_size=64, scale_kind="bf16", tables=4),
+}
 SCALE_DTYPES = {
     "f16": torch.float16,
     "bf16": torch.bfloat16,
