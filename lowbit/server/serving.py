@@ -155,10 +155,28 @@ def completion_body(sub: Submission, model: str, echo: bool, tokenizer) -> dict:
             "choices": choices, "usage": usage(sub.choices, sub.prompt_ids)}
 
 
-async def completion_stream(sub: Submission, model: str, echo: bool, include_usage: bool,
-                            tokenizer) -> AsyncIterator[str]:
-    head = {"id": sub.id, "object": "text_completion", "created": sub.created, "model": model}
+async def sse_stream(sub: Submission, head: dict, include_usage: bool,
+                     chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The frame every stream shares: the chunks, the usage-only chunk when asked, [DONE];
+    an engine error becomes an error event; the submission is closed (aborted) however
+    the stream ends, a client disconnect included."""
     try:
+        async for chunk in chunks:
+            yield chunk
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(sub.choices, sub.prompt_ids)})
+        yield "data: [DONE]\n\n"
+    except LowbitError as e:
+        yield stream_error(e)
+    finally:
+        sub.close()
+
+
+def completion_stream(sub: Submission, model: str, echo: bool, include_usage: bool,
+                      tokenizer) -> AsyncIterator[str]:
+    head = {"id": sub.id, "object": "text_completion", "created": sub.created, "model": model}
+
+    async def chunks() -> AsyncIterator[str]:
         for c in sub.choices if echo else []:
             yield sse({**head, "choices": [{"index": c.index, "text": c.prompt_text or _decode(tokenizer, c.prompt_ids),
                                             "logprobs": None, "finish_reason": None}]})
@@ -167,13 +185,8 @@ async def completion_stream(sub: Submission, model: str, echo: bool, include_usa
             lp = completion_logprobs(tokenizer, [], d.logprobs, []) if d.logprobs else None
             yield sse({**head, "choices": [{"index": c.index, "text": d.text, "logprobs": lp,
                                             "finish_reason": d.finish_reason}]})
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(sub.choices, sub.prompt_ids)})
-        yield "data: [DONE]\n\n"
-    except LowbitError as e:
-        yield stream_error(e)
-    finally:
-        sub.close()
+
+    return sse_stream(sub, head, include_usage, chunks())
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------------
@@ -185,11 +198,12 @@ def chat_body(sub: Submission, model: str, tokenizer) -> dict:
             "choices": choices, "usage": usage(sub.choices, sub.prompt_ids)}
 
 
-async def chat_stream(sub: Submission, model: str, include_usage: bool, tokenizer) -> AsyncIterator[str]:
+def chat_stream(sub: Submission, model: str, include_usage: bool, tokenizer) -> AsyncIterator[str]:
     head = {"id": sub.id, "object": "chat.completion.chunk", "created": sub.created, "model": model}
     chunk = lambda index, delta, lp=None, finish=None: sse(
         {**head, "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]})
-    try:
+
+    async def chunks() -> AsyncIterator[str]:
         for c in sub.choices:
             yield chunk(c.index, {"role": "assistant", "content": ""})
         async for c, d in sub.deltas():
@@ -199,13 +213,8 @@ async def chat_stream(sub: Submission, model: str, include_usage: bool, tokenize
                 yield chunk(c.index, {"content": d.text}, lp)
             if d.finished:
                 yield chunk(c.index, {}, None, d.finish_reason)
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(sub.choices, sub.prompt_ids)})
-        yield "data: [DONE]\n\n"
-    except LowbitError as e:
-        yield stream_error(e)
-    finally:
-        sub.close()
+
+    return sse_stream(sub, head, include_usage, chunks())
 
 
 def stream_error(e: LowbitError) -> str:
