@@ -72,13 +72,13 @@ def code_values(c, table_ptr, tbase, DECODE: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def load_scales(ptr, row_off, col, mask, SCALE_KIND: tl.constexpr):
-    """float32 scales [BN, NC] at row_off [BN] (elements) and column col [NC]."""
+    """float32 scales [BN, NC] at row_off [BN] (elements) and column col [NC]; 0 where masked."""
     p = ptr + row_off[:, None] + col[None, :]
     if SCALE_KIND == 4:  # e8m0: 2**(b - 127); b = 0 -> 2**-127, b = 255 -> NaN
         b = tl.load(p, mask=mask, other=127).to(tl.int32)
         bits = tl.where(b == 0, 0x00400000, b << 23)
         bits = tl.where(b == 255, 0x7FC00000, bits)
-        s = bits.to(tl.float32, bitcast=True)
+        s = tl.where(mask, bits.to(tl.float32, bitcast=True), 0.0)
     else:  # no `other`: the interpreter cannot cast it to float8
         s = tl.where(mask, tl.load(p, mask=mask).to(tl.float32), 0.0)
     return s
@@ -114,10 +114,12 @@ def dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, row_off, tbase, alp
         NC: tl.constexpr = BK // B if BK > B else 1
         CH: tl.constexpr = BK // NC
         col = (k0 + tl.arange(0, NC) * CH) // B
-        s = load_scales(scales_ptr, srow_off, col, rmask[:, None], SCALE_KIND) * g
+        # the last tile may start a block past the payload's end: its scale is 0, not a read
+        smask = rmask[:, None] & (col < tl.cdiv(KC, B))[None, :]
+        s = load_scales(scales_ptr, srow_off, col, smask, SCALE_KIND) * g
         w3 = tl.reshape(v, (BN, NC, CH)) * s[:, :, None]
         if HAS_OFFS:
-            o = tl.load(offs_ptr + orow_off[:, None] + col[None, :], mask=rmask[:, None], other=0)
+            o = tl.load(offs_ptr + orow_off[:, None] + col[None, :], mask=smask, other=0)
             w3 = w3 + o.to(tl.float32)[:, :, None]
         w = tl.reshape(w3, (BN, BK))
     return w

@@ -192,6 +192,7 @@ def _gemv_kernel(
                 aco3 += xs[:, None] * o
         if PREFETCH:
             wi = wi_n
+            m2 = m2_n  # the offsets load above reads with this tile's mask
             w = w_n
             s = s_n
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from lowbit.kernels.samples import random_fp8_view, random_lut_view
@@ -22,11 +24,33 @@ FP8_CASES = ("channel", "block", "mx")
 ALL_CASES = [*LUT_CASES, *(f"fp8_{c}" for c in FP8_CASES)]
 
 
+GUARD = 256  # elements of poison on each side of every payload tensor
+
+
+def guarded(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t copied into the middle of a buffer poisoned on both sides (NaN; 0xFF bytes, which
+    are NaN as an E8M0 scale), so that a kernel reading past a tensor's ends shows NaN
+    instead of whatever the neighbouring heap holds."""
+    if t is None:
+        return None
+    n = t.numel()
+    fill = float("nan") if t.dtype.is_floating_point else (255 if t.dtype == torch.uint8 else -1)
+    buf = torch.full((GUARD + n + GUARD,), fill, dtype=t.dtype, device=t.device)
+    inner = buf[GUARD:GUARD + n].view(t.shape)
+    inner.copy_(t)
+    return inner
+
+
 def make_weight(case: str, n: int, k: int, lead: tuple[int, ...] = (), seed: int = 0,
                 device: str = "cpu"):
+    """A resolved weight whose payload tensors sit between poisoned guards (see guarded)."""
     if case.startswith("fp8_"):
-        return resolve(random_fp8_view(n, k, layout=case[4:], lead=lead, seed=seed, device=device))
-    return resolve(random_lut_view(n, k, lead=lead, seed=seed, device=device, **LUT_CASES[case]))
+        v = random_fp8_view(n, k, layout=case[4:], lead=lead, seed=seed, device=device)
+        return resolve(dataclasses.replace(v, codes=guarded(v.codes), scales=guarded(v.scales)))
+    v = random_lut_view(n, k, lead=lead, seed=seed, device=device, **LUT_CASES[case])
+    return resolve(dataclasses.replace(
+        v, codes=guarded(v.codes), table=guarded(v.table), table_index=guarded(v.table_index),
+        scales=guarded(v.scales), offsets=guarded(v.offsets)))
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
