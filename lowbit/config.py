@@ -45,6 +45,8 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = _opt(None, "KV pool size in blocks; wins over --kv-cache-tokens")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
+    cpu_threads: int = _opt(0, "CPU device: intra-op threads; 0 = auto (1 for models whose layer "
+                               "matmuls are under 2**20 multiply-adds per token, else torch's default)")
     # parallelism across the GPUs of a host (docs/DISTRIBUTED.md); processes = lcm(TP, EP)
     tensor_parallel_size: int = _opt(1, "GPUs that split attention heads, dense MLPs and the vocabulary")
     expert_parallel_size: int = _opt(1, "parts the experts are split into, one per group of GPUs")
@@ -86,6 +88,8 @@ class EngineConfig:
             v = getattr(self, name)
             if (v is not None or name in positive) and (not isinstance(v, int) or v < 1):
                 raise LowbitError(f"--{name.replace('_', '-')} must be a positive integer, got {v}")
+        if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
+            raise LowbitError(f"--cpu-threads must be 0 (auto) or a positive integer, got {self.cpu_threads}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise LowbitError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size != 1 or self.expert_parallel_size != 1:

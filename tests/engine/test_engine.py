@@ -116,3 +116,29 @@ def test_a_random_request_without_seed_still_runs(make_engine):
     out = one(make_engine(), [1, 2, 3], SamplingParams(temperature=0.8, top_k=5, min_p=0.1, max_tokens=5))
     assert 1 <= len(tokens_of(out)) <= 5
     assert torch.get_num_threads() == 1
+
+
+def test_cpu_threads_auto_is_one_for_small_models_and_explicit_wins(make_engine):
+    from types import SimpleNamespace
+
+    import pytest
+
+    from lowbit.engine.engine import cpu_threads
+    from lowbit.errors import LowbitError
+
+    small = SimpleNamespace(hidden_size=256, intermediate_size=768, moe_intermediate_size=192)
+    large = SimpleNamespace(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cpu_threads(0, small) == 1
+        assert cpu_threads(0, large) == 2  # torch's setting stands
+        assert cpu_threads(3, small) == 3
+        make_engine(cpu_threads=2)
+        assert torch.get_num_threads() == 2
+        make_engine()  # the tiny model: auto takes one thread
+        assert torch.get_num_threads() == 1
+        with pytest.raises(LowbitError, match="--cpu-threads"):
+            make_engine(cpu_threads=-1)
+    finally:
+        torch.set_num_threads(before)
