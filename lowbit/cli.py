@@ -117,7 +117,9 @@ def cmd_routes(args: argparse.Namespace) -> int:
     import json
 
     from lowbit import kernels
+    from lowbit.kernels.routes import check_env
 
+    check_env()  # the table below would otherwise hide a misspelt LOWBIT_ROUTE_* variable
     if args.run:  # generate a few tokens first, so the counts say which routes served a model
         from lowbit import LLM, SamplingParams
 

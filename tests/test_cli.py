@@ -55,3 +55,17 @@ def test_routes_lists_registry_and_counts_a_run(tiny_moe_dir, capsys):
     rows = [ln.split() for ln in out.splitlines()]
     torch_linear = [r for r in rows if r[:2] == ["linear", "torch"]][0]
     assert int(torch_linear[3]) > 0  # the torch route served the run's linear calls
+
+
+def test_misspelt_route_variables_fail_before_loading(tmp_path, monkeypatch, capsys):
+    # the model does not exist: an error about the variable proves it was checked first
+    for key, value, msg in [("LOWBIT_ROUTE_LINAER", "torch", "names no op"),
+                            ("LOWBIT_ROUTE_SAMPLE", "torch", "names no op"),
+                            ("LOWBIT_ROUTE_LINEAR", "TORCH", "valid names")]:
+        monkeypatch.setenv(key, value)
+        assert main(["generate", str(tmp_path / "nope"), "hi"]) == 2
+        err = capsys.readouterr().err
+        assert key in err and msg in err and "Traceback" not in err
+        assert main(["routes"]) == 2
+        assert key in capsys.readouterr().err
+        monkeypatch.delenv(key)

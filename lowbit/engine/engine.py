@@ -37,6 +37,7 @@ from lowbit.engine.runner import ModelRunner, RunnerOutput
 from lowbit.engine.sampling import SamplingParams
 from lowbit.engine.scheduler import Scheduler, SchedulerOutput
 from lowbit.errors import LowbitError
+from lowbit.kernels.routes import check_env
 
 log = logging.getLogger("lowbit")
 
@@ -68,6 +69,7 @@ def compute_dtype(dtype: str, device: torch.device) -> str:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
+        check_env()  # a misspelt LOWBIT_ROUTE_* fails before the model loads, not at its first call
         self.device = torch.device(config.device or default_device())
         dtype = compute_dtype(config.dtype, self.device)
         self.loaded = loaded or load_model(config.model, dtype=dtype, device=str(self.device),

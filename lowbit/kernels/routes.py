@@ -32,9 +32,10 @@ OPT_IN = "OPT_IN"
 MEASURED_NEGATIVE = "MEASURED_NEGATIVE"
 STATUSES = (DEFAULT, OPT_IN, MEASURED_NEGATIVE)
 ENV_PREFIX = "LOWBIT_ROUTE_"
-# Ops other packages register (attention, sample, ...) are known ahead so that a forcing
-# variable for them is not mistaken for a typo before their module is imported.
-KNOWN_OPS = ("linear", "moe", "attention", "kv_write", "sample")
+# The ops lowbit.kernels registers, known ahead so that a forcing variable for one is not
+# mistaken for a typo before its module is imported. Sampling has no routes (it is torch
+# code in the engine), so LOWBIT_ROUTE_SAMPLE is refused like any unknown op.
+KNOWN_OPS = ("linear", "moe", "attention", "kv_write")
 
 
 @dataclass
