@@ -36,7 +36,7 @@ from lowbit.kernels.decode import (
     weight_args,
 )
 from lowbit.kernels.runtime import interpreting, round_for_dot, sm_count
-from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight
+from lowbit.kernels.weights import DECODE_NAMES, DenseWeight, Fp8View, LutWeight
 
 _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
 
@@ -298,10 +298,14 @@ def _gemm_kernel(
 
 
 def fmt_key(w: LutWeight | Fp8View) -> str:
-    """The format part of a launch-config key."""
+    """The format part of a launch-config key: what changes the kernel's code (bits, decode
+    mode, scale kind, block), so that formats that compile differently tune apart, e.g.
+    nvfp4 -> "lut4-e2m1-e4m3-16", int4 g128 -> "lut4-affine-f16-128+offs", fp8 -> "fp8"."""
     if isinstance(w, Fp8View):
         return "fp8"
-    return f"lut{w.view.bits}"
+    v = w.view
+    return (f"lut{v.bits}-{DECODE_NAMES[w.decode]}-{v.scale_kind}-{v.block_size}"
+            + ("+offs" if v.offsets is not None else ""))
 
 
 def _semaphore(device: torch.device, n: int) -> torch.Tensor:

@@ -68,3 +68,14 @@ def test_config_lookup_buckets_and_device_files(tmp_path, monkeypatch):
         assert launch.lookup("gemv", "lut3", 64, 32, 99, device="other") == {"BN": 16}
     finally:
         launch.clear_cache()
+
+
+def test_launch_config_keys_tell_formats_apart():
+    from lowbit.kernels.dequant_gemm import fmt_key
+    from tests.kernels.cases import make_weight
+
+    keys = {case: fmt_key(make_weight(case, 8, 64)) for case in
+            ("int4_g32_offsets", "nvfp4_two_tables", "mxfp4", "nf4", "nf3", "fp8_channel")}
+    assert keys["nvfp4_two_tables"] == "lut4-e2m1-e4m3-16"
+    assert keys["int4_g32_offsets"] == "lut4-affine-f16-32+offs"
+    assert len(set(keys.values())) == len(keys), keys  # each tunes apart
