@@ -84,6 +84,7 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len
         self.eos_ids = self._eos_ids()
         self._build_cache(next(self.model.parameters()).dtype)
+        self._warn_if_pool_is_short()
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.max_num_seqs,
@@ -112,6 +113,13 @@ class LLMEngine:
         mib = num_blocks * cfg.block_size * kv_bytes_per_token(self.arch, kv_dtype, layers) / 2**20
         log.info("KV cache: %d blocks x %d = %d tokens, %s, %.1f MiB", num_blocks, cfg.block_size,
                  self.kv_cache.num_tokens, str(kv_dtype).replace("torch.", ""), mib)
+
+    def _warn_if_pool_is_short(self) -> None:
+        """A pool shorter than the context refuses requests that would fit the context: say
+        so at start-up. Requests that leave max_tokens out still run (check_request)."""
+        if self.max_model_len > self.kv_cache.num_tokens:
+            log.warning("the KV pool holds %d tokens, fewer than max_model_len %d: longer requests "
+                        "are refused (kv_cache_too_small)", self.kv_cache.num_tokens, self.max_model_len)
 
     @torch.inference_mode()
     def _profile_activation_bytes(self) -> int:
@@ -150,7 +158,10 @@ class LLMEngine:
             raise RequestRejected(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                 f"prompt has {n} tokens. Shorten the prompt.", code="context_length_exceeded", param="prompt")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if params.max_tokens is None:  # as many as the context and the pool allow
+            max_tokens = max(1, min(self.max_model_len, self.kv_cache.num_tokens) - n)
+        else:
+            max_tokens = params.max_tokens
         self.scheduler.check_fits(n, max_tokens)
         return max_tokens
 

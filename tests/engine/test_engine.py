@@ -142,3 +142,16 @@ def test_cpu_threads_auto_is_one_for_small_models_and_explicit_wins(make_engine)
             make_engine(cpu_threads=-1)
     finally:
         torch.set_num_threads(before)
+
+
+def test_max_tokens_left_out_runs_to_what_the_pool_holds(make_engine):
+    import pytest
+
+    from lowbit.engine.request import RequestRejected
+
+    engine = make_engine(kv_cache_tokens=64)  # the model's context is 256 tokens
+    out = one(engine, [5, 6, 7], SamplingParams(temperature=0, ignore_eos=True, max_tokens=None))
+    assert len(tokens_of(out)) == 64 - 3
+    assert engine.blocks.num_free_blocks == engine.blocks.num_total_blocks
+    with pytest.raises(RequestRejected, match="kv_cache_too_small|pool holds 64"):
+        engine.add_request(list(range(1, 70)), SamplingParams(max_tokens=None))
