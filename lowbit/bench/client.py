@@ -3,7 +3,7 @@ llama-server): model list, /tokenize, Prometheus /metrics, and one streamed requ
 timed chunk by chunk.
 
 Times are time.perf_counter() seconds, taken when a server-sent event is parsed.
-Every event with choices counts as a token arrival (see _is_token_chunk). The token
+Every event with new output counts as a token arrival (see _is_token_chunk). The token
 count comes from the final `usage` event (`stream_options.include_usage`); without it,
 the arrivals are counted.
 """
@@ -74,13 +74,23 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 def _is_token_chunk(obj: dict) -> bool:
     """A streamed event that carries generated output: any event with choices, except a
-    chat delta holding only the role. Text may be empty (a server without a tokenizer
-    streams ids only; a detokenizer may hold back part of a character)."""
+    chat delta holding only the role and a closing event that carries nothing but the
+    finish reason (chat `delta: {}`, or completion text "" with no logprobs). Text may
+    otherwise be empty (a server without a tokenizer streams ids only; a detokenizer may
+    hold back part of a character)."""
     for ch in obj.get("choices") or []:
         delta = ch.get("delta")
-        if delta is None or set(delta) - {"role"} or ch.get("finish_reason"):
+        if ch.get("finish_reason") and not _carries_output(ch, delta):
+            continue
+        if delta is None or set(delta) - {"role"}:
             return True
     return False
+
+
+def _carries_output(choice: dict, delta: dict | None) -> bool:
+    if delta is not None:
+        return any(v not in (None, "", []) for k, v in delta.items() if k != "role")
+    return bool(choice.get("text")) or bool(choice.get("logprobs")) or bool(choice.get("token_ids"))
 
 
 class Client:

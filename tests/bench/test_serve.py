@@ -115,3 +115,16 @@ def test_helpers():
     assert normalize_base_url("http://h:1/v1/") == "http://h:1"
     m = parse_prometheus('# c\na_total 3\nb{x="1 2"} 4.5 1700000000\nbad line x\n')
     assert m == {"a_total": 3.0, 'b{x="1 2"}': 4.5}
+
+
+def test_token_chunks_exclude_role_and_finish_only_events():
+    from lowbit.bench.client import _is_token_chunk
+
+    chat = lambda delta, fin=None: {"choices": [{"delta": delta, "finish_reason": fin}]}
+    text = lambda t, fin=None, lp=None: {"choices": [{"text": t, "finish_reason": fin, "logprobs": lp}]}
+    assert [_is_token_chunk(e) for e in (
+        chat({"role": "assistant"}), chat({"content": "a"}), chat({}, "stop"),
+        chat({"content": ""}, "length"), chat({"content": "z"}, "stop"),
+        text("a"), text(""), text("", "stop"), text("", "stop", {"tokens": ["x"]}),
+        {"choices": []}, {"usage": {"completion_tokens": 3}},
+    )] == [False, True, False, False, True, True, True, False, True, False, False]
