@@ -39,6 +39,7 @@ from lowbit.kernels.runtime import interpreting, round_for_dot, sm_count
 from lowbit.kernels.weights import DECODE_NAMES, DenseWeight, Fp8View, LutWeight
 
 _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
@@ -325,9 +326,14 @@ def _out(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torch.Ten
 
 def _check(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, "x is [M, K], rows contiguous"
+    assert x.dtype in ACT_DTYPES, f"activations are bf16 / fp16 / fp32, got {x.dtype}"
     assert w.lead == (), "a linear weight is [N, K]"
     assert x.shape[1] <= w.kp, "x has more columns than the weight"
-    assert bias is None or (bias.shape == (w.n,) and bias.is_contiguous())
+    assert bias is None or (bias.shape == (w.n,) and bias.is_contiguous()
+                            and bias.dtype in ACT_DTYPES and bias.device == x.device)
+    codes = w.view.codes if isinstance(w, LutWeight) else w.codes
+    assert codes.device == x.device, "weights and activations on one device"
+    assert codes.dtype == (torch.uint8 if isinstance(w, LutWeight) else torch.float8_e4m3fn)
 
 
 def _gemv_codes(w: LutWeight | Fp8View) -> tuple[torch.Tensor, int, int]:

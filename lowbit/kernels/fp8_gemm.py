@@ -117,6 +117,8 @@ def fp8_w8a8(x: torch.Tensor, w: Fp8View, bias: torch.Tensor | None = None,
              config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] in x.dtype."""
     assert x.dim() == 2 and x.stride(1) == 1 and w.lead == ()
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    assert w.codes.dtype == torch.float8_e4m3fn and w.codes.device == x.device
     assert w8a8_refusal(x, w) is None, w8a8_refusal(x, w)
     m, k = x.shape
     n = w.n

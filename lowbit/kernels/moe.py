@@ -220,6 +220,14 @@ def moe_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved) -> str | None:
     return None
 
 
+def _check_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    """Launcher invariants of the routing tensors (the moe op builds them this way)."""
+    assert x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    assert ids.shape == weights.shape and ids.dim() == 2 and ids.shape[0] == x.shape[0]
+    assert ids.dtype in (torch.int32, torch.int64) and weights.is_floating_point()
+    assert ids.device == x.device == weights.device, "routing tensors on the activations' device"
+
+
 def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
     """Device-side grouping of the slots by expert, with no host read (CUDA-graph safe).
 
@@ -243,6 +251,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
               out: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, H] in x.dtype (or out's float32); mode "decode" (S <= 256) or "grouped"."""
     assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
+    _check_routing(x, ids, weights)
     t, h = x.shape
     a_top = ids.shape[1]
     s = t * a_top
@@ -319,6 +328,7 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     an expert used by several tokens is read once per token (from L2 when they coincide)."""
     assert not isinstance(w13, DenseWeight) and not isinstance(w2, DenseWeight)
     assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
+    _check_routing(x, ids, weights)
     t, h = x.shape
     a_top = ids.shape[1]
     s = t * a_top

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv, reference_linear  # noqa: E402
 from lowbit.kernels.runtime import interpreting  # noqa: E402
-from tests.kernels.cases import ALL_CASES, make_weight, poisoned, rel_err  # noqa: E402
+from tests.kernels.cases import ALL_CASES, LUT_CASES, make_weight, poisoned, rel_err  # noqa: E402
 
 N, K = 40, 200  # neither a power of two; K is not a multiple of any block
 BF16_RTOL = 1e-2
@@ -74,3 +74,19 @@ def test_gemm_tile_smaller_than_block():
     out = poisoned(5, N, dtype=torch.float32)
     lut_gemm(x, w, None, config=dict(BM=16, BN=16, BK=32), out=out)
     assert rel_err(out, reference_linear(x.float(), w, dot_dtype=torch.float16)) < 1e-4
+
+
+@pytest.mark.parametrize("case", list(LUT_CASES))
+def test_odd_shapes(case):
+    """N and K odd (K pads to whole blocks inside the payload), M up to 257 for the tiles."""
+    n, k = 37, 199
+    w = make_weight(case, n, k, seed=zlib.crc32(case.encode()) % 991)
+    for m in (1, 3, 16):
+        x = torch.randn(m, k)
+        out = poisoned(m, n, dtype=torch.float32)
+        lut_gemv(x, w, None, config=dict(BN=16, G=8), out=out)
+        assert rel_err(out, reference_linear(x, w)) < 1e-5, (case, m)
+    x = torch.randn(257, k).bfloat16()
+    out = poisoned(257, n, dtype=torch.float32)
+    lut_gemm(x, w, None, config=dict(BM=64, BN=16, BK=64), out=out)
+    assert rel_err(out, reference_linear(x.float(), w, dot_dtype=torch.bfloat16)) < 1e-4, case

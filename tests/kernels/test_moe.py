@@ -34,8 +34,8 @@ def _routing(t: int, a: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(torch.int32), torch.rand(t, a, generator=g)
 
 
-@pytest.mark.parametrize("case", ["int4_g32_offsets", "nvfp4_two_tables", "lut3_offsets",
-                                  "fp8_block", "dense"])
+@pytest.mark.parametrize("case", ["int4_g32_offsets", "nvfp4_two_tables", "mxfp4", "nf3",
+                                  "lut3_offsets", "fp8_block", "dense"])
 @pytest.mark.parametrize("mode", ["decode", "grouped"])
 def test_fused_moe_matches_twin(case, mode):
     if case == "dense":
@@ -66,7 +66,8 @@ def test_grouped_tiles_span_one_expert():
     assert rel_err(out, reference_moe(x, ids, wts, w13, w2, dot_dtype=torch.bfloat16)) < BF16_RTOL
 
 
-@pytest.mark.parametrize("case", ["int4_g32_offsets", "nvfp4_two_tables", "lut3_offsets", "fp8_block"])
+@pytest.mark.parametrize("case", ["int4_g32_offsets", "nvfp4_two_tables", "mxfp4", "nf3",
+                                  "lut3_offsets", "fp8_block"])
 def test_fused_moe_gemv_matches_twin(case):
     """Per-slot GEMV decode: float32 throughout, so the twin needs no rounding (rel 1e-5)."""
     w13 = make_weight(case, 2 * I, H, lead=(E,), seed=1)
