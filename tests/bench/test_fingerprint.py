@@ -62,11 +62,18 @@ def test_check_names_the_first_changed_token(fixture_run, tmp_path):
     assert problems[1].startswith("prose: output differs from token 3")
 
 
-def test_demo_model_fingerprint_is_unchanged(tmp_path):
-    name = "demo-bf16.json"
+# one format of each family: E2M1 + e4m3 scales, affine int with zeros, a 3-bit table, fp8
+DEMO_FORMATS = ["bf16", "nvfp4", "int4", "nf3", "fp8"]
+
+
+@pytest.mark.parametrize("fmt", DEMO_FORMATS)
+def test_demo_model_fingerprint_is_unchanged(tmp_path, fmt):
+    name = f"demo-{fmt}.json"
     if not (DEMO / "config.json").exists():
         pytest.skip("the demo model is not in this tree")
-    if not (HERE / name).exists():
-        pytest.skip(f"no stored demo fingerprint; create it with: {REGENERATE.format(model='demo', name=name)}")
-    _, rec = _fingerprint("demo", tmp_path)
-    _assert_matches(rec, name, "demo")
+    quant = [] if fmt == "bf16" else ["--quantization", fmt]
+    regenerate = REGENERATE.format(model="demo", name=name) + " ".join(["", *quant])
+    assert (HERE / name).exists(), f"no stored demo fingerprint; create it with: {regenerate}"
+    _, rec = _fingerprint("demo", tmp_path, *quant)
+    assert rec["format"].split()[0] == fmt
+    _assert_matches(rec, name, "demo" + " ".join(["", *quant]))
