@@ -129,11 +129,15 @@ def cmd_routes(args: argparse.Namespace) -> int:
         print(json.dumps({"routes": kernels.route_table(), **kernels.counters()}, indent=1))
         return 0
     print(kernels.format_table())
-    refusals = kernels.counters()["route_refusals"]
+    refusals: dict = {}
+    for r in kernels.counters()["route_refusals"]:  # summed over layers, layers counted
+        key = (r["op"], r["route"], r["reason"])
+        n, layers = refusals.get(key, (0, set()))
+        refusals[key] = (n + r["count"], layers | {r["layer"]})
     if refusals:
-        print("\nrefusals (op, route: reason x count)")
-        for r in refusals:
-            print(f"  {r['op']}, {r['route']}: {r['reason']} x{r['count']}")
+        print("\nrefusals (op, route: reason x count, in how many layers)")
+        for (op, route, reason), (n, layers) in refusals.items():
+            print(f"  {op}, {route}: {reason} x{n} in {len(layers)} layer(s)")
     print("\nForce a route with LOWBIT_ROUTE_<OP>=<route>; docs/ROUTES.md explains each status.")
     return 0
 

@@ -11,7 +11,7 @@ anchor, or the measured number for a negative), `admit(call) -> None | reason` a
 The torch reference route of every op admits everything and is registered last, so
 step 2 always finds one. OPT_IN and MEASURED_NEGATIVE routes run only when forced.
 
-Counters: calls per (op, layer, route) and refusals per (op, route, reason), read by
+Counters: calls per (op, layer, route) and refusals per (op, layer, route, reason), read by
 `route_table()` (the `lowbit routes` printout) and `counters()` (/metrics). Under CUDA
 graph capture the Python side runs once, so counts are per captured call, not per replay.
 """
@@ -73,7 +73,7 @@ class Op:
 
 _OPS: dict[str, Op] = {}
 _CALLS: Counter = Counter()  # (op, layer, route) -> calls
-_REFUSALS: Counter = Counter()  # (op, route, reason) -> refusals
+_REFUSALS: Counter = Counter()  # (op, layer, route, reason) -> refusals
 _LOCK = threading.Lock()
 
 
@@ -123,8 +123,8 @@ def check_env(environ: dict[str, str] | None = None) -> None:
             _OPS[op].get(value.strip())
 
 
-def select(op: str, call: Any) -> Route:
-    """The route that runs this call (see module docstring), counting refusals."""
+def select(op: str, call: Any, layer: str = "") -> Route:
+    """The route that runs this call (see module docstring), counting refusals under layer."""
     entry = _OPS[op]
     forced = forced_name(op)
     if forced is not None:
@@ -145,13 +145,13 @@ def select(op: str, call: Any) -> Route:
         if reason is None:
             return route
         with _LOCK:
-            _REFUSALS[(op, route.name, reason)] += 1
+            _REFUSALS[(op, layer, route.name, reason)] += 1
     raise AssertionError(f"{op}: no DEFAULT route admitted the call; the reference must")
 
 
 def dispatch(op: str, call: Any, layer: str = "") -> Any:
     """Select a route for call, count it under layer, run it."""
-    route = select(op, call)
+    route = select(op, call, layer)
     with _LOCK:
         _CALLS[(op, layer, route.name)] += 1
     return route.run(call)
@@ -163,7 +163,8 @@ def route_table() -> list[dict[str, Any]]:
     for op in _OPS.values():
         for r in op.routes:
             calls = sum(n for (o, _l, name), n in _CALLS.items() if o == op.name and name == r.name)
-            refused = sum(n for (o, name, _why), n in _REFUSALS.items() if o == op.name and name == r.name)
+            refused = sum(n for (o, _l, name, _why), n in _REFUSALS.items()
+                          if o == op.name and name == r.name)
             rows.append({"op": op.name, "route": r.name, "status": r.status, "record": r.record,
                          "calls": calls, "refusals": refused})
     return rows
@@ -180,11 +181,12 @@ def format_table(rows: list[dict[str, Any]] | None = None) -> str:
 
 
 def counters() -> dict[str, list[dict[str, Any]]]:
-    """Counts for /metrics: route calls by (op, layer, route), refusals by (op, route, reason)."""
+    """Counts for /metrics: route calls by (op, layer, route), refusals by (op, layer, route,
+    reason)."""
     with _LOCK:
         calls = [{"op": o, "layer": la, "route": r, "count": n} for (o, la, r), n in _CALLS.items()]
-        refusals = [{"op": o, "route": r, "reason": why, "count": n}
-                    for (o, r, why), n in _REFUSALS.items()]
+        refusals = [{"op": o, "layer": la, "route": r, "reason": why, "count": n}
+                    for (o, la, r, why), n in _REFUSALS.items()]
     return {"route_calls": calls, "route_refusals": refusals}
 
 

@@ -43,7 +43,7 @@ def test_first_default_that_admits(op):
     assert routes.dispatch(op, Call(12), "L0") == "torch"  # small refuses, fancy is opt-in
     counts = routes.counters()
     assert {"op": op, "layer": "L0", "route": "torch", "count": 1} in counts["route_calls"]
-    assert {"op": op, "route": "small", "reason": "too big", "count": 1} in counts["route_refusals"]
+    assert {"op": op, "layer": "L0", "route": "small", "reason": "too big", "count": 1} in counts["route_refusals"]
 
 
 def test_forced_route_runs_even_if_opt_in(op, monkeypatch):
