@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from lowbit.kernels import routes
-from lowbit.kernels.runtime import capability, triton_refusal
+from lowbit.kernels.runtime import capability, fp8_refusal, triton_refusal
 from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
@@ -48,7 +48,7 @@ def _common_refusal(call: LinearCall, kinds: tuple[type, ...]) -> str | None:
         return f"activations are {call.x.dtype}"
     if call.x.shape[1] > call.weight.kp:
         return f"x has {call.x.shape[1]} columns but the weight stores {call.weight.kp}"
-    return None
+    return fp8_refusal(call.x, call.weight)
 
 
 AUTO_GEMV_MAX_M = 4  # measured faster than the torch route up to here (docs/ROUTES.md)

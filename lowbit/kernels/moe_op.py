@@ -22,7 +22,7 @@ import torch
 
 from lowbit.kernels import routes
 from lowbit.kernels.moe_layout import HybridExperts, HybridTensor, layout_of
-from lowbit.kernels.runtime import triton_refusal
+from lowbit.kernels.runtime import fp8_refusal, triton_refusal
 from lowbit.kernels.weights import DenseWeight, Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
@@ -50,10 +50,12 @@ def _refusal(call: MoeCall) -> str | None:
         return f"topk_ids are {call.ids.dtype}, not int32/int64"
     if isinstance(call.w13, HybridExperts):
         h = call.w13.hidden
-        return None if call.x.shape[1] == h else f"x has {call.x.shape[1]} columns, the experts {h}"
+        if call.x.shape[1] != h:
+            return f"x has {call.x.shape[1]} columns, the experts {h}"
+        return fp8_refusal(call.x, *(w for g in call.w13.groups for w in (g.w13, g.w2)))
     from lowbit.kernels.moe import moe_refusal
 
-    return moe_refusal(call.x, call.w13, call.w2)
+    return fp8_refusal(call.x, call.w13, call.w2) or moe_refusal(call.x, call.w13, call.w2)
 
 
 def _admit_decode(call: MoeCall) -> str | None:

@@ -83,3 +83,18 @@ def sm_count(index: int = 0) -> int:
 @functools.cache
 def device_name(index: int = 0) -> str:
     return torch.cuda.get_device_name(index) if torch.cuda.is_available() else "cpu"
+
+
+def uses_fp8(w) -> bool:
+    """Whether a resolved weight's decode reads float8_e4m3 values (fp8 codes, or LUT codes
+    under e4m3 block scales as in nvfp4)."""
+    from lowbit.kernels.weights import Fp8View, LutWeight
+
+    return isinstance(w, Fp8View) or (isinstance(w, LutWeight) and w.view.scale_kind == "e4m3")
+
+
+def fp8_refusal(t: torch.Tensor, *weights) -> str | None:
+    """Triton converts float8_e4m3 only on compute capability 8.9+ (Ada, Hopper)."""
+    if t.is_cuda and any(uses_fp8(w) for w in weights) and capability(t.device.index or 0) < (8, 9):
+        return "float8_e4m3 weights or scales need compute capability 8.9 or newer in Triton"
+    return None

@@ -150,3 +150,17 @@ def test_auto_gemv_limited_to_measured_m(monkeypatch):
     assert _admit_lut_gemv(call) is None  # the interpreter runs it when forced
     call.forced, call.x = False, torch.randn(2, 64)
     assert "cpu" in _admit_lut_gemv(call)  # auto selection keeps the torch route on a CPU
+
+
+def test_fp8_decode_is_refused_below_sm89(monkeypatch):
+    from lowbit.kernels import runtime
+    from tests.kernels.cases import make_weight
+
+    x = torch.randn(2, 64)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(runtime, "capability", lambda index=0: (8, 0))
+    for case, refused in (("fp8_channel", True), ("nvfp4_two_tables", True), ("nf4", False)):
+        reason = runtime.fp8_refusal(x, make_weight(case, 8, 64))
+        assert (reason is not None and "8.9" in reason) == refused, case
+    monkeypatch.setattr(runtime, "capability", lambda index=0: (9, 0))
+    assert runtime.fp8_refusal(x, make_weight("fp8_channel", 8, 64)) is None
