@@ -7,7 +7,9 @@ aborts need no locks, and an abort lands before the next step (its blocks free w
 one step). `submit` validates synchronously (bad requests fail before any work), checks
 the bounded queue, and returns a RequestStream; closing a stream that has not finished
 aborts its request. If a step raises, the engine is dead: every stream gets the error
-and new submissions are refused.
+and new submissions are refused. `drain` is the shutdown: refuse new requests, let the
+running ones finish for a while, then abort the rest so that each stream still receives
+its last delta (finish_reason "abort").
 """
 
 from __future__ import annotations
@@ -25,9 +27,18 @@ from lowbit.errors import LowbitError
 
 log = logging.getLogger("lowbit")
 
+LOADING_RETRY_AFTER = 5  # seconds: models load in seconds to minutes
+DRAINING_RETRY_AFTER = 1
+ABORT_GRACE = 5.0  # seconds the handlers of aborted requests get to send their last chunk
+
 
 class EngineUnavailable(LowbitError):
-    """The engine is loading, shutting down, or dead (HTTP 503)."""
+    """The engine is loading, shutting down, or dead (HTTP 503); `retry_after` is set, in
+    seconds, when a retry can succeed (loading, draining), and None when it cannot."""
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class QueueFull(LowbitError):
@@ -84,9 +95,10 @@ class AsyncLLMEngine:
         if self.error is not None:
             raise EngineUnavailable(f"the engine stopped after an error: {self.error}")
         if not self.accepting:
-            raise EngineUnavailable("the server is shutting down")
+            raise EngineUnavailable("the server is shutting down; retry on another replica or "
+                                    "after it restarts", retry_after=DRAINING_RETRY_AFTER)
         if not self.is_ready:
-            raise EngineUnavailable("the model is still loading; retry shortly")
+            raise EngineUnavailable("the model is still loading; retry shortly", retry_after=LOADING_RETRY_AFTER)
         return self.engine
 
     def submit(self, requests: list[tuple[str, list[int], SamplingParams, str | None]]) -> list[RequestStream]:
@@ -114,16 +126,33 @@ class AsyncLLMEngine:
         if abort:
             self._commands.put(("abort", request_id))
 
-    async def shutdown(self, timeout: float) -> None:
-        """Stop admitting, give in-flight requests `timeout` seconds, abort the rest, stop."""
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests, give in-flight ones `timeout` seconds to finish, then abort
+        the rest and wait until their handlers have taken the abort delta."""
         self.accepting = False
-        deadline = asyncio.get_running_loop().time() + timeout
-        while self._streams and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        await self._wait_streams(loop.time() + timeout)
+        if self._streams and self.error is None and self._thread.is_alive():
+            log.info("aborting %d requests still running after %.0f s", len(self._streams), timeout)
+            with self._lock:
+                ids = list(self._streams)
+            for request_id in ids:
+                # keep the stream: the abort delta must still reach it
+                self._commands.put(("abort", request_id))
+            await self._wait_streams(loop.time() + ABORT_GRACE)
+
+    async def _wait_streams(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def shutdown(self, timeout: float) -> None:
+        """Drain, drop what is left (handlers that never took their last delta), stop."""
+        await self.drain(timeout)
         for request_id in list(self._streams):
             self._forget(request_id, abort=True)
         self._commands.put(("stop",))
-        await asyncio.to_thread(self._thread.join, timeout)
+        await asyncio.to_thread(self._thread.join, max(timeout, ABORT_GRACE))
 
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:

@@ -3,11 +3,12 @@
 Every error leaves as the OpenAI envelope {"error": {"message", "type", "param", "code"}}:
 a bad request is 400 (never 422) before any model work, a missing or wrong key 401, an
 unknown model 404, a body over --max-request-body-bytes 413, a full queue 429 with
-Retry-After, and a loading, draining or dead engine 503.
+Retry-After, and a loading, draining or dead engine 503 (with Retry-After unless dead).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -22,7 +23,7 @@ from lowbit.engine.async_engine import AsyncLLMEngine, EngineUnavailable, QueueF
 from lowbit.engine.prompt import PromptEncoder
 from lowbit.engine.request import RequestRejected
 from lowbit.errors import LowbitError
-from lowbit.server import metrics, serving
+from lowbit.server import metrics, serving, startup
 from lowbit.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, error_body
 from lowbit.server.protocol import (
     ChatCompletionRequest,
@@ -45,6 +46,15 @@ class ServerState:
         self.model_name = config.served_model_name or config.model
         self.created = int(time.time())
         self._prompts: PromptEncoder | None = None
+        self.startup: startup.StartupReport | None = None
+
+    def keep_startup_report(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            log.error("the startup report failed: %s", task.exception())
+            return
+        self.startup = task.result()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.config.model):
@@ -66,6 +76,15 @@ class ServerState:
             self._prompts = PromptEncoder(self.tokenizer)
         return self._prompts
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        prompts = self.prompts
+        try:
+            return prompts.encode_chat(messages, add_generation_prompt)
+        except RequestRejected:
+            raise
+        except LowbitError as e:  # the template refused the messages
+            raise RequestRejected(str(e), param="messages") from e
+
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.prompts.encode(prompt)
@@ -77,10 +96,14 @@ def _status(e: Exception) -> tuple[int, str, str | None, dict]:
     if isinstance(e, QueueFull):
         return 429, "rate_limit_exceeded", "rate_limit_exceeded", {"Retry-After": "1"}
     if isinstance(e, EngineUnavailable):
-        return 503, "service_unavailable", None, {}
+        return 503, "service_unavailable", None, _retry_after(e)
     if isinstance(e, ModelNotFound):
         return 404, "invalid_request_error", "model_not_found", {}
     return 400, "invalid_request_error", getattr(e, "code", None), {}
+
+
+def _retry_after(e: EngineUnavailable) -> dict:
+    return {"Retry-After": str(e.retry_after)} if e.retry_after is not None else {}
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -95,7 +118,8 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         msg = f"{where}: {err['msg']}" if where else err["msg"]
-        return JSONResponse(error_body(msg, "invalid_request_error", where or None, None), 400)
+        # param: the request field (deeper parts of loc can be pydantic's union member names)
+        return JSONResponse(error_body(msg, "invalid_request_error", loc[0] if loc else None, None), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -113,7 +137,10 @@ def create_app(config: EngineConfig, engine: AsyncLLMEngine) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        report = asyncio.create_task(startup.report_when_ready(engine))
+        report.add_done_callback(state.keep_startup_report)
         yield
+        report.cancel()
         await engine.shutdown(config.shutdown_timeout)
 
     app = FastAPI(title="lowbit", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -130,8 +157,10 @@ def create_app(config: EngineConfig, engine: AsyncLLMEngine) -> FastAPI:
 def add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
-        if not state.engine.is_ready or not state.engine.accepting:
-            return JSONResponse(error_body("not ready", "service_unavailable", None, None), 503)
+        try:
+            state.engine.check_available()
+        except EngineUnavailable as e:
+            return JSONResponse(error_body(str(e), "service_unavailable", None, None), 503, _retry_after(e))
         return PlainTextResponse("")
 
     @app.get("/v1/models")
@@ -144,7 +173,7 @@ def add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics_route():
-        return PlainTextResponse(metrics.render(state.engine.engine, state.model_name),
+        return PlainTextResponse(metrics.render(state.engine.engine, state.model_name, state.startup),
                                  media_type="text/plain; version=0.0.4")
 
 
@@ -169,7 +198,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(body.model)
         body.warn_unknown()
         params = body.to_params(state.sampling_defaults)
-        ids = state.prompts.encode_chat(body.messages, body.add_generation_prompt)
+        ids = state.encode_chat(body.messages, body.add_generation_prompt)
         sub = serving.Submission(state.engine, "chatcmpl", [(None, ids)], params)
         if body.stream:
             return serving.streaming_response(
@@ -186,7 +215,7 @@ def add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise RequestRejected("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = state.prompts.encode_chat(body.messages, body.add_generation_prompt)
+            ids = state.encode_chat(body.messages, body.add_generation_prompt)
         else:
             ids = state.prompts.encode(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.engine.engine.max_model_len, "tokens": ids}

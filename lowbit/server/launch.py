@@ -1,13 +1,15 @@
 """`lowbit serve`: build the engine and app, run uvicorn, shut down cleanly on SIGTERM.
 
 The model loads in the engine thread while the server already answers (/health is 503
-until it is ready). SIGTERM or SIGINT: stop admitting (new requests get 503), let
-in-flight requests finish for up to --shutdown-timeout seconds, abort the rest, stop the
-engine, exit 0.
+until it is ready). SIGTERM or SIGINT: stop admitting (new requests get 503 with
+Retry-After while the socket still listens), let in-flight requests finish for up to
+--shutdown-timeout seconds, abort the rest (each stream ends with a finish_reason "abort"
+chunk and [DONE]), close the socket, stop the engine, exit 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -32,17 +34,28 @@ def build(config: EngineConfig):
     return create_app(config, engine), engine
 
 
+FLUSH_SECONDS = 5  # after the drain: the time uvicorn gives responses to finish sending
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn, except that a handled SIGTERM ends the process with status 0 (uvicorn
-    re-raises the signal after its shutdown) and first closes the engine's door."""
+    re-raises the signal after its shutdown), first closes the engine's door, and drains
+    the engine before uvicorn closes the socket and cancels what still runs."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
 
     def handle_exit(self, sig: int, frame) -> None:
         self.engine.accepting = False
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        drain = asyncio.create_task(self.engine.drain(self.shutdown_timeout))
+        while not drain.done() and not self.force_exit:  # a second Ctrl-C stops waiting
+            await asyncio.sleep(0.05)
+        drain.cancel()
+        await super().shutdown(sockets)
 
     def fail(self, reason: str) -> None:
         """A worker process is gone (tensor / expert parallel): the engine is dead, stop
@@ -66,13 +79,13 @@ class GracefulServer(uvicorn.Server):
 
 def uvicorn_config(app, config: EngineConfig) -> uvicorn.Config:
     return uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                          timeout_graceful_shutdown=int(config.shutdown_timeout), access_log=False)
+                          timeout_graceful_shutdown=FLUSH_SECONDS, access_log=False)
 
 
 def run_server(config: EngineConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app, engine = build(config)
-    server = GracefulServer(uvicorn_config(app, config), engine)
+    server = GracefulServer(uvicorn_config(app, config), engine, config.shutdown_timeout)
     driver.on_workers_lost(server.fail)  # only ever called under tensor / expert parallelism
     server.run()
     if engine.error is not None:

@@ -13,10 +13,10 @@ def token_text(tokenizer, token_id: int) -> str:
 
 
 def completion_logprobs(tokenizer, prompt: list[TokenLogprob | None], generated: list[TokenLogprob],
-                        prompt_ids: list[int]) -> dict:
-    """`prompt` entries line up with `prompt_ids` (the first is None: nothing predicts it)."""
+                        prompt_ids: list[int], offset: int = 0) -> dict:
+    """`prompt` entries line up with `prompt_ids` (the first is None: nothing predicts it);
+    `text_offset` counts from `offset`, the length of the choice's text before these tokens."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    offset = 0
     entries = [(tid, lp) for tid, lp in zip(prompt_ids, prompt)] + [(g.token_id, g) for g in generated]
     for tid, lp in entries:
         text = token_text(tokenizer, tid)
@@ -26,6 +26,11 @@ def completion_logprobs(tokenizer, prompt: list[TokenLogprob | None], generated:
         token_lps.append(None if lp is None else lp.logprob)
         tops.append(None if lp is None else {token_text(tokenizer, t): v for t, v in lp.top})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def end_offset(lp: dict, offset: int) -> int:
+    """The text offset after the tokens of `lp` (a completion_logprobs result)."""
+    return lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offset
 
 
 def chat_logprobs(tokenizer, generated: list[TokenLogprob]) -> dict:

@@ -1,5 +1,9 @@
-"""/metrics: the engine's state in the Prometheus text format, under vLLM's metric names
-with the `lowbit:` prefix, plus the kernel route counters when lowbit.kernels is present."""
+"""/metrics: the engine's state in the Prometheus text format.
+
+Series vLLM also exports carry vLLM's names, types and `vllm:` prefix (with its labels
+`model_name` and `engine`), so dashboards written for vLLM read them unchanged; series
+only lowbit has (KV blocks, the startup report, kernel route counters) carry `lowbit:`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import importlib
 
 from lowbit.engine.engine import LLMEngine
 from lowbit.engine.metrics import Histogram
+from lowbit.server.startup import StartupReport
 
 
 def _escape(v) -> str:
@@ -18,52 +23,78 @@ def _labels(labels: dict) -> str:
 
 
 class Exposition:
-    def __init__(self, model_name: str) -> None:
-        self.base = {"model_name": model_name}
+    def __init__(self, model_name: str, prefix: str, **labels) -> None:
+        self.base = {"model_name": model_name, **labels}
+        self.prefix = prefix
         self.lines: list[str] = []
 
     def metric(self, name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> None:
-        self.lines += [f"# HELP lowbit:{name} {help_}", f"# TYPE lowbit:{name} {kind}"]
-        self.lines += [f"lowbit:{name}{_labels({**self.base, **lab})} {val}" for lab, val in samples]
+        name = f"{self.prefix}:{name}"
+        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        self.lines += [f"{name}{_labels({**self.base, **lab})} {val}" for lab, val in samples]
 
     def histogram(self, name: str, help_: str, h: Histogram) -> None:
-        self.lines += [f"# HELP lowbit:{name} {help_}", f"# TYPE lowbit:{name} histogram"]
+        name = f"{self.prefix}:{name}"
+        self.lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
         for le, n in h.cumulative():
-            self.lines.append(f"lowbit:{name}_bucket{_labels({**self.base, 'le': le})} {n}")
-        self.lines.append(f"lowbit:{name}_sum{_labels(self.base)} {h.sum}")
-        self.lines.append(f"lowbit:{name}_count{_labels(self.base)} {h.count}")
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+            self.lines.append(f"{name}_bucket{_labels({**self.base, 'le': le})} {n}")
+        self.lines.append(f"{name}_sum{_labels(self.base)} {h.sum}")
+        self.lines.append(f"{name}_count{_labels(self.base)} {h.count}")
 
 
-def render(engine: LLMEngine | None, model_name: str) -> str:
-    out = Exposition(model_name)
+def render(engine: LLMEngine | None, model_name: str, startup: StartupReport | None = None) -> str:
+    vllm, own = Exposition(model_name, "vllm", engine="0"), Exposition(model_name, "lowbit")
     if engine is not None:
-        _engine_metrics(out, engine)
-    _route_metrics(out)
-    return out.text()
+        _vllm_metrics(vllm, engine)
+        _block_metrics(own, engine)
+    if startup is not None:
+        _startup_metrics(own, startup)
+    _route_metrics(own)
+    return "\n".join(vllm.lines + own.lines) + "\n"
 
 
-def _engine_metrics(out: Exposition, engine: LLMEngine) -> None:
+def _vllm_metrics(out: Exposition, engine: LLMEngine) -> None:
     s, blocks = engine.stats, engine.blocks
-    out.metric("num_requests_running", "gauge", "Requests in the running batch.", [({}, engine.num_running)])
-    out.metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", [({}, engine.num_waiting)])
-    out.metric("kv_cache_usage_perc", "gauge", "Share of KV cache blocks in use (1 = full).",
+    out.metric("num_requests_running", "gauge", "Number of requests in model execution batches.",
+               [({}, engine.num_running)])
+    out.metric("num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+               [({}, engine.num_waiting)])
+    out.metric("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
                [({}, round(blocks.usage, 6))])
-    out.metric("prompt_tokens_total", "counter", "Prompt tokens received.", [({}, s.prompt_tokens_total)])
-    out.metric("generation_tokens_total", "counter", "Tokens generated.", [({}, s.generation_tokens_total)])
-    out.metric("num_preemptions_total", "counter", "Requests preempted for lack of KV blocks.",
+    out.metric("prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+               [({}, s.prompt_tokens_total)])
+    out.metric("generation_tokens_total", "counter", "Number of generation tokens processed.",
+               [({}, s.generation_tokens_total)])
+    out.metric("num_preemptions_total", "counter", "Cumulative number of preemption from the engine.",
                [({}, s.num_preemptions_total)])
-    out.metric("prefix_cache_queries_total", "counter", "Tokens looked up in the prefix cache.",
-               [({}, blocks.num_prefix_queries)])
-    out.metric("prefix_cache_hits_total", "counter", "Tokens served by the prefix cache.",
+    out.metric("prefix_cache_queries_total", "counter",
+               "Prefix cache queries, in terms of number of queried tokens.", [({}, blocks.num_prefix_queries)])
+    out.metric("prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.",
                [({}, blocks.num_prefix_hits)])
-    out.metric("request_success_total", "counter", "Finished requests by finish reason.",
+    out.metric("request_success_total", "counter", "Count of successfully processed requests.",
                [({"finished_reason": r}, n) for r, n in sorted(s.request_success_total.items())])
-    out.histogram("time_to_first_token_seconds", "Time from arrival to the first token.", s.time_to_first_token)
-    out.histogram("inter_token_latency_seconds", "Time between two tokens of a request.", s.inter_token_latency)
-    out.histogram("e2e_request_latency_seconds", "Time from arrival to finish.", s.e2e_request_latency)
+    out.histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                  s.time_to_first_token)
+    out.histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                  s.inter_token_latency)
+    out.histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                  s.e2e_request_latency)
+
+
+def _block_metrics(out: Exposition, engine: LLMEngine) -> None:
+    blocks = engine.blocks
+    out.metric("kv_cache_free_blocks", "gauge", "KV cache blocks free (all of them at idle).",
+               [({}, blocks.num_free_blocks)])
+    out.metric("kv_cache_blocks", "gauge", "KV cache blocks in the pool.", [({}, blocks.num_total_blocks)])
+    out.metric("kv_cache_tokens", "gauge", "Tokens the KV cache pool holds.", [({}, engine.kv_cache.num_tokens)])
+
+
+def _startup_metrics(out: Exposition, r: StartupReport) -> None:
+    out.metric("startup_seconds", "gauge", "Seconds from process start to serving requests.",
+               [({}, round(r.seconds, 3))])
+    out.metric("peak_memory_bytes", "gauge",
+               "Peak memory at startup: torch.cuda.max_memory_allocated on CUDA, process peak RSS on the CPU.",
+               [({"device": r.memory_device, "measure": r.memory_measure}, r.peak_memory_bytes)])
 
 
 def _route_metrics(out: Exposition) -> None:

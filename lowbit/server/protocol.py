@@ -3,9 +3,11 @@
 Fields follow the OpenAI API plus vLLM's sampling extras (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens). A sampling field
 the request leaves out takes the model's generation_config.json value, as in vLLM, and
-else the OpenAI default. Unknown fields are
-accepted and logged, as OpenAI clients send fields a server may not know; fields lowbit
-knows but cannot honour (logit_bias, suffix, tools that need a parser) are refused.
+else the OpenAI default. Types are strict (`"n": true` or `"temperature": "0"` is a 400
+naming the field), and a refused value names the request field it came from. Unknown
+fields are accepted and logged, as OpenAI clients send fields a server may not know;
+fields lowbit knows but cannot honour (logit_bias, suffix, tools that need a parser) are
+refused.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lowbit.engine.request import RequestRejected
 from lowbit.engine.sampling import SamplingParams
 from lowbit.errors import LowbitError
 
@@ -30,12 +33,33 @@ def model_sampling_defaults(generation_config: dict) -> dict:
     return {k: generation_config[k] for k in MODEL_DEFAULTS if generation_config.get(k) is not None}
 
 
+def checked_params(fields: dict, names: dict[str, str]) -> SamplingParams:
+    """SamplingParams(**fields); a refusal names the request field at fault (`names` maps
+    a SamplingParams field to the request field it came from, where they differ)."""
+    try:
+        return SamplingParams(**fields)
+    except LowbitError as e:
+        bad = next((k for k, v in fields.items() if _refusal(k, v) == str(e)), None)
+        raise RequestRejected(str(e), param=names.get(bad, bad)) from e
+
+
+def _refusal(name: str, value) -> str | None:
+    """The message SamplingParams refuses `name=value` with alone (None: it takes it)."""
+    try:
+        SamplingParams(**{name: value})
+    except LowbitError as e:
+        return str(e)
+    return None
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     temperature: float | None = None
@@ -62,20 +86,20 @@ class _SamplingRequest(BaseModel):
             log.warning("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, names: dict[str, str] | None = None) -> SamplingParams:
         if self.logit_bias:
-            raise LowbitError("logit_bias is not supported")
+            raise RequestRejected("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise LowbitError("stream_options is only allowed with stream: true")
+            raise RequestRejected("stream_options is only allowed with stream: true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         given = {k: getattr(self, k) for k in MODEL_DEFAULTS if getattr(self, k) is not None}
-        return SamplingParams(
+        return checked_params(dict(
             **{**API_DEFAULTS, **defaults, **given},
             n=self.n, seed=self.seed, max_tokens=max_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens), names or {})
 
     @property
     def include_usage(self) -> bool:
@@ -91,9 +115,10 @@ class CompletionRequest(_SamplingRequest):
 
     def to_params(self, defaults: dict) -> SamplingParams:
         if self.suffix:
-            raise LowbitError("suffix is not supported")
+            raise RequestRejected("suffix is not supported", param="suffix")
         return self.sampling_params(self.max_tokens, self.logprobs, defaults,
-                                    self.logprobs if self.echo and self.logprobs is not None else None)
+                                    self.logprobs if self.echo and self.logprobs is not None else None,
+                                    {"prompt_logprobs": "logprobs"})
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts, each a string or token ids."""
@@ -101,7 +126,7 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         if not p:
-            raise LowbitError("the prompt is empty; give at least one token")
+            raise RequestRejected("the prompt is empty; give at least one token", param="prompt")
         return list(p)
 
 
@@ -116,15 +141,19 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def to_params(self, defaults: dict) -> SamplingParams:
         if self.tools:
-            raise LowbitError("tool calling is not supported")
+            raise RequestRejected("tool calling is not supported", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
-            raise LowbitError("top_logprobs needs logprobs: true")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
+            raise RequestRejected("top_logprobs needs logprobs: true", param="top_logprobs")
+        names = {"logprobs": "top_logprobs"}
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:
+            max_tokens, names["max_tokens"] = self.max_completion_tokens, "max_completion_tokens"
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults,
+                                    names=names)
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     prompt: str | None = None
@@ -134,7 +163,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     tokens: list[int]

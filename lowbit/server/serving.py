@@ -23,7 +23,7 @@ from lowbit.engine.llm import child_params
 from lowbit.engine.request import RequestDelta, TokenLogprob
 from lowbit.engine.sampling import SamplingParams
 from lowbit.errors import LowbitError
-from lowbit.server.logprobs import chat_logprobs, completion_logprobs
+from lowbit.server.logprobs import chat_logprobs, completion_logprobs, end_offset
 
 
 @dataclass
@@ -70,6 +70,7 @@ class Submission:
         self.id = f"{kind}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.prompt_ids = [ids for _, ids in prompts]
+        self.params = params
         self.choices: list[Choice] = []
         reqs = []
         for p, (text, ids) in enumerate(prompts):
@@ -174,17 +175,36 @@ async def sse_stream(sub: Submission, head: dict, include_usage: bool,
 
 def completion_stream(sub: Submission, model: str, echo: bool, include_usage: bool,
                       tokenizer) -> AsyncIterator[str]:
+    """With echo, each choice starts with its prompt; with echo and logprobs, that chunk
+    waits for the first delta, which brings the prompt logprobs. `text_offset` counts over
+    the whole choice text, echoed prompt included, as in the non-streamed response."""
     head = {"id": sub.id, "object": "text_completion", "created": sub.created, "model": model}
+    chunk = lambda c, text, lp, finish=None: sse(
+        {**head, "choices": [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}]})
+    offsets = {c.index: 0 for c in sub.choices}
+    unechoed = {c.index for c in sub.choices} if echo else set()
+
+    def echo_chunk(c: Choice) -> str:
+        unechoed.discard(c.index)
+        lp = None
+        if c.prompt_logprobs is not None:
+            lp = completion_logprobs(tokenizer, c.prompt_logprobs, [], c.prompt_ids)
+            offsets[c.index] = end_offset(lp, 0)
+        return chunk(c, c.prompt_text or _decode(tokenizer, c.prompt_ids), lp)
 
     async def chunks() -> AsyncIterator[str]:
-        for c in sub.choices if echo else []:
-            yield sse({**head, "choices": [{"index": c.index, "text": c.prompt_text or _decode(tokenizer, c.prompt_ids),
-                                            "logprobs": None, "finish_reason": None}]})
+        if sub.params.prompt_logprobs is None:
+            for c in sub.choices if echo else []:
+                yield echo_chunk(c)
         async for c, d in sub.deltas():
             c.add(d)
-            lp = completion_logprobs(tokenizer, [], d.logprobs, []) if d.logprobs else None
-            yield sse({**head, "choices": [{"index": c.index, "text": d.text, "logprobs": lp,
-                                            "finish_reason": d.finish_reason}]})
+            if c.index in unechoed:
+                yield echo_chunk(c)
+            lp = None
+            if d.logprobs:
+                lp = completion_logprobs(tokenizer, [], d.logprobs, [], offsets[c.index])
+                offsets[c.index] = end_offset(lp, offsets[c.index])
+            yield chunk(c, d.text, lp, d.finish_reason)
 
     return sse_stream(sub, head, include_usage, chunks())
 

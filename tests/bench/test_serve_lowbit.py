@@ -47,7 +47,7 @@ def lowbit_server(tiny_moe_dir, tmp_path_factory):
 
 
 def _counter(metrics: dict, name: str) -> float:
-    return sum(v for k, v in metrics.items() if k.startswith(f"lowbit:{name}"))
+    return sum(v for k, v in metrics.items() if k.startswith((f"vllm:{name}", f"lowbit:{name}")))
 
 
 def test_bench_serve_matches_the_server_counters(lowbit_server, tmp_path):

@@ -9,10 +9,9 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from lowbit.config import EngineConfig
-from lowbit.server.launch import build, uvicorn_config
+from lowbit.server.launch import GracefulServer, build, uvicorn_config
 from tests.engine.tiny_model import make_tiny_model
 
 
@@ -28,13 +27,14 @@ def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
 class RunningServer:
     def __init__(self, config: EngineConfig) -> None:
         self.app, self.async_engine = build(config)
-        self.server = uvicorn.Server(uvicorn_config(self.app, config))
+        self.server = GracefulServer(uvicorn_config(self.app, config), self.async_engine, config.shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         wait_for(lambda: self.server.started or not self.thread.is_alive(), what="uvicorn")
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}"
         wait_for(lambda: self.async_engine.is_ready, what="the model to load")
+        wait_for(lambda: self.app.state.lowbit.startup is not None, what="the startup report")
         self.api_key = config.api_key
 
     @property
@@ -47,6 +47,20 @@ class RunningServer:
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "none", max_retries=0)
+
+    def metrics(self) -> tuple[dict[str, str], dict[str, list[tuple[str, float]]]]:
+        """/metrics as ({metric: type}, {sample name: [(series with labels, value)]})."""
+        with self.http() as h:
+            text = h.get("/metrics").text
+        types, samples = {}, {}
+        for line in text.splitlines():
+            if line.startswith("# TYPE "):
+                _, _, name, kind = line.split(" ")
+                types[name] = kind
+            elif line and not line.startswith("#"):
+                series, value = line.rsplit(" ", 1)
+                samples.setdefault(series.split("{")[0], []).append((series, float(value)))
+        return types, samples
 
     def wait_idle(self) -> None:
         blocks = self.engine.blocks

@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+from lowbit.bench.client import parse_prometheus
+
 MODEL = "tiny"
 
 
@@ -111,14 +113,55 @@ def test_tokenize_detokenize_and_tokenizer_info(server):
         assert info["eos_token"] == "<|endoftext|>" and "im_start" in info["chat_template"]
 
 
-def test_metrics_use_vllm_names(server):
+VLLM_SERIES = {"num_requests_running": "gauge", "num_requests_waiting": "gauge", "kv_cache_usage_perc": "gauge",
+               "prompt_tokens_total": "counter", "generation_tokens_total": "counter",
+               "num_preemptions_total": "counter", "prefix_cache_queries_total": "counter",
+               "prefix_cache_hits_total": "counter", "request_success_total": "counter",
+               "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
+               "e2e_request_latency_seconds": "histogram"}
+LOWBIT_SERIES = {"kv_cache_free_blocks": "gauge", "kv_cache_blocks": "gauge", "kv_cache_tokens": "gauge",
+                 "startup_seconds": "gauge", "peak_memory_bytes": "gauge"}
+
+
+def test_metrics_use_vllm_names_types_and_prefix(server):
     server.client().completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0)
-    with server.http() as h:
-        text = h.get("/metrics").text
-    for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count", "num_requests_running",
-                 "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total", "generation_tokens_total"):
-        assert f"lowbit:{name}" in text
-    gen = [ln for ln in text.splitlines() if ln.startswith("lowbit:generation_tokens_total")]
-    assert float(gen[0].split()[-1]) >= 3
+    types, samples = server.metrics()
+    for name, kind in VLLM_SERIES.items():
+        assert types.get(f"vllm:{name}") == kind, name
+        assert f"lowbit:{name}" not in types
+    for name, kind in LOWBIT_SERIES.items():
+        assert types.get(f"lowbit:{name}") == kind, name
+    series, generated = samples["vllm:generation_tokens_total"][0]
+    assert generated >= 3 and 'model_name="tiny"' in series
+    assert samples["vllm:time_to_first_token_seconds_count"][0][1] >= 1
+    assert samples["vllm:inter_token_latency_seconds_count"][0][1] >= 2
+    assert any('finished_reason="length"' in s for s, _ in samples["vllm:request_success_total"])
+    assert samples["lowbit:kv_cache_tokens"][0][1] == 4096 and samples["lowbit:kv_cache_blocks"][0][1] == 4096 / 16
+    assert samples["lowbit:startup_seconds"][0][1] > 0
+    series, peak = samples["lowbit:peak_memory_bytes"][0]
+    assert peak > 2**20 and 'device="cpu",measure="peak_rss"' in series
+    with server.http() as h:  # what `lowbit bench serve` reads
+        parsed = parse_prometheus(h.get("/metrics").text)
+    assert any(k.startswith("vllm:generation_tokens_total{") for k in parsed)
     if importlib.util.find_spec("lowbit.kernels.routes") is not None:
-        assert 'lowbit:route_calls_total{model_name="tiny",op="linear"' in text
+        assert any(s.startswith('lowbit:route_calls_total{model_name="tiny",op="linear"')
+                   for s, _ in samples["lowbit:route_calls_total"])
+
+
+@pytest.mark.parametrize("echo", [True, False])
+def test_streamed_logprobs_match_the_non_streamed_ones(server, echo):
+    c = server.client()
+    args = dict(model=MODEL, prompt="Hi there", max_tokens=6, temperature=0, echo=echo, logprobs=2,
+                extra_body={"ignore_eos": True})
+    whole = c.completions.create(**args).choices[0]
+    chunks = [ch.choices[0] for ch in c.completions.create(stream=True, **args)]
+    if echo:
+        lp = chunks[0].logprobs
+        assert chunks[0].text == "Hi there" and len(lp.tokens) == 8
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[:2] == [0, 1]
+    assert "".join(ch.text for ch in chunks) == whole.text
+    merged = {k: sum((getattr(ch.logprobs, k) for ch in chunks if ch.logprobs), [])
+              for k in ("tokens", "text_offset", "token_logprobs")}
+    assert merged["tokens"] == whole.logprobs.tokens
+    assert merged["text_offset"] == whole.logprobs.text_offset
+    assert merged["token_logprobs"] == pytest.approx(whole.logprobs.token_logprobs, abs=1e-4)
