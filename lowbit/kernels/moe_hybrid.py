@@ -160,8 +160,8 @@ def fused_moe_hybrid(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     a_top = ids.shape[1]
     s, e, inter = t * a_top, experts.num_experts, experts.inter
     assert h == experts.hidden, (h, experts.hidden)
-    cfg = dict(BM=64, BN1=64, BK1=64, BN2=64, BK2=64, num_warps=4, num_stages=2)
-    cfg.update(config or {})
+    fmt = "+".join(experts.formats())
+    cfg = {**launch.lookup(f"moe_hybrid_{mode}", fmt, e, h, t), **(config or {})}
     ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
     tw = weights.reshape(-1).to(torch.float32).contiguous()
     x = x if x.stride(1) == 1 else x.contiguous()
