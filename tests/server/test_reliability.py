@@ -244,26 +244,37 @@ def test_drain_answers_503_and_aborts_what_outlives_the_timeout(start_server):
 
     s.engine.step = slow_step
     body = {"model": MODEL, "prompt": "x", "max_tokens": 250, "ignore_eos": True}
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 200, "ignore_eos": True, "stream": True}
     whole = {}
-    with s.http() as h1, s.http() as h2, s.http() as h3:
-        waiter = threading.Thread(target=lambda: whole.update(r=h2.post("/v1/completions", json=body)))
+
+    def chat_events(h: httpx.Client) -> None:
+        with h.stream("POST", "/v1/chat/completions", json=chat) as r:
+            whole["chat"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    with s.http() as h1, s.http() as h2, s.http() as h3, s.http() as h4:
+        waiters = [threading.Thread(target=lambda: whole.update(r=h2.post("/v1/completions", json=body))),
+                   threading.Thread(target=chat_events, args=(h4,))]
         with h1.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-            waiter.start()
-            wait_for(lambda: s.engine.num_running == 2, what="both requests to run")
+            for w in waiters:
+                w.start()
+            wait_for(lambda: s.engine.num_running == 3, what="the three requests to run")
             s.server.handle_exit(signal.SIGTERM, None)  # what the signal handler runs
             for refused in (h3.post("/v1/completions", json=body), h3.get("/health")):
                 assert_envelope(refused, 503)
                 assert refused.headers["retry-after"] == "1"
             rest = [json.loads(ln[6:]) if ln != "data: [DONE]" else ln for ln in lines if ln.startswith("data: ")]
-        waiter.join(30)
+        for w in waiters:
+            w.join(30)
     assert rest[-1] == "data: [DONE]"
     assert rest[-2]["choices"][0]["finish_reason"] == "abort"
     assert all(ev["choices"][0]["finish_reason"] is None for ev in rest[:-2])
     assert whole["r"].status_code == 200
     choice = whole["r"].json()["choices"][0]
     assert choice["finish_reason"] == "abort" and whole["r"].json()["usage"]["completion_tokens"] < 250
+    assert whole["chat"][-1] == "data: [DONE]"
+    assert json.loads(whole["chat"][-2][6:])["choices"][0]["finish_reason"] == "abort"
     s.thread.join(30)
     assert not s.thread.is_alive()
     assert s.engine.blocks.num_free_blocks == s.engine.blocks.num_total_blocks
