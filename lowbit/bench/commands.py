@@ -84,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         rec = asyncio.run(serve.run_load(cfg, log=print))
     except (httpx.TransportError, httpx.HTTPStatusError) as e:
         raise LowbitError(f"cannot reach {args.base_url}: {e}; is the server running?") from e
-    md = md_table(serve.SUMMARY_HEADERS, serve.summary_rows(rec))
+    md = md_table(serve.SUMMARY_HEADERS, serve.summary_rows(rec)) + "\n\n" + serve.startup_line(rec)
     print("\n" + md)
     from lowbit.bench.record import environment
 

@@ -176,7 +176,36 @@ async def run_load(cfg: LoadConfig, log=print) -> dict:
         await client.close()
     return {"kind": "serve", "base_url": client.base, "model": model, "endpoint": cfg.endpoint,
             "prompt_mode": "ids" if maker.ids_mode else "words", "config": cfg.__dict__,
+            "server_startup": server_startup(before),
             "server_metrics": {"before": before, "after": after}, "levels": levels, "skipped": skipped}
+
+
+STARTUP_SERIES = {"lowbit:startup_seconds": "time_to_ready_s",
+                  "lowbit:peak_memory_bytes": "peak_memory_bytes",
+                  "lowbit:kv_cache_tokens": "kv_cache_tokens"}
+
+
+def server_startup(metrics: dict[str, float] | None) -> dict:
+    """What the server reports of its start-up (lowbit's gauges; other servers: nothing):
+    time to ready, peak memory (with its measure and device labels), KV pool tokens."""
+    out: dict = {}
+    for key, value in (metrics or {}).items():
+        name, _, labels = key.partition("{")
+        if name in STARTUP_SERIES:
+            out[STARTUP_SERIES[name]] = value
+            if labels:
+                out[STARTUP_SERIES[name] + "_labels"] = "{" + labels
+    return out
+
+
+def startup_line(rec: dict) -> str:
+    s = rec.get("server_startup") or {}
+    if not s:
+        return "server start-up: not reported by this server"
+    mem = s.get("peak_memory_bytes")
+    return ("server start-up: ready in " + (f"{s['time_to_ready_s']:.1f} s" if "time_to_ready_s" in s else "?")
+            + ", peak memory " + (f"{mem / 2**30:.2f} GiB {s.get('peak_memory_bytes_labels', '')}" if mem else "?")
+            + ", KV pool " + (f"{int(s['kv_cache_tokens'])} tokens" if "kv_cache_tokens" in s else "?"))
 
 
 async def _warm(client: Client, cfg: LoadConfig, model: str, maker: PromptMaker, prefix,

@@ -57,6 +57,9 @@ def test_bench_serve_matches_the_server_counters(lowbit_server, tmp_path):
     assert rc == 0
     rec = json.loads(next(tmp_path.glob("*serve*.json")).read_text())
     assert rec["model"] == "tiny" and rec["prompt_mode"] == "ids"
+    up = rec["server_startup"]  # the server's own start-up report, kept in the record
+    assert 0 < up["time_to_ready_s"] < 120 and up["peak_memory_bytes"] > 0
+    assert up["kv_cache_tokens"] >= 32 + 8 + 4 and "measure=" in up["peak_memory_bytes_labels"]
     for lv in rec["levels"]:
         s, delta = lv["summary"], lv["metrics_delta"]
         assert s["completed"] == 4 and s["failed"] == 0 and s["usage_reported"]
