@@ -134,6 +134,20 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     }
 
 
+async def _drop_refused_extensions(client: Client, cfg: LoadConfig, model: str, log) -> list[str]:
+    """`ignore_eos` is a vLLM extension that some servers (transformers serve) refuse with a
+    4xx naming it: then run without it, say so, and list it in the record. Token counts
+    come from usage either way, so an output that stops at EOS is still counted right."""
+    if not cfg.ignore_eos:
+        return []
+    probe = await client.stream(cfg.endpoint, request_body(cfg, model, "Hello", 2), 2)
+    if probe.error.startswith("HTTP 4") and "ignore_eos" in probe.error:
+        cfg.ignore_eos = False
+        log("the server refuses ignore_eos; running without it (outputs may end at EOS)")
+        return ["ignore_eos"]
+    return []
+
+
 async def _prompt_maker(client: Client, cfg: LoadConfig, model: str, log) -> PromptMaker:
     """Token ids from the server's tokenizer when it has /tokenize; else words; else (a
     server without a tokenizer, e.g. random weights) ids from FALLBACK_IDS."""
@@ -156,6 +170,7 @@ async def run_load(cfg: LoadConfig, log=print) -> dict:
     client = Client(cfg.base_url, cfg.api_key, cfg.timeout, max_connections=max(cfg.concurrency) + 4)
     try:
         model = cfg.model or (await client.models())[0]
+        dropped = await _drop_refused_extensions(client, cfg, model, log)
         maker = await _prompt_maker(client, cfg, model, log)
         before = await client.metrics()
         deadline = time.perf_counter() + (cfg.time_limit or float("inf"))
@@ -176,7 +191,7 @@ async def run_load(cfg: LoadConfig, log=print) -> dict:
         await client.close()
     return {"kind": "serve", "base_url": client.base, "model": model, "endpoint": cfg.endpoint,
             "prompt_mode": "ids" if maker.ids_mode else "words", "config": cfg.__dict__,
-            "server_startup": server_startup(before),
+            "server_startup": server_startup(before), "dropped_fields": dropped,
             "server_metrics": {"before": before, "after": after}, "levels": levels, "skipped": skipped}
 
 

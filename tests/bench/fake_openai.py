@@ -24,6 +24,7 @@ class FakeState:
     tokenize: bool = True
     accept_text: bool = True  # False: like a server without a tokenizer, text prompts get 400
     fail_every: int = 0  # every n-th request answers 500
+    strict_fields: bool = False  # True: like transformers serve, vLLM extensions get 422
     requests: int = 0
     tokens_sent: int = 0
     inflight: int = 0
@@ -62,6 +63,9 @@ def build_app(state: FakeState) -> FastAPI:
         state.requests += 1
         if state.fail_every and state.requests % state.fail_every == 0:
             return JSONResponse({"error": "injected failure"}, status_code=500)
+        if state.strict_fields and "ignore_eos" in body:
+            return JSONResponse({"detail": "Unexpected fields in the request: {'ignore_eos'}"},
+                                status_code=422)
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if isinstance(prompt, str) and not state.accept_text:
             return JSONResponse({"error": {"message": "this model has no tokenizer; send token ids"}},

@@ -128,3 +128,13 @@ def test_token_chunks_exclude_role_and_finish_only_events():
         text("a"), text(""), text("", "stop"), text("", "stop", {"tokens": ["x"]}),
         {"choices": []}, {"usage": {"completion_tokens": 3}},
     )] == [False, True, False, False, True, True, True, False, True, False, False]
+
+
+def test_serve_runs_without_ignore_eos_where_the_server_refuses_it(tmp_path, capsys):
+    state = FakeState(strict_fields=True, ttft_s=0.0, itl_s=0.001)
+    with FakeServer(state) as srv:
+        rec = _run(srv.url, tmp_path, "--concurrency", "2", "--num-prompts", "4", "--ignore-eos")
+    s = rec["levels"][0]["summary"]
+    assert rec["dropped_fields"] == ["ignore_eos"] and not rec["config"]["ignore_eos"]
+    assert s["completed"] == 4 and s["failed"] == 0 and s["total_output_tokens"] == 4 * 9
+    assert "refuses ignore_eos" in capsys.readouterr().out
