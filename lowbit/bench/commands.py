@@ -84,6 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         rec = asyncio.run(serve.run_load(cfg, log=print))
     except (httpx.TransportError, httpx.HTTPStatusError) as e:
         raise LowbitError(f"cannot reach {args.base_url}: {e}; is the server running?") from e
+    if args.label:
+        rec["label"] = args.label
     md = md_table(serve.SUMMARY_HEADERS, serve.summary_rows(rec)) + "\n\n" + serve.startup_line(rec)
     print("\n" + md)
     from lowbit.bench.record import environment
@@ -196,6 +198,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds")
     s.add_argument("--time-limit", type=float, default=None,
                    help="seconds for the whole run; no request starts after it, later levels are skipped")
+    s.add_argument("--label", default=None,
+                   help="what the plots and tables call this server (default: the model name)")
     _record_args(s)
     s.set_defaults(func=cmd_serve)
 

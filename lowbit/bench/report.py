@@ -15,7 +15,7 @@ from lowbit.bench.record import load_records
 
 
 def _run_label(rec: dict) -> str:
-    model = Path(str(rec.get("model", "?"))).name.removesuffix(".json")
+    model = rec.get("label") or Path(str(rec.get("model", "?"))).name.removesuffix(".json")
     return f"{model} {rec.get('created', '')[:16]}"
 
 
