@@ -1,7 +1,9 @@
 """Paged KV cache: the pool of blocks that the block manager hands out.
 
-Layout per layer: k [num_blocks + 1, block_size, Hkv, Dk], v [..., Dv] (Dk and Dv may
-differ, as in MLA), allocated at the layer's first write, when its head shapes are known.
+Layout per layer: k [num_blocks + 1, block_size, Hkv, Dk], v [..., Dv], allocated at the
+layer's first write, when its head shapes are known. MLA layers (DeepSeek) store their
+compressed latent through the same contract as one head: k = c_kv [.., 1, kv_lora_rank],
+v = k_pe [.., 1, qk_rope_head_dim] (lowbit.layers.attention.latent_attention).
 The extra last block is scratch: padded rows of a fixed-shape step write there. Token position p of a sequence lives at row
 `block_table[p // block_size] * block_size + p % block_size` of the flattened pool.
 
@@ -13,7 +15,8 @@ rows of this step precomputed by the runner). It writes the new k/v rows through
 mapping and returns the sequence's whole K/V [start + L, Hkv, D] gathered from its blocks.
 
 fp8 storage (`--kv-cache-dtype fp8`): float8_e4m3fn values with a float32 scale per
-token and kv head (amax / 448), dequantized to the compute dtype on read.
+token and kv head (amax / 448), dequantized to the compute dtype on read; for MLA that is
+one scale per token for c_kv and one for k_pe.
 """
 
 from __future__ import annotations
@@ -142,12 +145,12 @@ def _load_fp8(pool: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, dtyp
 # -- sizing -------------------------------------------------------------------------------
 def kv_bytes_per_token(arch, dtype: torch.dtype, num_layers: int) -> int:
     """Upper bound on this rank's cache bytes per token over all layers, from the config's
-    head shapes (under tensor parallelism a rank caches only its own heads)."""
-    if arch.kv_lora_rank:  # MLA: per-head keys (nope + rope) and values, uncompressed
-        heads, dk, dv = arch.num_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.v_head_dim
+    head shapes (under tensor parallelism a rank caches only its own kv heads; MLA's latent
+    is shared by all heads, so every rank caches all of it)."""
+    if arch.kv_lora_rank:  # MLA: c_kv and k_pe, one "head" for all query heads
+        heads, dk, dv = 1, arch.kv_lora_rank, arch.qk_rope_head_dim
     else:
-        heads, dk, dv = arch.num_kv_heads, arch.head_dim, arch.head_dim
-    heads = local_heads(heads)
+        heads, dk, dv = local_heads(arch.num_kv_heads), arch.head_dim, arch.head_dim
     elem = torch.empty((), dtype=dtype).element_size()
     scales = 2 * heads * 4 if dtype == FP8 else 0
     return num_layers * (heads * (dk + dv) * elem + scales)

@@ -43,16 +43,32 @@ ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def gated_act(gate, up, SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """The experts' gated activation, float32 (lowbit.kernels.moe_op.MoeActivation):
+    SWIGLU False: SiLU(gate) * up; True (gpt-oss): gate' = min(gate, LIMIT),
+    up' = clamp(up, -LIMIT, LIMIT), gate' * sigmoid(ALPHA * gate') * (up' + 1).
+    The sigmoid is exp(-|z|)-based, so large |z| cannot overflow."""
+    if SWIGLU:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        z = gate * ALPHA
+        ez = tl.exp(-tl.abs(z))
+        return gate * tl.where(z >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez)) * (up + 1.0)
+    ez = tl.exp(-tl.abs(gate))  # SiLU without overflow: x * sigmoid(x)
+    return gate * tl.where(gate >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez)) * up
+
+
+@triton.jit
 def _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_row_ptr, xoff, kmask, rb, half,
-             CPW: tl.constexpr, HAS_AB: tl.constexpr, ACT: tl.constexpr):
+             CPW: tl.constexpr, HAS_AB: tl.constexpr, ACT: tl.constexpr,
+             SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
     """One activation row against the decoded words: p [G, BN] (+ beta/alpha * the row's sum
     per word, so that the affine decode's beta needs no separate accumulator) and xs [G].
-    ACT: the row is SiLU(row[:half]) * row[half:] (the MoE FC1 output), made on load."""
+    ACT: the row is gated_act(row[:half], row[half:]) (the MoE FC1 output), made on load."""
     x = tl.load(x_row_ptr + xoff, mask=kmask, other=0).to(tl.float32)  # [G, CPW]
     if ACT:
         up = tl.load(x_row_ptr + half + xoff, mask=kmask, other=0).to(tl.float32)
-        ez = tl.exp(-tl.abs(x))
-        x = x * tl.where(x >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez)) * up
+        x = gated_act(x, up, SWIGLU, LIMIT, ALPHA)
     x0, x1, x2, x3, x4, x5, x6, x7 = split_lanes(x, CPW)
     p = v0 * x0[:, None] + v1 * x1[:, None] + v2 * x2[:, None] + v3 * x3[:, None]
     xs = x0 + x1 + x2 + x3
@@ -62,6 +78,20 @@ def _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_row_ptr, xoff, kmask, rb, half,
     if HAS_AB:
         p += xs[:, None] * rb
     return p, xs
+
+
+@triton.jit
+def _bias_col(bias_ptr, e, rows, rmask, N, tw_ptr, pid_m, MOE: tl.constexpr):
+    """[BN, 1] float32 bias of the output rows: bias[rows] (MOE 0); expert e's bias[e, rows]
+    of a contiguous [E, N] stack (MOE 1); that times the routing weight tw[pid_m] (MOE 2, so
+    that the slot's output is tw * (W2 act + b2))."""
+    if MOE == 0:
+        b = tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)
+    else:
+        b = tl.load(bias_ptr + e * N + rows, mask=rmask, other=0).to(tl.float32)
+        if MOE == 2:
+            b = b * tl.load(tw_ptr + pid_m)
+    return b[:, None]
 
 
 @triton.jit
@@ -87,11 +117,14 @@ def _gemv_kernel(
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, MOE: tl.constexpr,
+    SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
 ):
     # MOE = 1 (expert FC1) / 2 (expert FC2): program axis 2 is a routed slot s (BM = 1);
     # the weight is expert ids[s] of a stack, the activation row is x[s // A] (FC1) or
-    # SiLU(h[s, :K]) * h[s, K:] (FC2, h = the FC1 output, rows of 2K), and FC2 scales its
-    # output by the routing weight tw[s]. Outputs are per slot: y [S, N].
+    # gated_act(h[s, :K], h[s, K:]) (FC2, h = the FC1 output, rows of 2K; SWIGLU, LIMIT,
+    # ALPHA pick the activation), and FC2 scales its output by the routing weight tw[s].
+    # HAS_BIAS in MOE modes: bias is the expert stack [E, N] (contiguous), row ids[s] added
+    # before the routing weight. Outputs are per slot: y [S, N].
     # y[m, n] = g * alpha_n * sum_w s[w, n] * (p[w, n] + beta_n / alpha_n * xs[w]) + sum_w o * xs
     CPW: tl.constexpr = 4 if BITS == 8 else 8  # codes per 32-bit word (3-bit: per 24-bit group)
     pid_n = tl.program_id(0)
@@ -170,24 +203,27 @@ def _gemv_kernel(
         xoff = (wi * CPW)[:, None] + lane[None, :]  # [G, CPW] activation columns
         kmask = xoff < K
         p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + xrow * stride_xm, xoff,
-                         kmask & (m0 < M), rb, K, CPW, HAS_AB, ACT)
+                         kmask & (m0 < M), rb, K, CPW, HAS_AB, ACT, SWIGLU, LIMIT, ALPHA)
         acc0 += p * s
         if HAS_OFFS:
             aco0 += xs[:, None] * o
         if BM > 1:
             p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (xrow + 1) * stride_xm,
-                             xoff, kmask & (m0 + 1 < M), rb, K, CPW, HAS_AB, ACT)
+                             xoff, kmask & (m0 + 1 < M), rb, K, CPW, HAS_AB, ACT,
+                             SWIGLU, LIMIT, ALPHA)
             acc1 += p * s
             if HAS_OFFS:
                 aco1 += xs[:, None] * o
         if BM > 2:
             p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (xrow + 2) * stride_xm,
-                             xoff, kmask & (m0 + 2 < M), rb, K, CPW, HAS_AB, ACT)
+                             xoff, kmask & (m0 + 2 < M), rb, K, CPW, HAS_AB, ACT,
+                             SWIGLU, LIMIT, ALPHA)
             acc2 += p * s
             if HAS_OFFS:
                 aco2 += xs[:, None] * o
             p, xs = _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_ptr + (xrow + 3) * stride_xm,
-                             xoff, kmask & (m0 + 3 < M), rb, K, CPW, HAS_AB, ACT)
+                             xoff, kmask & (m0 + 3 < M), rb, K, CPW, HAS_AB, ACT,
+                             SWIGLU, LIMIT, ALPHA)
             acc3 += p * s
             if HAS_OFFS:
                 aco3 += xs[:, None] * o
@@ -219,13 +255,13 @@ def _gemv_kernel(
             y += tl.reshape(tl.join(tl.join(tl.sum(aco0, 0), tl.sum(aco2, 0)),
                                     tl.join(tl.sum(aco1, 0), tl.sum(aco3, 0))), (BN, 4))
     if MOE == 2:
-        y = y * tl.load(tw_ptr + pid_m)
+        y = y * tl.load(tw_ptr + pid_m)  # the bias gets it in _bias_col
     ms = m0 + tl.arange(0, BM)
     ymask = rmask[:, None] & (ms < M)[None, :]
     yoff = ms[None, :] * stride_ym + rows[:, None]
     if not SPLIT:
         if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[:, None]
+            y += _bias_col(bias_ptr, e, rows, rmask, N, tw_ptr, pid_m, MOE)
         tl.store(y_ptr + yoff, y.to(y_ptr.dtype.element_ty), mask=ymask)
     else:
         part = ms[None, :] * N + rows[:, None]
@@ -239,7 +275,7 @@ def _gemv_kernel(
                 tot += tl.load(ws_ptr + sk * M * N + part, mask=ymask, other=0,
                                cache_modifier=".cg")
             if HAS_BIAS:
-                tot += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[:, None]
+                tot += _bias_col(bias_ptr, e, rows, rmask, N, tw_ptr, pid_m, MOE)
             tl.store(y_ptr + yoff, tot.to(y_ptr.dtype.element_ty), mask=ymask)
             tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
 
@@ -400,6 +436,7 @@ def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
         SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
         HAS_BIAS=bias is not None, BM=bm, BN=bn, G=cfg["G"], SPLIT=split > 1,
         ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=0,
+        SWIGLU=False, LIMIT=0.0, ALPHA=0.0,
         num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 1),
     )

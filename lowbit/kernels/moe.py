@@ -1,15 +1,18 @@
-"""Fused MoE experts: y[t] = sum_j w[t, j] * FC2_e(SiLU(FC1g_e(x[t])) * FC1u_e(x[t])), e = ids[t, j].
+"""Fused MoE experts: y[t] = sum_j w[t, j] * (W2_e act(W13_e x[t] + b13_e) + b2_e), e = ids[t, j].
 
 Shape legend: T tokens, H hidden, I expert width, E experts, A = top-k, S = T * A slots
 (slot s = t * A + j), BM slot rows per tile, BN output columns per tile, BK reduction step.
 Weights: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], each a stacked LUT
 view, fp8 view or dense tensor, decoded tile by tile in registers (lowbit.kernels.decode);
-no [E, N, K] transient is ever materialised.
+no [E, N, K] transient is ever materialised. Optional expert biases b13 [E, 2I] and b2 [E, H]
+(float, contiguous) and the activation act(gate, up) of FC1's two halves: SiLU(gate) * up, or
+gpt-oss's clamped SwiGLU (lowbit.kernels.moe_op.MoeActivation; dequant_gemm.gated_act).
+Constexpr flags (HAS_BIAS, SWIGLU) compile the biases and the clamp in only where used.
 
 Three launches, all reading ids and weights from device memory (no host read: CUDA-graph
 safe, the grid depends only on T, A and E):
-  1. FC1 + SiLU-gate: h [S, I] float32, h[s] = SiLU(x[t] Wg^T) * (x[t] Wu^T).
-  2. FC2 with the routing weight: ys [S, H] float32, ys[s] = w[t, j] * (h[s] W2^T).
+  1. FC1 + gate: h [S, I] float32, h[s] = act(x[t] Wg^T + b13g, x[t] Wu^T + b13u).
+  2. FC2 with the routing weight: ys [S, H] float32, ys[s] = w[t, j] * (h[s] W2^T + b2).
   3. combine: y[t] = sum over j = 0 .. A-1 of ys[t * A + j], in that order (deterministic:
      no atomics), cast to x.dtype.
 A tile of launches 1-2 owns one expert and up to BM of its slots, so an expert's weights are
@@ -33,6 +36,7 @@ import triton.language as tl
 
 from lowbit.kernels import launch
 from lowbit.kernels.decode import WeightArgs, dequant_tile, weight_args
+from lowbit.kernels.dequant_gemm import gated_act
 from lowbit.kernels.runtime import interpreting, round_for_dot
 from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, expert_dense
 
@@ -97,14 +101,15 @@ def _expert_rows(e, rows, rmask, tidx_ptr, ab_ptr, stride_ce, stride_cn, stride_
 
 @triton.jit
 def _moe_fc1_kernel(
-    x_ptr, h_ptr, ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
+    x_ptr, h_ptr, bias_ptr, ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
     codes_ptr, table_ptr, tidx_ptr, ab_ptr, scales_ptr, offs_ptr,
     S, E, H, I, KC, A, stride_xt, stride_ce, stride_cn, stride_te, stride_se, stride_sn,  # noqa: E741
     stride_oe, stride_on, g,
     BITS: tl.constexpr, DECODE: tl.constexpr, SCALE_KIND: tl.constexpr, B: tl.constexpr,
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     MODE: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
 ):
     e, slots, valid, live = _tile_slots(ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr,
                                         counts_ptr, S, E, tl.program_id(0), MODE, SP, EP, BM)
@@ -140,22 +145,25 @@ def _moe_fc1_kernel(
                 xb = xt.to(tl.bfloat16)
                 acc_g = tl.dot(xb, tl.trans(wg.to(tl.bfloat16)), acc_g)
                 acc_u = tl.dot(xb, tl.trans(wu.to(tl.bfloat16)), acc_u)
-        ez = tl.exp(-tl.abs(acc_g))  # SiLU without overflow: x * sigmoid(x)
-        hval = acc_g * tl.where(acc_g >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez)) * acc_u
+        if HAS_BIAS:  # b13 [E, 2I]: gate half, then up half
+            brow = bias_ptr + e.to(tl.int64) * (2 * I)
+            acc_g += tl.load(brow + cols, mask=cmask, other=0).to(tl.float32)[None, :]
+            acc_u += tl.load(brow + I + cols, mask=cmask, other=0).to(tl.float32)[None, :]
+        hval = gated_act(acc_g, acc_u, SWIGLU, LIMIT, ALPHA)
         tl.store(h_ptr + slots.to(tl.int64)[:, None] * I + cols[None, :], hval,
                  mask=valid[:, None] & cmask[None, :])
 
 
 @triton.jit
 def _moe_fc2_kernel(
-    h_ptr, ys_ptr, tw_ptr, ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
+    h_ptr, ys_ptr, tw_ptr, bias_ptr, ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
     codes_ptr, table_ptr, tidx_ptr, ab_ptr, scales_ptr, offs_ptr,
     S, E, H, I, KC, stride_ce, stride_cn, stride_te, stride_se, stride_sn, stride_oe,  # noqa: E741
     stride_on, g,
     BITS: tl.constexpr, DECODE: tl.constexpr, SCALE_KIND: tl.constexpr, B: tl.constexpr,
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     MODE: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     e, slots, valid, live = _tile_slots(ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr,
                                         counts_ptr, S, E, tl.program_id(0), MODE, SP, EP, BM)
@@ -180,6 +188,9 @@ def _moe_fc2_kernel(
                              input_precision="ieee")
             else:
                 acc = tl.dot(ht.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        if HAS_BIAS:  # b2 [E, H], before the routing weight
+            acc += tl.load(bias_ptr + e.to(tl.int64) * H + cols, mask=cmask,
+                           other=0).to(tl.float32)[None, :]
         rw = tl.load(tw_ptr + sl, mask=valid, other=0)
         tl.store(ys_ptr + sl[:, None] * H + cols[None, :], acc * rw[:, None],
                  mask=valid[:, None] & cmask[None, :])

@@ -5,9 +5,25 @@ Shapes: T tokens, D hidden, H heads, Q q_lora_rank, C kv_lora_rank, Dn qk_nope_h
 Dr qk_rope_head_dim, Dv v_head_dim, V vocab.
   q       = q_b_proj(norm(q_a_proj(x)))  or  q_proj(x)  # [T, H, Dn + Dr]
   kv_a    = kv_a_proj_with_mqa(x)                       # [T, C + Dr]: latent, one shared rope key
-  k_nope, v = kv_b_proj(norm(latent))                   # [T, H, Dn], [T, H, Dv]
-  k       = [k_nope, rope(k_rope) for every head]       # [T, H, Dn + Dr]
-The reference path caches this non-absorbed per-head K [S, H, Dn + Dr] and V [S, H, Dv].
+  c_kv    = kv_a_layernorm(kv_a[:, :C])                 # [T, C]
+  k_pe    = rope(kv_a[:, C:])                           # [T, Dr], shared by all heads
+  W       = kv_b_proj.weight viewed [H, Dn + Dv, C]:  W_UK = W[:, :Dn], W_UV = W[:, Dn:]
+The cache holds c_kv and k_pe only (C + Dr values per token and layer, for all heads), and
+attention runs with absorbed weights (lowbit.layers.attention.latent_attention):
+  q_lat   = q_nope @ W_UK                               # [T, H, C]: per head, into latent space
+  o_lat   = softmax((q_lat . c_kv + q_pe . k_pe) * scale) @ c_kv   # [T, H, C]
+  o       = o_lat @ W_UV^T                              # [T, H, Dv], then o_proj
+which equals attention over k = [W_UK c_kv, k_pe], v = W_UV c_kv per head. Every step runs
+this form, prefill and extend as well as decode: one code path, and the cache never holds
+per-head K/V. (Expanding the latent to per-head K/V would be cheaper for long prefills:
+Dn + Dr per head and key instead of C + Dr.)
+W is decoded to the compute dtype lazily, at the layer's first forward, and kept (a dense
+weight of that dtype is used as it is, no copy): the absorbed products need it per head
+and transposed, which no quantized linear kernel reads, and decoding it once per step
+would cost a full dequantization per layer per step. Its memory is H * (Dn + Dv) * C
+values per layer (V3 in bf16: 32 MiB per layer, about 2 GiB for 61 layers; under tensor
+parallelism each rank holds its own H/tp heads). The engine's profiling forward, which
+runs before the KV pool is sized, decodes the main layers' W, so the pool leaves room for it.
 
 Rotary layout: checkpoints whose config says rope_interleave (V3's default; V2 always)
 rotate the pairs (2i, 2i+1) of the Dr dims. Transformers' V3 writes the rotated values
@@ -34,7 +50,8 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError
-from lowbit.layers.attention import AttnSpec, attention
+from lowbit.formats.base import QuantizedTensor
+from lowbit.layers.attention import AttnSpec, latent_attention
 from lowbit.layers.linear import Linear
 from lowbit.layers.mlp import GatedMLP
 from lowbit.layers.moe import RouterSpec, SparseMoE
@@ -81,11 +98,20 @@ class MLAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.Dr, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope)
         self.interleaved = cfg.rope_interleave
         self.spec = AttnSpec(layer_idx=i, scale=mla_softmax_scale(cfg))
+        self._absorbed: tuple | None = None  # (the weight it came from, dense [H, Dn + Dv, C])
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleaved:  # pairs (2i, 2i+1) -> (i, i + Dr/2)
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return apply_rope(x, cos, sin)
+
+    def absorbed_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b_proj's weight as dense [H, Dn + Dv, C] in `dtype`, decoded once and kept."""
+        w, kept = self.kv_b_proj.weight, self._absorbed
+        if kept is None or kept[0] is not w or kept[1].dtype != dtype or kept[1].device != w.device:
+            dense = w.dequantize(dtype) if isinstance(w, QuantizedTensor) else w.to(dtype)
+            self._absorbed = (w, dense.view(self.H, self.Dn + self.Dv, self.C))
+        return self._absorbed[1]
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         T = x.shape[0]
@@ -94,15 +120,15 @@ class MLAttention(nn.Module):
         else:
             q = self.q_proj(x)
         q = q.view(T, self.H, self.Dn + self.Dr)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.C, self.Dr], dim=-1)  # [T, C], [T, Dr]
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, self.H, self.Dn + self.Dv)
-        k_nope, v = kv.split([self.Dn, self.Dv], dim=-1)  # [T, H, Dn], [T, H, Dv]
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.C, self.Dr], dim=-1)  # [T, C], [T, Dr]
+        c_kv = self.kv_a_layernorm(latent)  # [T, C]
         cos, sin = self.rotary(batch.positions)  # [T, Dr/2]
-        q_rope = self.rope(q[..., self.Dn:], cos, sin)  # [T, H, Dr]
-        k_rope = self.rope(k_rope.view(T, 1, self.Dr), cos, sin).expand(T, self.H, self.Dr)
-        q = torch.cat((q[..., :self.Dn], q_rope), dim=-1)  # [T, H, Dn + Dr]
-        k = torch.cat((k_nope, k_rope), dim=-1)  # [T, H, Dn + Dr]
-        o = attention(q, k, v.contiguous(), batch, self.spec)  # [T, H, Dv]
+        q_pe = self.rope(q[..., self.Dn:], cos, sin)  # [T, H, Dr]
+        k_pe = self.rope(k_pe.view(T, 1, self.Dr), cos, sin).view(T, self.Dr)  # [T, Dr]
+        w = self.absorbed_weight(x.dtype)  # [H, Dn + Dv, C]
+        q_lat = torch.einsum("thd,hdc->thc", q[..., :self.Dn], w[:, :self.Dn])  # [T, H, C]
+        o_lat = latent_attention(q_lat, q_pe, c_kv, k_pe, batch, self.spec)  # [T, H, C]
+        o = torch.einsum("thc,hvc->thv", o_lat, w[:, self.Dn:])  # [T, H, Dv]
         return self.o_proj(o.reshape(T, self.H * self.Dv))
 
 
@@ -162,7 +188,7 @@ class MTPLayer(DecoderLayer):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    supports_cuda_graphs = False  # MLA (Dk != Dv) stays on the torch attention route
+    supports_cuda_graphs = False  # MLA's latent attention loops over host lengths
     optional_modules = ("mtp",)
 
     def __init__(self, cfg: ArchConfig) -> None:

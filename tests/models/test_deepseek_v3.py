@@ -51,12 +51,11 @@ def test_deepseek_v3_matches_transformers(tmp_path, rope_interleave):
     assert_parity(hf, tmp_path, V3_VOCAB)
 
 
-@pytest.mark.parametrize("topk_method", ["group_limited_greedy", "greedy"])
-def test_deepseek_v2_matches_transformers(tmp_path, topk_method):
+def v2_config(topk_method: str = "group_limited_greedy") -> DeepseekV2Config:
     # V2-Lite's shape: no q LoRA (plain q_proj), softmax routing, 2 shared experts; one group
     # of 3 kept (group score: its max), so group-limited and greedy choices differ.
     # transformers' V2 router never renormalises (it ignores norm_topk_prob), so norm_topk_prob=False.
-    cfg = DeepseekV2Config(
+    return DeepseekV2Config(
         vocab_size=V2_VOCAB, hidden_size=40, intermediate_size=30, moe_intermediate_size=10,
         num_hidden_layers=2, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=14,
         qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=5, n_routed_experts=9, num_experts_per_tok=2,
@@ -64,7 +63,11 @@ def test_deepseek_v2_matches_transformers(tmp_path, topk_method):
         norm_topk_prob=False, routed_scaling_factor=1.5, max_position_embeddings=32,
         rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 0.707}, experts_implementation="eager",
         initializer_range=INIT)
-    hf = save_tiny(DeepseekV2ForCausalLM, cfg, tmp_path)
+
+
+@pytest.mark.parametrize("topk_method", ["group_limited_greedy", "greedy"])
+def test_deepseek_v2_matches_transformers(tmp_path, topk_method):
+    hf = save_tiny(DeepseekV2ForCausalLM, v2_config(topk_method), tmp_path)
     assert_parity(hf, tmp_path, V2_VOCAB)
 
 
