@@ -37,6 +37,7 @@ import triton.language as tl
 from lowbit.kernels import launch
 from lowbit.kernels.decode import WeightArgs, dequant_tile, weight_args
 from lowbit.kernels.dequant_gemm import gated_act
+from lowbit.kernels.moe_op import MoeActivation, bias_refusal
 from lowbit.kernels.runtime import interpreting, round_for_dot
 from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, expert_dense
 
@@ -217,6 +218,23 @@ def _launch_args(a: WeightArgs) -> tuple[list, dict]:
     return ptrs + strides, consts
 
 
+def act_consts(activation: MoeActivation | None) -> dict:
+    """The kernels' constexprs for an activation (None: SiLU)."""
+    if activation is None or activation.kind == "silu":
+        return dict(SWIGLU=False, LIMIT=0.0, ALPHA=0.0)
+    return dict(SWIGLU=True, LIMIT=float(activation.limit), ALPHA=float(activation.alpha))
+
+
+def torch_act(h: torch.Tensor, activation: MoeActivation | None) -> torch.Tensor:
+    """act(gate, up) of h [*, 2I] (gate columns, then up columns) -> [*, I], in h's dtype."""
+    gate, up = h.chunk(2, dim=-1)
+    if activation is None or activation.kind == "silu":
+        return torch.nn.functional.silu(gate) * up
+    lim = activation.limit
+    gate, up = gate.clamp(max=lim), up.clamp(-lim, lim)
+    return gate * torch.sigmoid(gate * activation.alpha) * (up + 1)
+
+
 def moe_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved) -> str | None:
     """Why the fused kernels cannot take these weights, or None."""
     for name, w in (("w13", w13), ("w2", w2)):
@@ -229,6 +247,11 @@ def moe_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved) -> str | None:
     if w13.n % 2 or w13.kp < x.shape[1] or w2.n != x.shape[1] or w2.kp < w13.n // 2:
         return f"shapes disagree: x {list(x.shape)}, w13 [{w13.n}, {w13.kp}], w2 [{w2.n}, {w2.kp}]"
     return None
+
+
+def _bias_arg(b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The kernels' bias pointer: b contiguous, or x (unread) when there is none."""
+    return x if b is None else b.contiguous()
 
 
 def _check_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
@@ -259,9 +282,12 @@ def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
               w2: Resolved, mode: str = "decode", config: dict | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, *, b13: torch.Tensor | None = None,
+              b2: torch.Tensor | None = None,
+              activation: MoeActivation | None = None) -> torch.Tensor:
     """y [T, H] in x.dtype (or out's float32); mode "decode" (S <= 256) or "grouped"."""
     assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
+    assert bias_refusal(x, w13, w2, b13, b2) is None, bias_refusal(x, w13, w2, b13, b2)
     _check_routing(x, ids, weights)
     t, h = x.shape
     a_top = ids.shape[1]
@@ -292,12 +318,14 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
     assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
     a1, c1 = _launch_args(weight_args(w13))
     launch.run(_moe_fc1_kernel, (tiles, triton.cdiv(inter, cfg["BN1"])),
-        x, hbuf, ids_flat, order, tile_end, seg_start, counts, *a1[:6], s, e, h, inter,
-        w13.kp, a_top, x.stride(0), *a1[6:], **c1, BN=cfg["BN1"], BK=cfg["BK1"], **common)
+        x, hbuf, _bias_arg(b13, x), ids_flat, order, tile_end, seg_start, counts, *a1[:6], s,
+        e, h, inter, w13.kp, a_top, x.stride(0), *a1[6:], **c1, BN=cfg["BN1"], BK=cfg["BK1"],
+        HAS_BIAS=b13 is not None, **act_consts(activation), **common)
     a2, c2 = _launch_args(weight_args(w2))
     launch.run(_moe_fc2_kernel, (tiles, triton.cdiv(h, cfg["BN2"])),
-        hbuf, ys, tw, ids_flat, order, tile_end, seg_start, counts, *a2[:6], s, e, h, inter,
-        w2.kp, *a2[6:], **c2, BN=cfg["BN2"], BK=cfg["BK2"], **common)
+        hbuf, ys, tw, _bias_arg(b2, x), ids_flat, order, tile_end, seg_start, counts, *a2[:6],
+        s, e, h, inter, w2.kp, *a2[6:], **c2, BN=cfg["BN2"], BK=cfg["BK2"],
+        HAS_BIAS=b2 is not None, **common)
     bnc = min(1024, triton.next_power_of_2(h))
     launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, h, a_top, y.stride(0), BN=bnc,
                                                    num_warps=4)
@@ -305,9 +333,10 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
 
 
 def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
-             ids_flat: torch.Tensor, tw: torch.Tensor, a_top: int, cfg: dict) -> None:
+             ids_flat: torch.Tensor, tw: torch.Tensor, a_top: int, cfg: dict,
+             bias: torch.Tensor | None, act: dict) -> None:
     """One expert layer as per-slot GEMVs: y [S, N] (float32) from rows of x (see
-    dequant_gemm._gemv_kernel, MOE modes 1 and 2)."""
+    dequant_gemm._gemv_kernel, MOE modes 1 and 2); bias [E, N] or None."""
     from lowbit.kernels.dequant_gemm import _gemv_codes, _gemv_kernel, _semaphore, split_plan
 
     a = weight_args(w)
@@ -320,25 +349,29 @@ def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
     sem = _semaphore(x.device, grid_n * s)
     launch.run(
         _gemv_kernel, (grid_n, split, s),
-        x, y, x, ws, sem, codes, a.table, a.tidx, a.ab, a.scales, a.offs,
+        x, y, _bias_arg(bias, x), ws, sem, codes, a.table, a.tidx, a.ab, a.scales, a.offs,
         s, n, k, kw, w_split, x.stride(0), y.stride(0), stride_cw, a.stride_sn, a.stride_on,
         a.g, 0x3F800000, ids_flat, tw, a_top, codes.stride(0), a.stride_te, a.stride_se,
         a.stride_oe, split, BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
         SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
-        HAS_BIAS=False, BM=1, BN=bn, G=cfg["G"], SPLIT=split > 1,
-        ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=moe,
+        HAS_BIAS=bias is not None, BM=1, BN=bn, G=cfg["G"], SPLIT=split > 1,
+        ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=moe, **act,
         num_warps=cfg.get("num_warps", 4), num_stages=1,
     )
 
 
 def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
                    w2: Resolved, config: dict | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode as per-slot GEMVs (LUT or fp8 experts): FC1 [S, 2I], FC2 with SiLU-gate on load
-    and the routing weight [S, H], then the ordered top-k sum. Three launches, no host read;
-    an expert used by several tokens is read once per token (from L2 when they coincide)."""
+                   out: torch.Tensor | None = None, *, b13: torch.Tensor | None = None,
+                   b2: torch.Tensor | None = None,
+                   activation: MoeActivation | None = None) -> torch.Tensor:
+    """Decode as per-slot GEMVs (LUT or fp8 experts): FC1 (+ b13) [S, 2I], FC2 with the
+    activation made on load, + b2, times the routing weight [S, H], then the ordered top-k
+    sum. Three launches, no host read; an expert used by several tokens is read once per
+    token (from L2 when they coincide)."""
     assert not isinstance(w13, DenseWeight) and not isinstance(w2, DenseWeight)
     assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
+    assert bias_refusal(x, w13, w2, b13, b2) is None, bias_refusal(x, w13, w2, b13, b2)
     _check_routing(x, ids, weights)
     t, h = x.shape
     a_top = ids.shape[1]
@@ -351,8 +384,9 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     x = x if x.stride(1) == 1 else x.contiguous()
     h1 = torch.empty(s, 2 * inter, dtype=torch.float32, device=x.device)
     ys = torch.empty(s, h, dtype=torch.float32, device=x.device)
-    _gemv_fc(x, w13, h, h1, 1, ids_flat, tw, a_top, cfg.get("fc1", cfg))
-    _gemv_fc(h1, w2, inter, ys, 2, ids_flat, tw, a_top, cfg.get("fc2", cfg))
+    act = act_consts(activation)
+    _gemv_fc(x, w13, h, h1, 1, ids_flat, tw, a_top, cfg.get("fc1", cfg), b13, act)
+    _gemv_fc(h1, w2, inter, ys, 2, ids_flat, tw, a_top, cfg.get("fc2", cfg), b2, act)
     y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
     bnc = min(1024, triton.next_power_of_2(h))
@@ -362,10 +396,13 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
 
 
 def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
-                  w2: Resolved, dot_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  w2: Resolved, dot_dtype: torch.dtype | None = None, *,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  activation: MoeActivation | None = None) -> torch.Tensor:
     """Torch twin: for each expert used, decode its weights with the format's reference and
-    run the gated MLP in float32; sum the routed outputs; cast to x.dtype.
-    dot_dtype=torch.bfloat16 rounds x, the decoded weights and h where the kernels do."""
+    run the gated MLP (biases, activation) in float32; sum the routed outputs; cast to
+    x.dtype. dot_dtype=torch.bfloat16 rounds x, the decoded weights and h where the kernels
+    do (the biases are added to the float32 accumulators, unrounded)."""
     h = x.shape[1]
     inter = w13.n // 2
     out_dtype = x.dtype
@@ -375,7 +412,11 @@ def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13
     for e in torch.unique(ids).tolist():  # host read: reference path only
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         w13_e, w2_e = rnd(expert_dense(w13, e, h)), rnd(expert_dense(w2, e, inter))  # one expert at a time
-        hcat = x[tok].float() @ w13_e.t()
-        act = torch.nn.functional.silu(hcat[:, :inter]) * hcat[:, inter:]
-        out.index_add_(0, tok, (rnd(act) @ w2_e.t()) * weights[tok, slot, None].float())
+        hcat = x[tok].float() @ w13_e.t()  # [n, 2I]
+        if b13 is not None:
+            hcat = hcat + b13[e].float()
+        ye = rnd(torch_act(hcat, activation)) @ w2_e.t()  # [n, H]
+        if b2 is not None:
+            ye = ye + b2[e].float()
+        out.index_add_(0, tok, ye * weights[tok, slot, None].float())
     return out.to(out_dtype)

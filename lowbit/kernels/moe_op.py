@@ -1,6 +1,9 @@
 """The `moe` op: routed experts y[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) through routes.
 
 Shape legend: T tokens, H hidden, I expert width, E experts, A top-k.
+expert_e(x) = W2_e act(W13_e x + b13_e) + b2_e: the biases b13 [E, 2I] and b2 [E, H] are
+optional, act is a MoeActivation (SiLU-gate, or gpt-oss's clamped SwiGLU); every route
+below takes them, except the hybrid layouts (refused: see moe_experts).
 Routes, in selection order (status and record in docs/ROUTES.md):
   triton_fused_moe_decode   T <= 16 tokens, T * A <= 256 slots: LUT / fp8 experts as per-slot
                             GEMVs (expert id read on the device) while slots < 2 E (fewer than
@@ -28,6 +31,27 @@ from lowbit.kernels.weights import DenseWeight, Resolved, resolve
 BENCH = "docs/BENCHMARKS.md#kernels"
 DECODE_MAX_TOKENS = 16
 DECODE_MAX_SLOTS = 256
+ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+@dataclass(frozen=True)
+class MoeActivation:
+    """act(gate, up) of FC1's two halves. kind "silu": SiLU(gate) * up. kind "swiglu_oai"
+    (gpt-oss): gate' = min(gate, limit), up' = clamp(up, -limit, limit),
+    act = gate' * sigmoid(alpha * gate') * (up' + 1)."""
+
+    kind: str = "silu"
+    limit: float = 0.0
+    alpha: float = 1.702
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTIVATIONS:
+            raise ValueError(f"MoE activation {self.kind!r}: use one of {', '.join(ACTIVATIONS)}")
+        if self.kind == "swiglu_oai" and not self.limit > 0:
+            raise ValueError(f"swiglu_oai needs a positive clamp limit, got {self.limit}")
+
+
+SILU = MoeActivation()
 
 
 @dataclass
@@ -38,6 +62,24 @@ class MoeCall:
     w13: Resolved | HybridExperts  # [E, 2I, H], or the whole hybrid layout
     w2: Resolved | None  # [E, H, I]; None with a hybrid layout
     forced: bool = False
+    b13: torch.Tensor | None = None  # [E, 2I]
+    b2: torch.Tensor | None = None  # [E, H]
+    activation: MoeActivation = SILU
+
+
+def bias_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved, b13: torch.Tensor | None,
+                 b2: torch.Tensor | None) -> str | None:
+    """Why b13 [E, 2I] / b2 [E, H] do not fit these expert stacks, or None."""
+    if len(w13.lead) != 1:
+        return None  # not a stack: moe_refusal says so
+    for name, b, n in (("b13", b13, w13.n), ("b2", b2, w2.n)):
+        if b is None:
+            continue
+        if tuple(b.shape) != (w13.lead[0], n):
+            return f"{name} is {list(b.shape)}, expected [{w13.lead[0]}, {n}]"
+        if not b.is_floating_point() or b.device != x.device:
+            return f"{name} is {b.dtype} on {b.device}, expected a float tensor on {x.device}"
+    return None
 
 
 def _refusal(call: MoeCall) -> str | None:
@@ -55,7 +97,8 @@ def _refusal(call: MoeCall) -> str | None:
         return fp8_refusal(call.x, *(w for g in call.w13.groups for w in (g.w13, g.w2)))
     from lowbit.kernels.moe import moe_refusal
 
-    return fp8_refusal(call.x, call.w13, call.w2) or moe_refusal(call.x, call.w13, call.w2)
+    return (fp8_refusal(call.x, call.w13, call.w2) or moe_refusal(call.x, call.w13, call.w2)
+            or bias_refusal(call.x, call.w13, call.w2, call.b13, call.b2))
 
 
 def _admit_decode(call: MoeCall) -> str | None:
@@ -81,9 +124,10 @@ def _run(mode: str):
 
             return fused_moe_hybrid(call.x, call.ids, call.weights, call.w13, mode=mode)
         t, a = call.ids.shape
+        extra = dict(b13=call.b13, b2=call.b2, activation=call.activation)
         if mode == "decode" and not isinstance(call.w13, DenseWeight) and t * a < 2 * call.w13.lead[0]:
-            return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2)
-        return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode)
+            return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2, **extra)
+        return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode, **extra)
 
     return run
 
@@ -95,7 +139,8 @@ def _run_torch(call: MoeCall) -> torch.Tensor:
         from lowbit.kernels.moe_hybrid import reference_hybrid
 
         return reference_hybrid(call.x, call.ids, call.weights, call.w13)
-    return reference_moe(call.x, call.ids, call.weights, call.w13, call.w2)
+    return reference_moe(call.x, call.ids, call.weights, call.w13, call.w2, b13=call.b13,
+                         b2=call.b2, activation=call.activation)
 
 
 routes.register("moe", routes.Route(
@@ -111,13 +156,23 @@ routes.register("moe", routes.Route(
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2,
-                *, layer: str = "") -> torch.Tensor:
+                *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                activation: MoeActivation | None = None, layer: str = "") -> torch.Tensor:
     """y [T, H] in x.dtype. See lowbit.kernels for the contract; w13 may also be a
     HybridExperts layout (then w2 is None and the ids index its experts), or w13 and w2
-    HybridTensor stacks (quantized per expert group), turned into a layout once."""
-    if isinstance(w13, HybridTensor):
-        w13, w2 = layout_of(w13, w2), None
-    if isinstance(w13, HybridExperts):
+    HybridTensor stacks (quantized per expert group), turned into a layout once. Hybrid
+    layouts take neither expert biases nor an activation other than SiLU (ValueError)."""
+    activation = SILU if activation is None else activation
+    if isinstance(w13, (HybridTensor, HybridExperts)):
+        if b13 is not None or b2 is not None or activation.kind != "silu":
+            raise ValueError("hybrid expert layouts take no expert biases and only the SiLU "
+                             "activation; keep such experts in one format per stack")
+        if isinstance(w13, HybridTensor):
+            w13, w2 = layout_of(w13, w2), None
         return routes.dispatch("moe", MoeCall(x, topk_ids, topk_weights, w13, None), layer)
-    call = MoeCall(x, topk_ids, topk_weights, resolve(w13), resolve(w2))
+    call = MoeCall(x, topk_ids, topk_weights, resolve(w13), resolve(w2), b13=b13, b2=b2,
+                   activation=activation)
+    reason = bias_refusal(x, call.w13, call.w2, b13, b2)
+    if reason is not None:
+        raise ValueError(f"moe_experts: {reason}")
     return routes.dispatch("moe", call, layer)

@@ -1,6 +1,8 @@
 """Fused MoE (decode and grouped mappings) against the expert-loop twin.
 
 Routing is skewed on purpose: some experts get no token, one gets most of them.
+gpt-oss experts (biases b13 / b2 and the clamped SwiGLU) are checked on every path with a
+limit set from the data, so that a good share of the pre-activations pass it.
 The twin rounds x, the decoded weights and h where the kernels do (dot_dtype, rounding as the
 backend does: lowbit.kernels.runtime.round_for_dot), so with a float32 output only summation
 order differs (rel 1e-3: a few h values may round the other way); a bf16 output: rel 1e-2.
@@ -13,9 +15,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from lowbit.kernels import routes  # noqa: E402
 from lowbit.kernels.moe import fused_moe, fused_moe_gemv, reference_moe  # noqa: E402
+from lowbit.kernels.moe_op import MoeActivation, moe_experts  # noqa: E402
 from lowbit.kernels.runtime import interpreting  # noqa: E402
-from lowbit.kernels.weights import resolve  # noqa: E402
+from lowbit.kernels.weights import expert_dense, resolve  # noqa: E402
 from tests.kernels.cases import make_weight, poisoned, rel_err  # noqa: E402
 
 E, H, I = 6, 48, 40  # noqa: E741
@@ -108,3 +112,117 @@ def test_grouped_sort_has_no_host_read():
     assert torch.equal(tile_end.long(), torch.cumsum((want + 15) // 16, 0))
     assert torch.equal(seg_start.long(), torch.cumsum(want, 0) - want)
     assert torch.equal(flat[order.long()], torch.sort(flat).values) and tiles == 4 + 6
+
+
+def _oss_extras(x, ids, w13, w2, seed: int) -> dict:
+    """gpt-oss extras for this routing: biases b13 [E, 2I], b2 [E, H] of the pre-activations'
+    and outputs' scale, and a clamp limit at the 60th percentile of |routed pre-activation|;
+    asserts the clamp bites: some gate values above it, some up values outside +-limit."""
+    g = torch.Generator().manual_seed(seed)
+    used = torch.unique(ids).tolist()
+    dense = {e: expert_dense(w13, e, H) for e in used}
+
+    def routed_pre(b13):
+        return torch.cat([x[(ids == e).any(1)].float() @ dense[e].t() + b13[e] for e in used])
+
+    b13 = torch.randn(E, 2 * I, generator=g) * routed_pre(torch.zeros(E, 2 * I)).std()
+    pre = routed_pre(b13)  # [routed slots, 2I]
+    limit = pre.abs().quantile(0.6).item()
+    act = MoeActivation("swiglu_oai", limit=limit)
+    assert (pre[:, :I] > limit).any() and (pre[:, :I] < limit).any(), "the gate clamp bites"
+    assert (pre[:, I:].abs() > limit).any(), "the up clamp bites"
+    scale = reference_moe(x, ids, torch.ones(ids.shape), w13, w2, b13=b13, activation=act).float().std()
+    return dict(b13=b13, b2=torch.randn(E, H, generator=g) * scale, activation=act)
+
+
+def _oss_weights(case):
+    if case == "dense":
+        g = torch.Generator().manual_seed(1)
+        return (resolve((torch.randn(E, 2 * I, H, generator=g) * 0.2).bfloat16()),
+                resolve((torch.randn(E, H, I, generator=g) * 0.2).bfloat16()))
+    return make_weight(case, 2 * I, H, lead=(E,), seed=1), make_weight(case, H, I, lead=(E,), seed=2)
+
+
+@pytest.mark.parametrize("case", ["int4_g32_offsets", "mxfp4", "nf3", "fp8_block", "dense"])
+@pytest.mark.parametrize("mode", ["decode", "grouped"])
+def test_fused_moe_gpt_oss_matches_twin(case, mode):
+    """Tiles with b13 / b2 and the clamped SwiGLU: tolerances as for the plain tiles."""
+    w13, w2 = _oss_weights(case)
+    for t, a in ((1, 2), (17, 3)) if mode == "grouped" else ((1, 2), (5, 3)):
+        ids, wts = _routing(t, a, seed=t + 20)
+        x = torch.randn(t, H).bfloat16()
+        extras = _oss_extras(x, ids, w13, w2, seed=t)
+        out = poisoned(t, H, dtype=torch.float32 if t > 1 else torch.bfloat16)
+        fused_moe(x, ids, wts, w13, w2, mode=mode, config=CFG, out=out, **extras)
+        ref = reference_moe(x if t == 1 else x.float(), ids, wts, w13, w2,
+                            dot_dtype=torch.bfloat16, **extras)
+        plain = reference_moe(x.float(), ids, wts, w13, w2, dot_dtype=torch.bfloat16)
+        assert rel_err(out, ref) < (1e-3 if t > 1 else BF16_RTOL), (case, mode, t)
+        assert rel_err(plain, ref) > 0.1  # the extras change the answer: a no-op would fail
+
+
+@pytest.mark.parametrize("case", ["int4_g32_offsets", "nvfp4_two_tables", "mxfp4", "nf3",
+                                  "fp8_block"])
+def test_fused_moe_gemv_gpt_oss_matches_twin(case):
+    """Per-slot GEMVs with b13 (FC1 epilogue), the clamp made on FC2's load and b2 before the
+    routing weight, split-K on (the bias goes in after the ordered split sum): rel 1e-5."""
+    w13, w2 = _oss_weights(case)
+    for t, a, split in ((1, 2, 2), (5, 3, 1), (4, 2, 3)):
+        ids, wts = _routing(t, a, seed=t + 30)
+        x = torch.randn(t, H)
+        extras = _oss_extras(x, ids, w13, w2, seed=t)
+        out = poisoned(t, H, dtype=torch.float32)
+        fused_moe_gemv(x, ids, wts, w13, w2, config=dict(BN=16, G=8, SPLIT_K=split), out=out,
+                       **extras)
+        assert rel_err(out, reference_moe(x, ids, wts, w13, w2, **extras)) < 1e-5, (case, t)
+
+
+def test_fused_moe_gpt_oss_bias_only_and_silu():
+    """Each extra alone: biases with SiLU (gemv and tiles), and the clamp without biases."""
+    w13, w2 = _oss_weights("mxfp4")
+    ids, wts = _routing(5, 2, seed=40)
+    x = torch.randn(5, H).bfloat16()
+    extras = _oss_extras(x, ids, w13, w2, seed=5)
+    for kw in (dict(b13=extras["b13"], b2=extras["b2"]), dict(b2=extras["b2"]),
+               dict(activation=extras["activation"])):
+        ref = reference_moe(x.float(), ids, wts, w13, w2, **kw)
+        got = fused_moe_gemv(x.float(), ids, wts, w13, w2, config=dict(BN=16, G=8, SPLIT_K=1),
+                             out=poisoned(5, H, dtype=torch.float32), **kw)
+        assert rel_err(got, ref) < 1e-5, sorted(kw)
+        ref = reference_moe(x.float(), ids, wts, w13, w2, dot_dtype=torch.bfloat16, **kw)
+        got = fused_moe(x, ids, wts, w13, w2, mode="grouped", config=CFG,
+                        out=poisoned(5, H, dtype=torch.float32), **kw)
+        assert rel_err(got, ref) < 1e-3, sorted(kw)
+
+
+@pytest.mark.parametrize("route,t", [("triton_fused_moe_decode", 2), ("triton_fused_moe_decode", 6),
+                                     ("triton_moe_grouped", 9)])
+def test_moe_op_routes_take_gpt_oss_experts(monkeypatch, route, t):
+    """moe_experts with the extras through each forced Triton route against the torch route;
+    a bias of the wrong shape or a hybrid layout with extras is a ValueError."""
+    w13, w2 = _oss_weights("mxfp4")
+    ids, wts = _routing(t, 2, seed=50 + t)
+    x = torch.randn(t, H)
+    extras = _oss_extras(x, ids, w13, w2, seed=t)
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "torch")
+    ref = moe_experts(x, ids, wts, w13, w2, **extras)
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", route)
+    routes.reset_counters()
+    got = moe_experts(x, ids, wts, w13, w2, **extras, layer="l0")
+    calls = routes.counters()["route_calls"]
+    assert [c["route"] for c in calls if c["op"] == "moe"] == [route]
+    # t = 2: 4 slots < 2E, per-slot gemv in float32; otherwise tiles on bf16 operands
+    assert rel_err(got, ref) < (1e-5 if t == 2 else 2e-2), (route, t)
+    with pytest.raises(ValueError, match="b2 is"):
+        moe_experts(x, ids, wts, w13, w2, b13=extras["b13"], b2=extras["b2"][:, :-1])
+
+
+def test_hybrid_layouts_refuse_gpt_oss_extras():
+    from lowbit.kernels.moe_layout import HybridExperts
+
+    layout = HybridExperts.__new__(HybridExperts)  # refused before the layout is read
+    x, ids, wts = torch.randn(1, H), torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="hybrid expert layouts take no expert biases"):
+        moe_experts(x, ids, wts, layout, None, b2=torch.zeros(E, H))
+    with pytest.raises(ValueError, match="hybrid"):
+        moe_experts(x, ids, wts, layout, None, activation=MoeActivation("swiglu_oai", limit=7.0))
