@@ -41,10 +41,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
-from lowbit.kernels.runtime import interpreting, sm_count
+from lowbit.kernels.runtime import (
+    interpreting,
+    sm_count,
+    tl,
+    triton,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448, as lowbit.engine.paged_cache stores

@@ -18,9 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
+from lowbit.kernels.runtime import tl, triton
 from lowbit.kernels.weights import (
     DECODE_FP8,
     SCALE_KIND_IDS,

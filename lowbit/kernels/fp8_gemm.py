@@ -15,11 +15,9 @@ Reference twin: `reference_w8a8` (same quantization of x in torch, float32 matmu
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from lowbit.kernels import launch
-from lowbit.kernels.runtime import interpreting
+from lowbit.kernels.runtime import interpreting, tl, triton
 from lowbit.kernels.weights import Fp8View
 
 E4M3_MAX = 448.0

@@ -27,8 +27,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import triton
-import triton.language as tl
 
 from lowbit.formats.base import lut_view_decode
 from lowbit.kernels import launch
@@ -42,7 +40,12 @@ from lowbit.kernels.moe import (
     sort_by_expert,
 )
 from lowbit.kernels.moe_layout import HybridExperts
-from lowbit.kernels.runtime import interpreting, round_for_dot
+from lowbit.kernels.runtime import (
+    interpreting,
+    round_for_dot,
+    tl,
+    triton,
+)
 from lowbit.kernels.weights import LutWeight
 
 
