@@ -94,7 +94,32 @@ def cmd_info(args: argparse.Namespace) -> int:
             e[1] += t.numel() * t.element_size()
         for dt, (n, b) in sorted(by_dtype.items()):
             print(f"bytes {dt:<10} {b / 2**20:.1f} MiB ({_fmt_count(n)} elements)")
+    if path is None or not (path / "lowbit.json").exists():
+        _print_planned_sizes(cfg)
     return 0
+
+
+def _print_planned_sizes(cfg) -> None:
+    """Bytes per format if quantized on load (shapes only: the model is built on meta)."""
+    import torch
+
+    from lowbit.checkpoint.loader import allocate_empty
+    from lowbit.formats import FORMATS
+    from lowbit.quantize.policy import planned_size
+
+    model = allocate_empty(cfg, torch.bfloat16, "cpu")
+    print("quantized on load (--quantization F; embeddings, router gates, norms, lm_head stay bf16):")
+    print(f"  {'format':<10} {'total':>11}  {'bits/weight':>11}  quantized weights")
+    every = sum(p.numel() for p in model.parameters())
+    print(f"  {'bf16':<10} {_fmt_bytes(2 * every):>11}  {16:>11.2f}  none")
+    for name in FORMATS:
+        s = planned_size(model, name)
+        print(f"  {name:<10} {_fmt_bytes(s['total_bytes']):>11}  {s['bits_per_weight']:>11.2f}  "
+              f"{_fmt_count(s['quantized_weights'])} of {_fmt_count(s['quantized_weights'] + s['dense_weights'])}")
+
+
+def _fmt_bytes(b: int) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:

@@ -44,6 +44,21 @@ def test_info_counts_parameters(tiny_moe_dir, capsys):
     assert main(["info", str(tiny_moe_dir)]) == 0
     out = capsys.readouterr().out
     assert "qwen3_moe" in out and "active per token" in out and "bytes" in out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[-13:]}  # the per-format table
+    assert set(rows) >= {"bf16", "nvfp4", "nf3", "int4", "fp8"}
+    bits = {k: float(v[3]) for k, v in rows.items()}  # tiny odd widths pad: a little over nominal
+    assert bits["bf16"] == 16 and 4.5 <= bits["nvfp4"] < 4.8 and 3.25 <= bits["nf3"] < 3.6
+    mib = {k: float(v[1]) for k, v in rows.items() if v[2] == "MiB"}
+    assert mib["nf3"] < mib["nvfp4"] < mib["fp8"] < mib["bf16"]
+
+
+def test_info_of_a_real_config_prints_sizes_per_format(capsys):
+    cfg = "lowbit/model_configs/Qwen__Qwen3-30B-A3B.json"
+    assert main(["info", "x", "--random-weights", "--config", cfg]) == 0
+    out = capsys.readouterr().out
+    assert "30.53B total, 3.35B active" in out
+    nvfp4 = next(ln for ln in out.splitlines() if ln.split()[:1] == ["nvfp4"])
+    assert nvfp4.split()[1:4] == ["16.85", "GiB", "4.50"]
 
 
 def test_routes_lists_registry_and_counts_a_run(tiny_moe_dir, capsys):

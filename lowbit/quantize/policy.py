@@ -84,6 +84,19 @@ def plan_quantization(model: nn.Module, fmt_name: str, quantize_lm_head: bool = 
     return plan
 
 
+def planned_size(model: nn.Module, fmt_name: str, dense_bytes: int = 2) -> dict:
+    """What `--quantization fmt_name` would store, from shapes alone (a meta-device model
+    will do): quantized weights and their payload bytes, the rest at dense_bytes each."""
+    plan = plan_quantization(model, fmt_name)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    q_weights = sum(math.prod(shapes[n]) for n in plan.quantized)
+    q_bytes = sum(f.payload_bits(shapes[n]) // 8 for n, f in plan.quantized.items())
+    d_weights = sum(math.prod(shapes[n]) for n in plan.dense)
+    return {"format": fmt_name, "quantized_weights": q_weights, "quantized_bytes": q_bytes,
+            "dense_weights": d_weights, "total_bytes": q_bytes + dense_bytes * d_weights,
+            "bits_per_weight": 8 * q_bytes / max(q_weights, 1)}
+
+
 def _keep_reason(pname: str, is_target: bool, quantize_lm_head: bool) -> str | None:
     reason = dense_reason(pname)
     if not is_target:
