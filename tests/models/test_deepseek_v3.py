@@ -141,3 +141,34 @@ def test_partial_mtp_layer_is_an_error(v3_dir):
     lm = allocate(cfg, torch.float32, "cpu")
     with pytest.raises(LowbitError, match="mtp.eh_proj.weight"):
         lm.load_weights(iter({**base, **extra}.items()))
+
+
+# -- absorbed weights ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4-g32", "fp8"])
+def test_quantized_kv_b_proj_is_decoded_once_and_matches_its_dense_twin(v3_dir, fmt):
+    """Attention reads kv_b_proj per head (absorbed into q and out of the latent): from a
+    quantized weight it decodes it once, keeps it, and computes what the decoded weight
+    held as a plain tensor computes."""
+    from lowbit.formats import get_format
+
+    ids = torch.randint(0, V3_VOCAB, (11,), generator=torch.Generator().manual_seed(5))
+
+    def logits(lm) -> torch.Tensor:
+        cache = ContiguousKVCache(lm.num_cache_layers, 1, len(ids))
+        with torch.no_grad():
+            return torch.cat([lm.compute_logits(lm(ids[a:b], ForwardBatch.build([b - a], [a], [0], cache)))
+                              for a, b in ((0, 7), (7, 10), (10, 11))])  # prefill, extend, decode
+
+    quant, dense = load_model(v3_dir, dtype="float32").model, load_model(v3_dir, dtype="float32").model
+    for qa, da in zip((lay.self_attn for lay in quant.model.layers), (lay.self_attn for lay in dense.model.layers)):
+        qt = get_format(fmt).quantize(qa.kv_b_proj.weight.data)
+        qa.kv_b_proj.set_quantized_weight(qt)
+        da.kv_b_proj.weight.copy_(qt.dequantize(torch.float32))
+    got, want = logits(quant), logits(dense)
+    assert (got - want).abs().max() < 1e-5
+    attn = quant.model.layers[0].self_attn
+    kept = attn.absorbed_weight(torch.float32)
+    assert kept is attn.absorbed_weight(torch.float32) and kept.shape == (attn.H, attn.Dn + attn.Dv, attn.C)
+    assert dense.model.layers[0].self_attn.absorbed_weight(torch.float32).data_ptr() == \
+        dense.model.layers[0].self_attn.kv_b_proj.weight.data_ptr()  # a float32 weight is used as it is
