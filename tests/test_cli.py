@@ -83,3 +83,30 @@ def test_misspelt_route_variables_fail_before_loading(tmp_path, monkeypatch, cap
         assert main(["routes"]) == 2
         assert key in capsys.readouterr().err
         monkeypatch.delenv(key)
+
+
+def test_bad_files_give_one_sentence(tiny_moe_dir, tmp_path, capsys):
+    import shutil
+
+    junk = tmp_path / "junk"
+    shutil.copytree(tiny_moe_dir, junk)
+    next(junk.glob("*.safetensors")).write_bytes(b"\x00\x01not a header")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    cases = [(["generate", str(junk), "hi"], "not a readable safetensors file"),
+             (["eval", str(tiny_moe_dir), "--teacher", str(tiny_moe_dir), "--text", str(tmp_path / "no.txt")],
+              "no such file"),
+             (["eval", str(tiny_moe_dir), "--teacher", str(tiny_moe_dir), "--text", str(tmp_path / "latin1.txt")],
+              "not UTF-8"),
+             (["quantize", str(tiny_moe_dir), "--format", "nf4", "--out", "/proc/nope/x"], "cannot create")]
+    for argv, msg in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, (argv, err[-500:])
+    art = tmp_path / "art"
+    assert main(["quantize", str(tiny_moe_dir), "--format", "nf4", "--out", str(art)]) == 0
+    capsys.readouterr()
+    assert main(["quantize", str(art), "--format", "nf4", "--out", str(tmp_path / "again")]) == 2
+    assert "already quantized" in capsys.readouterr().err
+    (art / "lowbit.json").unlink()
+    assert main(["generate", str(art), "hi"]) == 2
+    assert "lowbit.json, its manifest, is missing" in capsys.readouterr().err

@@ -51,13 +51,26 @@ class EvalResult:
     extra: dict = field(default_factory=dict)
 
 
+def read_text(text_file: str | Path) -> str:
+    """The evaluation text, or one sentence saying why it cannot be read."""
+    path = Path(text_file)
+    if not path.is_file():
+        raise LowbitError(f"--text {text_file}: no such file" if not path.exists()
+                          else f"--text {text_file} is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise LowbitError(f"--text {text_file} is not UTF-8 text (byte {e.start}); give a text file") from None
+    except OSError as e:
+        raise LowbitError(f"--text {text_file} cannot be read: {e.strerror}") from None
+
+
 def read_tokens(loaded: LoadedModel, text_file: str | Path, max_tokens: int) -> list[int]:
     from lowbit.checkpoint.tokenizer import Tokenizer
 
     if loaded.path is None:
         raise LowbitError("eval needs a model directory with a tokenizer (not --random-weights)")
-    text = Path(text_file).read_text(encoding="utf-8")
-    ids = Tokenizer(loaded.path).encode(text)[: max_tokens + 1]
+    ids = Tokenizer(loaded.path).encode(read_text(text_file))[: max_tokens + 1]
     if len(ids) < 2:
         raise LowbitError(f"{text_file} gives {len(ids)} token(s); eval needs at least 2")
     return ids
@@ -229,6 +242,7 @@ def main_eval(args: argparse.Namespace) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     if args.max_tokens < 1:
         raise LowbitError(f"--max-tokens must be positive, got {args.max_tokens}")
+    read_text(args.text)  # a bad --text fails before two models load
     teacher = load_model(args.teacher, dtype=dtype, device=device)
     students = [("quantization", q) for q in (args.quantization or "").split(",") if q]
     students += [("peer", p) for p in (args.peer or "").split(",") if p]

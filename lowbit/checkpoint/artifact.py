@@ -181,7 +181,10 @@ def write_artifact(model: nn.Module, out: Path, *, source: Path, raw_config: dic
                    dense_reasons: dict[str, str], provenance: dict, source_dtype: torch.dtype,
                    max_shard_bytes: int) -> dict:
     """Write the artifact directory; return its manifest."""
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LowbitError(f"--out {out}: cannot create the directory ({e.strerror})") from None
     if any(out.glob("*.safetensors")) or (out / MANIFEST).exists():
         raise LowbitError(f"{out} already holds weights; choose an empty --out directory")
     entries, keys = artifact_entries(model, source_dtype)

@@ -46,9 +46,13 @@ class CheckpointReader:
         self.files = self._find_shards()
         self._where: dict[str, Path] = {}
         for f in self.files:
-            with safe_open(str(f), "pt") as h:
-                for k in h.keys():
-                    self._where[k] = f
+            try:
+                with safe_open(str(f), "pt") as h:
+                    for k in h.keys():
+                        self._where[k] = f
+            except Exception as e:  # safetensors raises its own error types for a bad header
+                raise LowbitError(f"{f} is not a readable safetensors file ({e}); re-download or "
+                                  "re-export it") from None
 
     def _find_shards(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"

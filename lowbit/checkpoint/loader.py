@@ -258,7 +258,8 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "bfloat16", devi
         from lowbit.checkpoint.artifact import load_artifact
 
         if quantization:
-            raise LowbitError(f"{path} is a lowbit artifact, already quantized; drop --quantization")
+            raise LowbitError(f"{path} is a lowbit artifact, already quantized: load it as it is, "
+                              "or quantize its bf16 source instead")
         if getattr(m, "parallel_layout", None) is not None:
             raise LowbitError("lowbit artifacts do not load sharded yet; run them on one GPU, or load the HF checkpoint")
         filler = DeviceFiller(m, device)

@@ -83,6 +83,10 @@ def detect(qc: dict | None) -> Layout | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
+    if method == "lowbit":
+        raise LowbitError("config.json says this is a lowbit artifact (quant_method 'lowbit') but "
+                          "lowbit.json, its manifest, is missing; the artifact is incomplete: "
+                          "write it again with lowbit quantize")
     if method == "fp8":
         block = qc.get("weight_block_size")
         if list(block or []) != [128, 128]:
