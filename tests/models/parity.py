@@ -1,8 +1,10 @@
 """Shared check: a tiny random HF model, saved by transformers, loaded by lowbit, must give
-the same logits on the same tokens (float32)."""
+the same logits on the same tokens (float32), and in bf16 be as close to them as
+transformers' own bf16 run is."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -21,16 +23,17 @@ def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
         return hf_model(ids[None]).logits[0].float()
 
 
-def lowbit_logits(path, ids: torch.Tensor, chunks: tuple[int, ...] = ()) -> torch.Tensor:
+def lowbit_logits(path, ids: torch.Tensor, chunks: tuple[int, ...] = (),
+                  dtype: str = "float32") -> torch.Tensor:
     """Run lowbit on `ids`; `chunks` splits the prompt into cached steps (chunked prefill)."""
-    lm = load_model(path, dtype="float32").model
+    lm = load_model(path, dtype=dtype).model
     cache = ContiguousKVCache(lm.num_cache_layers, 1, len(ids))
     bounds = [0, *chunks, len(ids)]
     outs = []
     with torch.no_grad():
         for a, b in zip(bounds, bounds[1:]):
             batch = ForwardBatch.build([b - a], [a], [0], cache)
-            outs.append(lm.compute_logits(lm(ids[a:b], batch)))
+            outs.append(lm.compute_logits(lm(ids[a:b], batch)).float())
     return torch.cat(outs)
 
 
@@ -70,3 +73,19 @@ def assert_parity(hf_model, path, vocab: int, n_tokens: int = 23,
         assert top1 >= TOP1_MIN, f"top-1 agreement {top1:.3f} (chunks {ch})"
         worst = (max(worst[0], err), min(worst[1], top1))
     return worst
+
+
+def assert_bf16_parity(hf_model, path, vocab: int, n_tokens: int = 23) -> tuple[float, float]:
+    """lowbit in bf16 is as close to the float32 logits as transformers in bf16 is: its max
+    |logit error| at most 2x transformers' (+0.02), its top-1 agreement at most 0.1 lower.
+    Returns (lowbit's error, transformers' error)."""
+    ids = torch.randint(0, vocab, (n_tokens,), generator=torch.Generator().manual_seed(2))
+    ref = hf_logits(hf_model, ids)
+    hf16 = hf_logits(copy.deepcopy(hf_model).to(torch.bfloat16), ids)
+    got = lowbit_logits(path, ids, (9,), dtype="bfloat16")
+    err, err_hf = (got - ref).abs().max().item(), (hf16 - ref).abs().max().item()
+    top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    top1_hf = (hf16.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert err <= 2 * err_hf + 0.02, f"bf16 max |logit diff| {err:.3f}, transformers' bf16 {err_hf:.3f}"
+    assert top1 >= top1_hf - 0.1, f"bf16 top-1 {top1:.3f}, transformers' bf16 {top1_hf:.3f}"
+    return err, err_hf

@@ -1,7 +1,7 @@
 import pytest
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from tests.models.parity import assert_parity, save_tiny
+from tests.models.parity import assert_bf16_parity, assert_parity, save_tiny
 
 
 def test_qwen3_dense_matches_transformers(tmp_path):
@@ -10,6 +10,7 @@ def test_qwen3_dense_matches_transformers(tmp_path):
                       tie_word_embeddings=False)
     hf = save_tiny(Qwen3ForCausalLM, cfg, tmp_path)
     assert_parity(hf, tmp_path, 131)
+    assert_bf16_parity(hf, tmp_path, 131)
 
 
 @pytest.mark.parametrize("sparse_step,mlp_only", [(1, []), (2, [0])])
@@ -20,3 +21,4 @@ def test_qwen3_moe_matches_transformers(tmp_path, sparse_step, mlp_only):
                          decoder_sparse_step=sparse_step, mlp_only_layers=mlp_only, tie_word_embeddings=True)
     hf = save_tiny(Qwen3MoeForCausalLM, cfg, tmp_path)
     assert_parity(hf, tmp_path, 127)
+    assert_bf16_parity(hf, tmp_path, 127)
