@@ -120,6 +120,7 @@ def fp8_block_cases() -> list[dict]:
         case("fp8-block", "all zeros", torch.zeros(2, 3)),
         case("fp8-block", "stacked experts [2, 2, 3]", gaussian((2, 2, 3), 10)),
         case("fp8-block", "float32 subnormals only", torch.full((1, 4), TINY)),
+        case("fp8-block", "+-float32 max", torch.tensor([[F32_MAX, -F32_MAX, 1.0]])),
         *refusals("fp8-block"),
     ]
 
@@ -213,6 +214,12 @@ def int4_cases() -> list[dict]:
     ]
 
 
+def int4_group_cases(fmt: str, group: int) -> list[dict]:
+    g = torch.zeros(1, group)
+    g[0, :6] = torch.tensor([15.0, 0.5, 1.5, 2.5, 7.5, 14.5])  # s = 1, z = 0: ties to even
+    return common(fmt, group) + [case(fmt, "scale 1, zero point 0: ties to even code", g)]
+
+
 def lut_cases(fmt: str) -> list[dict]:
     bits = 4 if fmt == "lut4" else 3
     base = torch.tensor(NF4_TABLE if bits == 4 else NF3_TABLE)
@@ -222,6 +229,9 @@ def lut_cases(fmt: str) -> list[dict]:
         ("a zero block next to data", torch.cat([torch.zeros(1, 64), gaussian((1, 64), 12)], 1)),
         ("stacked experts [2, 1, 64]", gaussian((2, 1, 64), 13)),
         ("table midpoints (ties to even code)", table_ties(tuple(base.tolist()), 64)),
+        ("all zeros", torch.zeros(1, 64)),
+        ("float32 subnormals only", torch.full((1, 64), TINY) * torch.arange(64) / 64),
+        ("+-float32 max", torch.tensor([[F32_MAX, -F32_MAX] * 32])),
     ]:
         rg = -(-w.shape[-2] // 256)
         levels = base if name.startswith("table") else base * 0.9
@@ -241,6 +251,8 @@ BUILDERS = {
     "nf4": lambda: nf_cases("nf4", NF4_TABLE),
     "nf3": lambda: nf_cases("nf3", NF3_TABLE),
     "int4": int4_cases,
+    "int4-g64": lambda: int4_group_cases("int4-g64", 64),
+    "int4-g32": lambda: int4_group_cases("int4-g32", 32),
     "lut4": lambda: lut_cases("lut4"),
     "lut3": lambda: lut_cases("lut3"),
 }

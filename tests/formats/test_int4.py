@@ -8,8 +8,9 @@ from .common import gaussian, sqnr_db
 from .vectors import check
 
 
-def test_vectors_reproduce_exactly():
-    assert check("int4") >= 10
+@pytest.mark.parametrize("name", ["int4", "int4-g64", "int4-g32"])
+def test_vectors_reproduce_exactly(name):
+    assert check(name) >= 10
 
 
 @pytest.mark.parametrize("name", ["int4", "int4-g64", "int4-g32"])
