@@ -15,8 +15,9 @@
 # ("-p 512 -n 128 -d 0,32768"), CONCURRENCY (1,2,4,8,16,32), LONG_CONTEXT (32768),
 # INPUT_LEN (128), OUTPUT_LEN (32), DEVICE (empty: cuda when present), DTYPE (auto: bf16 on a GPU).
 # `lowbit serve` needs fastapi and uvicorn; where they are missing (the GPU image has
-# httpx but no fastapi/uvicorn/pydantic/starlette) carry their wheels in .whl/ (see the
-# device notes) and this script installs them to /tmp/site first.
+# httpx but no fastapi/uvicorn/pydantic/starlette) carry their wheels in .whl/
+# (`bash scripts/fetch_wheels.sh` downloads them) and this script installs them to
+# /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
