@@ -11,6 +11,7 @@ import pytest
 
 from lowbit.bench.fingerprint import compare, digest
 from lowbit.cli import main
+from lowbit.formats import FORMATS
 
 HERE = Path(__file__).resolve().parents[1] / "fingerprints"
 DEMO = Path(__file__).resolve().parents[2] / "lowbit" / "demo_model"
@@ -62,8 +63,8 @@ def test_check_names_the_first_changed_token(fixture_run, tmp_path):
     assert problems[1].startswith("prose: output differs from token 3")
 
 
-# one format of each family: E2M1 + e4m3 scales, affine int with zeros, a 3-bit table, fp8
-DEMO_FORMATS = ["bf16", "nvfp4", "int4", "nf3", "fp8"]
+# the checkpoint as stored, and quantized on load to every format
+DEMO_FORMATS = ["bf16", *FORMATS]
 
 
 @pytest.mark.parametrize("fmt", DEMO_FORMATS)
