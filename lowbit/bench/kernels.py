@@ -10,7 +10,8 @@
    (E=8, top-2, 4096 -> 14336): peer torch bf16 (loop over the experts used), ours in
    nvfp4 and int4 (per-slot gemv, and tensor-core tiles) and bf16 (tensor-core tiles);
    DeepSeek-V3 (E=256, top-8, 7168 -> 2048) in nvfp4 and gpt-oss-20b (E=32, top-4,
-   2880 -> 2880) in mxfp4 (routed experts without gpt-oss's biases: see MOE_FORMATS).
+   2880 -> 2880) in mxfp4 with its expert biases and clamped SwiGLU (MOE_EXTRAS), on every
+   implementation, the torch peer included.
 4. Mixed layouts (moe_mixed): Qwen3-30B-A3B with 16 hot experts nvfp4 and 112 cold nf3 in
    one launch pair; DeepSeek-V3 with its shared expert fused as a slot of weight 1, against
    the routed launch plus the shared MLP as three gemvs.
@@ -42,10 +43,11 @@ MS = (1, 4, 16)
 LUT_FORMATS = BENCH_LUT_FORMATS
 MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336),
               "deepseek-v3": (256, 8, 7168, 2048), "gpt-oss-20b": (32, 4, 2880, 2880)}
-# formats per model: gpt-oss ships mxfp4 experts; its expert biases and clamped SwiGLU are
-# not in the fused route (the layer keeps those on the torch path), so its cells time the
-# routed experts without biases, as a lower bound of what a biased route would cost
+# formats per model: gpt-oss ships mxfp4 experts
 MOE_FORMATS = {"deepseek-v3": ("nvfp4",), "gpt-oss-20b": ("mxfp4",)}
+# gpt-oss experts: biases b13 [E, 2I] / b2 [E, H] (bf16, as checkpoints store them) and the
+# clamped SwiGLU with this limit (its swiglu_limit); "tiny-oss" runs the same path in --smoke
+MOE_EXTRAS = {"gpt-oss-20b": 7.0, "tiny-oss": 7.0}
 SHARED = {"deepseek-v3": 1}  # shared experts of width I, fused as extra slots (section moe_mixed)
 HYBRID_HOT = 16  # hybrid cell: the 16 hottest of Qwen3-30B-A3B's 128 experts nvfp4, the rest nf3
 MOE_CONCURRENCY = (1, 4, 16)
@@ -222,15 +224,28 @@ def linear_section(copy_tbps: float, quick: bool) -> list[dict]:
     return rows
 
 
-def _torch_moe(x, ids, wts, w13, w2):
+def _torch_moe(x, ids, wts, w13, w2, b13=None, b2=None, activation=None):
+    from lowbit.kernels.moe import torch_act
+
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    inter = w13.shape[1] // 2
     for e in ids.unique().tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        h = F.linear(x[tok], w13[e])
-        a = F.silu(h[:, :inter]) * h[:, inter:]
-        out.index_add_(0, tok, F.linear(a, w2[e]).float() * wts[tok, slot, None])
+        h = F.linear(x[tok], w13[e], None if b13 is None else b13[e])
+        y = F.linear(torch_act(h, activation), w2[e], None if b2 is None else b2[e])
+        out.index_add_(0, tok, y.float() * wts[tok, slot, None])
     return out.to(x.dtype)
+
+
+def _moe_extras(model: str, e: int, h: int, inter: int) -> dict:
+    """gpt-oss's expert biases and clamped SwiGLU (MOE_EXTRAS), or {} for the other models."""
+    limit = MOE_EXTRAS.get(model)
+    if limit is None:
+        return {}
+    from lowbit.kernels.moe_op import MoeActivation
+
+    return dict(b13=torch.randn(e, 2 * inter, device=DEV, dtype=torch.bfloat16) * 0.1,
+                b2=torch.randn(e, h, device=DEV, dtype=torch.bfloat16) * 0.1,
+                activation=MoeActivation("swiglu_oai", limit=limit))
 
 
 def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
@@ -239,13 +254,15 @@ def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
     from lowbit.kernels.weights import resolve
 
     rows = []
-    models = {"tiny": (8, 2, 64, 32)} if SMOKE else MOE_MODELS
+    models = {"tiny": (8, 2, 64, 32), "tiny-oss": (8, 2, 64, 32)} if SMOKE else MOE_MODELS
     for model, (e, top, h, inter) in models.items():
         if quick and model != "qwen3-30b-a3b":
             continue
         dense13 = torch.randn(e, 2 * inter, h, device=DEV, dtype=torch.bfloat16) * 0.02
         dense2 = torch.randn(e, h, inter, device=DEV, dtype=torch.bfloat16) * 0.02
         weights = {"bf16": (resolve(dense13), resolve(dense2))}
+        extras = _moe_extras(model, e, h, inter)
+        bias_bytes = sum(b[0].nbytes for k, b in extras.items() if k != "activation")  # per expert
         for fmt in MOE_FORMATS.get(model, ("nvfp4", "int4_g128")):
             kw = LUT_FORMATS[fmt]
             weights[fmt] = (resolve(random_lut_view(2 * inter, h, lead=(e,), device=DEV, **kw)),
@@ -259,27 +276,29 @@ def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
                                 torch.rand(c, top, device=DEV, generator=g)))
             x, ids, wts = batches[0]
             active = sum(b[1].unique().numel() for b in batches) / len(batches)
-            t = timed_eager(lambda x=x, ids=ids, wts=wts, d13=dense13, d2=dense2: _torch_moe(x, ids, wts, d13, d2))
+            t = timed_eager(lambda x=x, ids=ids, wts=wts, d13=dense13, d2=dense2, kw=extras:
+                            _torch_moe(x, ids, wts, d13, d2, **kw))
             base = t["us"]
             rows.append(_row("moe", model, c, "torch bf16 expert loop", t,
-                             int(active * 3 * inter * h * 2), copy_tbps, None, base))
+                             int(active * (3 * inter * h * 2 + bias_bytes)), copy_tbps, None, base))
             print(_fmt(rows[-1]), flush=True)
             for fmt, (w13, w2) in weights.items():
                 impls = [("tc", fused_moe)] if fmt == "bf16" else [("gemv", fused_moe_gemv), ("tc", fused_moe)]
                 for impl, fn in impls:
-                    call = (lambda b, fn=fn, w13=w13, w2=w2: fn(*b, w13, w2)) if impl == "gemv" else \
-                        (lambda b, w13=w13, w2=w2: fused_moe(*b, w13, w2, mode="decode"))
+                    call = (lambda b, fn=fn, w13=w13, w2=w2, kw=extras: fn(*b, w13, w2, **kw)) \
+                        if impl == "gemv" else \
+                        (lambda b, w13=w13, w2=w2, kw=extras: fused_moe(*b, w13, w2, mode="decode", **kw))
                     try:
                         err = None
                         if c == 4:
                             y = call(batches[0])
-                            ref = reference_moe(x, ids, wts, w13, w2)
+                            ref = reference_moe(x, ids, wts, w13, w2, **extras)
                             err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
                         t = timed([lambda b=b, call=call: call(b) for b in batches])
                     except Exception as exc:  # noqa: BLE001
                         print(f"  FAIL moe {model} {fmt} {impl} C{c}: {type(exc).__name__}: {exc}"[:300], flush=True)
                         continue
-                    nbytes = int(active * (payload_bytes(w13) + payload_bytes(w2)) / e)
+                    nbytes = int(active * ((payload_bytes(w13) + payload_bytes(w2)) / e + bias_bytes))
                     rows.append(_row("moe", model, c, f"ours {fmt} {impl}", t, nbytes, copy_tbps, err, base))
                     print(_fmt(rows[-1]), flush=True)
         del weights

@@ -82,11 +82,19 @@ class Experts(nn.Module):
         return gate * torch.sigmoid(gate * 1.702) * (up + 1)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.b13 is None and self.activation == "silu":
-            ops = kernel_ops()
-            if ops is not None:
-                return ops.moe_experts(x, ids, w, self.w13, self.w2, layer=self.prefix)
-        return self.reference(x, ids, w)
+        ops = kernel_ops()
+        if ops is None:
+            return self.reference(x, ids, w)
+        plain = self.b13 is None and self.b2 is None and self.activation == "silu"
+        if plain:
+            return ops.moe_experts(x, ids, w, self.w13, self.w2, layer=self.prefix)
+        from lowbit.kernels.moe_layout import HybridTensor
+
+        if isinstance(self.w13, HybridTensor):  # hybrid layouts take no biases: moe_experts
+            return self.reference(x, ids, w)
+        act = ops.MoeActivation(self.activation, self.limit or 0.0)
+        return ops.moe_experts(x, ids, w, self.w13, self.w2, b13=self.b13, b2=self.b2,
+                               activation=act, layer=self.prefix)
 
     def reference(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
