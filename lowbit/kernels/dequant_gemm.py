@@ -23,8 +23,6 @@ Reference twin: `reference_linear` (decode with the format's twin, matmul in flo
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from lowbit.kernels import launch
 from lowbit.kernels.decode import (
@@ -35,7 +33,13 @@ from lowbit.kernels.decode import (
     split_lanes,
     weight_args,
 )
-from lowbit.kernels.runtime import interpreting, round_for_dot, sm_count
+from lowbit.kernels.runtime import (
+    interpreting,
+    round_for_dot,
+    sm_count,
+    tl,
+    triton,
+)
 from lowbit.kernels.weights import DECODE_NAMES, DenseWeight, Fp8View, LutWeight
 
 _SEMAPHORES: dict[torch.device, torch.Tensor] = {}

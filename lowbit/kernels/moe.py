@@ -31,14 +31,17 @@ Reference twin: `reference_moe` (loop over experts, the format's decode, float32
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from lowbit.kernels import launch
 from lowbit.kernels.decode import WeightArgs, dequant_tile, weight_args
 from lowbit.kernels.dequant_gemm import gated_act
 from lowbit.kernels.moe_op import MoeActivation, bias_refusal
-from lowbit.kernels.runtime import interpreting, round_for_dot
+from lowbit.kernels.runtime import (
+    interpreting,
+    round_for_dot,
+    tl,
+    triton,
+)
 from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, expert_dense
 
 MODE_DECODE = 0
