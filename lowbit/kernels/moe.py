@@ -283,6 +283,19 @@ def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
     return order, tile_end, seg_start, counts, triton.cdiv(s, bm) + min(e, s)
 
 
+def combine_slots(ys: torch.Tensor, x: torch.Tensor, a_top: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, H] = the ordered sum of each token's A routed slot outputs ys [T * A, H] (one
+    launch, deterministic); in x.dtype, or into out (x.dtype or float32)."""
+    t, h = x.shape
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
+    bnc = min(1024, triton.next_power_of_2(h))
+    launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, h, a_top, y.stride(0),
+               BN=bnc, num_warps=4)
+    return y
+
+
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
               w2: Resolved, mode: str = "decode", config: dict | None = None,
               out: torch.Tensor | None = None, *, b13: torch.Tensor | None = None,
@@ -317,8 +330,6 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
                   num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     hbuf = torch.empty(s, inter, dtype=torch.float32, device=x.device)
     ys = torch.empty(s, h, dtype=torch.float32, device=x.device)
-    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
-    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
     a1, c1 = _launch_args(weight_args(w13))
     launch.run(_moe_fc1_kernel, (tiles, triton.cdiv(inter, cfg["BN1"])),
         x, hbuf, _bias_arg(b13, x), ids_flat, order, tile_end, seg_start, counts, *a1[:6], s,
@@ -329,10 +340,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
         hbuf, ys, tw, _bias_arg(b2, x), ids_flat, order, tile_end, seg_start, counts, *a2[:6],
         s, e, h, inter, w2.kp, *a2[6:], **c2, BN=cfg["BN2"], BK=cfg["BK2"],
         HAS_BIAS=b2 is not None, **common)
-    bnc = min(1024, triton.next_power_of_2(h))
-    launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, h, a_top, y.stride(0), BN=bnc,
-                                                   num_warps=4)
-    return y
+    return combine_slots(ys, x, a_top, out)
 
 
 def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
@@ -390,12 +398,7 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     act = act_consts(activation)
     _gemv_fc(x, w13, h, h1, 1, ids_flat, tw, a_top, cfg.get("fc1", cfg), b13, act)
     _gemv_fc(h1, w2, inter, ys, 2, ids_flat, tw, a_top, cfg.get("fc2", cfg), b2, act)
-    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
-    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
-    bnc = min(1024, triton.next_power_of_2(h))
-    launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, h, a_top, y.stride(0),
-               BN=bnc, num_warps=4)
-    return y
+    return combine_slots(ys, x, a_top, out)
 
 
 def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,

@@ -35,8 +35,8 @@ from lowbit.kernels.moe import (
     MODE_DECODE,
     MODE_GROUPED,
     _expert_rows,
-    _moe_combine_kernel,
     _tile_slots,
+    combine_slots,
     sort_by_expert,
 )
 from lowbit.kernels.moe_layout import HybridExperts
@@ -191,12 +191,7 @@ def fused_moe_hybrid(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     launch.run(_hybrid_fc_kernel, (tiles, triton.cdiv(h, cfg["BN2"])), hbuf, ys, tw, *route,
                s, e, inter, h, a_top, inter, *a2, **c2, FC1=False, BN=cfg["BN2"],
                BK=cfg["BK2"], **common)
-    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
-    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
-    bnc = min(1024, triton.next_power_of_2(h))
-    launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, h, a_top, y.stride(0),
-               BN=bnc, num_warps=4)
-    return y
+    return combine_slots(ys, x, a_top, out)
 
 
 def _expert_dense(w: LutWeight, g: torch.Tensor, le: int, k: int) -> torch.Tensor:
