@@ -51,8 +51,8 @@ SMALL_MATMUL = 1 << 20  # multiply-adds per token of a layer's widest matmul, un
 
 def cpu_threads(requested: int, arch) -> int:
     """Intra-op threads for a CPU engine. A small model's ops take microseconds, less than
-    waking a second thread (on a busy machine, milliseconds): one thread decodes the demo
-    model 30x faster there. Larger models keep torch's default."""
+    handing work to a second thread: on a busy machine one thread decodes the demo model
+    2.3x faster (docs/BENCHMARKS.md, CPU threads). Larger models keep torch's default."""
     if requested:
         return requested
     widest = arch.hidden_size * max(arch.intermediate_size, arch.moe_intermediate_size)

@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from lowbit.kernels import routes
-from lowbit.kernels.runtime import capability, fp8_refusal, triton_refusal
+from lowbit.kernels.runtime import fp8_refusal, triton_refusal
 from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
@@ -116,8 +116,6 @@ def _admit_w8a8(call: LinearCall) -> str | None:
     reason = _common_refusal(call, (Fp8View,))
     if reason is not None:
         return reason
-    if call.x.is_cuda and capability(call.x.device.index or 0) < (8, 9):
-        return "fp8 tensor-core dot needs compute capability 8.9 or newer"
     from lowbit.kernels.fp8_gemm import w8a8_refusal
 
     return w8a8_refusal(call.x, call.weight)
