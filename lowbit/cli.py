@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
+import torch
+
+from lowbit import LLM, SamplingParams, kernels
+from lowbit.bench.commands import add_subcommands
+from lowbit.bench.eval import add_eval_args, main_eval
+from lowbit.checkpoint.artifact import bytes_by_format
+from lowbit.checkpoint.hf import CheckpointReader, resolve_model_dir
+from lowbit.checkpoint.loader import allocate_empty
+from lowbit.checkpoint.quant_plan import planned_size
 from lowbit.config import EngineConfig
+from lowbit.distributed import engine_model
+from lowbit.distributed.launcher import run_parallel, world_size
 from lowbit.errors import LowbitError
+from lowbit.formats import FORMATS
+from lowbit.kernels.routes import check_env
+from lowbit.models.config import load_config
+from lowbit.quantize.export import quantize_model, summary_table
 
 
 def _fmt_count(n: float) -> str:
@@ -17,8 +33,6 @@ def _fmt_count(n: float) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from lowbit.distributed.launcher import run_parallel, world_size
-
     if world_size(args) > 1:  # one process per GPU; this one is rank 0 (docs/DISTRIBUTED.md)
         return run_parallel(generate, args)
     return generate(args)
@@ -35,10 +49,8 @@ def sampling_defaults(args: argparse.Namespace, gen: dict) -> dict:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from lowbit import LLM, SamplingParams
-
     cfg = EngineConfig.from_cli(args)
-    llm = LLM(**cfg.llm_kwargs())
+    llm = LLM(**cfg.llm_kwargs(), loaded=engine_model(cfg))
     sp = SamplingParams(**sampling_defaults(args, llm.loaded.generation_config),
                         min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                         stop=args.stop or [], ignore_eos=args.ignore_eos)
@@ -57,15 +69,12 @@ def generate(args: argparse.Namespace) -> int:
         f"\n[{m['output_tokens']} tokens, prompt {m['prompt_tokens']} | prefill {m['prefill_s'] * 1e3:.0f} ms | "
         f"decode {m['decode_tok_s']:.1f} tok/s | weights {llm.loaded.weight_format} | "
         f"device {llm.device} | finish {out.outputs[0].finish_reason}]",
-        file=sys.stderr if args.quiet_stats else sys.stdout,
+        file=sys.stderr,
     )
     return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from lowbit.checkpoint.hf import CheckpointReader, resolve_model_dir
-    from lowbit.models.config import load_config
-
     if args.random_weights or args.config:
         cfg = load_config(args.config or args.model)
         path = None
@@ -80,8 +89,6 @@ def cmd_info(args: argparse.Namespace) -> int:
               f"shared {cfg.num_shared_experts}, MoE layers {sum(cfg.moe_layers)}")
     print(f"parameters       {_fmt_count(total)} total, {_fmt_count(active)} active per token")
     if path is not None and (path / "lowbit.json").exists():
-        from lowbit.checkpoint.artifact import bytes_by_format
-
         for fmt, (n, b) in sorted(bytes_by_format(path).items()):
             print(f"bytes {fmt:<10} {b / 2**20:.1f} MiB ({_fmt_count(n)} weights, {8 * b / max(n, 1):.2f} bits/weight)")
     elif path is not None:
@@ -101,12 +108,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _print_planned_sizes(cfg) -> None:
     """Bytes per format if quantized on load (shapes only: the model is built on meta)."""
-    import torch
-
-    from lowbit.checkpoint.loader import allocate_empty
-    from lowbit.formats import FORMATS
-    from lowbit.quantize.policy import planned_size
-
     model = allocate_empty(cfg, torch.bfloat16, "cpu")
     print("quantized on load (--quantization F; embeddings, router gates, norms, lm_head stay bf16):")
     print(f"  {'format':<10} {'total':>11}  {'bits/weight':>11}  quantized weights")
@@ -123,8 +124,6 @@ def _fmt_bytes(b: int) -> str:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from lowbit.quantize.export import quantize_model, summary_table
-
     manifest = quantize_model(args.model, args.format, args.out, quantize_lm_head=args.quantize_lm_head,
                               max_shard_size=args.max_shard_size, device=args.device, dtype=args.dtype)
     print(summary_table(manifest))
@@ -133,21 +132,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from lowbit.bench.eval import main_eval
-
     return main_eval(args)
 
 
 def cmd_routes(args: argparse.Namespace) -> int:
-    import json
-
-    from lowbit import kernels
-    from lowbit.kernels.routes import check_env
-
     check_env()  # the table below would otherwise hide a misspelt LOWBIT_ROUTE_* variable
     if args.run:  # generate a few tokens first, so the counts say which routes served a model
-        from lowbit import LLM, SamplingParams
-
         llm = LLM(args.run, device=args.device)
         llm.generate([list(range(1, 9))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     if args.json:
@@ -185,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--quiet-stats", action="store_true", help="print the speed line to stderr")
+    g.add_argument("--quiet-stats", action="store_true", help="no effect: the speed line always goes to stderr")
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("routes", help="kernel routes: status, the record it cites, calls, refusals")
@@ -210,8 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", default="bfloat16", help="dtype of the weights kept dense")
     q.set_defaults(func=cmd_quantize)
 
-    from lowbit.bench.eval import add_eval_args
-
     e = sub.add_parser("eval", help="quality against a teacher: perplexity, KL, top-1 agreement")
     add_eval_args(e)
     e.set_defaults(func=cmd_eval)
@@ -221,8 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from lowbit.bench.commands import add_subcommands
-
     b = sub.add_parser("bench", help="benchmarks: latency, serve, fingerprint, ab, report, kernels")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     add_subcommands(bsub)
@@ -236,14 +222,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from lowbit.distributed.launcher import run_parallel, world_size
-
     if world_size(args) > 1:  # rank 0 serves, the other ranks follow its model (docs/DISTRIBUTED.md)
         return run_parallel(serve, args)
     return serve(args)
 
 
 def serve(args: argparse.Namespace) -> int:
+    # imported here: fastapi and uvicorn are the optional `serve` extra (and cost 0.6 s to import)
     from lowbit.server.launch import run_server
 
     return run_server(EngineConfig.from_cli(args))

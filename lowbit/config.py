@@ -92,10 +92,21 @@ class EngineConfig:
             raise LowbitError(f"--cpu-threads must be 0 (auto) or a positive integer, got {self.cpu_threads}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise LowbitError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size != 1 or self.expert_parallel_size != 1:
-            from lowbit.distributed.parallel_state import check_launched
 
-            check_launched(self.tensor_parallel_size, self.expert_parallel_size)
+    @property
+    def parallel(self) -> bool:
+        """Tensor or expert parallel: one process per GPU, each holding its shard."""
+        return self.tensor_parallel_size != 1 or self.expert_parallel_size != 1
+
+    def check_loads_alone(self) -> None:
+        """An engine that loads its own model runs in one process: refuse parallel sizes.
+        A parallel engine gets its model from lowbit.distributed.engine_model."""
+        if self.parallel:
+            raise LowbitError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} --expert-parallel-size "
+                f"{self.expert_parallel_size} needs one process per GPU: `lowbit generate` starts them "
+                "itself, as does `lowbit serve`; from Python, run under torchrun and give the engine "
+                "lowbit.distributed.engine_model(config) (docs/DISTRIBUTED.md)")
 
     def resolved(self, max_position_embeddings: int) -> EngineConfig:
         """A copy with the defaults that depend on the model filled in."""

@@ -11,6 +11,7 @@ import re
 import subprocess
 import time
 
+from lowbit.bench.record import md_table
 from lowbit.bench.stats import spread
 from lowbit.errors import LowbitError
 
@@ -72,8 +73,6 @@ def verdict(a: list[float], b: list[float]) -> str:
 
 
 def format_report(rec: dict) -> str:
-    from lowbit.bench.record import md_table
-
     rows = [[r["round"], " ".join(r["order"]), f"{r['A']:g}", f"{r['B']:g}"] for r in rec["rounds"]]
     stat = lambda s: [f"{s['median']:g}", f"{s['min']:g}-{s['max']:g}", f"{s['iqr']:g}"]
     summary = md_table(["side", "median", "min-max", "IQR"],

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
+from pathlib import Path
 
+from lowbit.bench import ab, kernels, latency
+from lowbit.bench import fingerprint as fp
+from lowbit.bench.record import append_md, csv_text, environment, md_table, write_record
+from lowbit.bench.report import make_report
 from lowbit.config import EngineConfig
 from lowbit.errors import LowbitError
 
@@ -30,8 +36,6 @@ def _record_args(p: argparse.ArgumentParser) -> None:
 
 
 def _save(rec: dict, args: argparse.Namespace, title: str, body: str, label: str = "") -> None:
-    from lowbit.bench.record import append_md, environment, write_record
-
     rec.setdefault("env", environment(rec.get("device")))
     path = write_record(rec, args.records, label)
     print(f"record: {path}", file=sys.stderr)
@@ -40,8 +44,6 @@ def _save(rec: dict, args: argparse.Namespace, title: str, body: str, label: str
 
 
 def _emit(fmt: str, headers: list[str], rows: list[list], md: str, rec: dict) -> None:
-    from lowbit.bench.record import csv_text
-
     if fmt == "json":
         print(json.dumps(rec, indent=1, default=str))
     elif fmt == "csv":
@@ -51,9 +53,6 @@ def _emit(fmt: str, headers: list[str], rows: list[list], md: str, rec: dict) ->
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
-    from lowbit.bench import latency
-    from lowbit.bench.record import environment
-
     cfg = EngineConfig.from_cli(args)
     depths = args.depth if args.depth is not None else [0, 32768]
     rec = latency.measure(cfg, args.prompt, args.gen, depths, args.repeats, fit_depths=args.depth is None,
@@ -67,12 +66,10 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
-
+    # imported here: httpx (which bench.serve's client uses) is the optional `serve` extra
     import httpx
 
     from lowbit.bench import serve
-    from lowbit.bench.record import md_table
 
     cfg = serve.LoadConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint,
@@ -88,8 +85,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         rec["label"] = args.label
     md = md_table(serve.SUMMARY_HEADERS, serve.summary_rows(rec)) + "\n\n" + serve.startup_line(rec)
     print("\n" + md)
-    from lowbit.bench.record import environment
-
     rec["env"] = environment("cpu")
     rec["env"]["device"] = f"server at {rec['base_url']}; client {rec['env']['device']}"
     _save(rec, args, f"bench serve: {rec['model']} at {rec['base_url']}",
@@ -100,10 +95,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from lowbit.bench import fingerprint as fp
-
     cfg = EngineConfig.from_cli(args)
     if args.format in ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
         cfg.dtype = args.format
@@ -131,8 +122,6 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from lowbit.bench import ab
-
     rec = ab.run_ab(args.cmd_a, args.cmd_b, args.rounds, args.metric or ab.DEFAULT_METRIC, args.timeout)
     text = ab.format_report(rec)
     print(text)
@@ -141,30 +130,23 @@ def cmd_ab(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from lowbit.bench.report import make_report
-
     make_report(args.records, args.out)
     return 0
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
-    from lowbit.bench import kernels  # imported here: it loads torch and triton
-
     sys.argv = ["lowbit bench kernels", *args.args]
     kernels.main()
     return 0
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Register latency, serve, fingerprint, ab and report under `lowbit bench`, and
-    `kernels` (the roofline benchmark, which parses its own flags) when it is installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("lowbit.bench.kernels") is not None:
-        k = sub.add_parser("kernels", help="kernel roofline: ceilings, peers, our routes (GPU)", add_help=False,
-                           prefix_chars="\x00")  # every flag passes through to its own parser
-        k.add_argument("args", nargs=argparse.REMAINDER, help="flags of python -m lowbit.bench.kernels")
-        k.set_defaults(func=cmd_kernels)
+    """Register kernels (the roofline benchmark, which parses its own flags), latency,
+    serve, fingerprint, ab and report under `lowbit bench`."""
+    k = sub.add_parser("kernels", help="kernel roofline: ceilings, peers, our routes (GPU)", add_help=False,
+                       prefix_chars="\x00")  # every flag passes through to its own parser
+    k.add_argument("args", nargs=argparse.REMAINDER, help="flags of python -m lowbit.bench.kernels")
+    k.set_defaults(func=cmd_kernels)
     p = sub.add_parser("latency", help="llama-bench style pp/tg cells at depths, with MBU")
     p.add_argument("model", nargs="?", default="demo", help="model directory or built-in name")
     EngineConfig.add_cli_args(p)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,11 +26,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lowbit.bench.record import environment
 from lowbit.checkpoint.loader import LoadedModel, load_model
+from lowbit.checkpoint.quant_plan import plan_quantization, quantized_weights, swappable
+from lowbit.checkpoint.tokenizer import Tokenizer
 from lowbit.engine.batch import ForwardBatch
 from lowbit.errors import LowbitError
 from lowbit.formats import QuantizedTensor
-from lowbit.quantize.policy import quantized_weights, swappable
 
 DB_PER_BIT = 20 * math.log10(2)  # 6.02: Gaussian rate-distortion SQNR per bit
 BITS = {"bf16": 16, "fp16": 16, "fp32": 32, "float8_e4m3fn": 8}
@@ -66,8 +70,6 @@ def read_text(text_file: str | Path) -> str:
 
 
 def read_tokens(loaded: LoadedModel, text_file: str | Path, max_tokens: int) -> list[int]:
-    from lowbit.checkpoint.tokenizer import Tokenizer
-
     if loaded.path is None:
         raise LowbitError("eval needs a model directory with a tokenizer (not --random-weights)")
     ids = Tokenizer(loaded.path).encode(read_text(text_file))[: max_tokens + 1]
@@ -183,8 +185,6 @@ def markdown(rows: list[EvalResult]) -> str:
 
 def record(rows: list[EvalResult], args_text: str, seconds: float) -> dict:
     """The JSON record: the student's fields at the top level, both rows under results."""
-    from lowbit.bench.record import environment
-
     student = asdict(rows[-1])
     return {"kind": "eval", **student, "teacher": asdict(rows[0]), "results": [asdict(r) for r in rows],
             "seconds": round(seconds, 2), "command": args_text, "env": environment()}
@@ -194,12 +194,10 @@ def peer_student(model: str, spec: str, *, dtype: str, device: str) -> LoadedMod
     """The model with the weights lowbit would quantize replaced by another quantizer's
     round trip (quantize, dequantize). spec "hqq:BITS:GROUP": HQQ (half-quadratic
     optimisation of scale and zero, groups along K), scale and zero stored in fp16."""
-    from lowbit.quantize.policy import plan_quantization
-
     parts = spec.split(":")
     if len(parts) != 3 or parts[0] != "hqq" or not parts[1].isdigit() or not parts[2].isdigit():
         raise LowbitError(f"--peer {spec!r}: write hqq:BITS:GROUP, e.g. hqq:4:64")
-    try:
+    try:  # imported here: hqq is an optional peer quantizer, not a lowbit dependency
         from hqq.core.quantize import Quantizer
     except ImportError:
         raise LowbitError("--peer hqq needs the hqq package: pip install --no-deps hqq termcolor") from None
@@ -234,9 +232,6 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def main_eval(args: argparse.Namespace) -> int:
-    import shlex
-    import sys
-
     t0 = time.perf_counter()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")

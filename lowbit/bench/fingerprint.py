@@ -15,7 +15,9 @@ import random
 import zlib
 from pathlib import Path
 
+from lowbit import LLM, SamplingParams
 from lowbit.config import EngineConfig
+from lowbit.distributed import engine_model
 from lowbit.errors import LowbitError
 
 PROMPTS = {
@@ -51,9 +53,7 @@ def prompt_set(llm, max_tokens: int, long_len: int) -> dict[str, list[int]]:
 
 def fingerprint(cfg: EngineConfig, max_tokens: int = 32, long_len: int = 1536,
                 fmt: str | None = None) -> dict:
-    from lowbit import LLM, SamplingParams
-
-    llm = LLM(**cfg.llm_kwargs())
+    llm = LLM(**cfg.llm_kwargs(), loaded=engine_model(cfg))
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = {}
     for name, ids in prompt_set(llm, max_tokens, long_len).items():

@@ -36,7 +36,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels.samples import BENCH_LUT_FORMATS, BENCH_SHAPES
+from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv, reference_linear
+from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8
+from lowbit.kernels.moe import fused_moe, fused_moe_gemv, reference_moe, torch_act
+from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid
+from lowbit.kernels.moe_layout import hybrid_experts, make_group, shared_group, with_shared_slots
+from lowbit.kernels.moe_op import MoeActivation
+from lowbit.kernels.runtime import triton
+from lowbit.kernels.samples import BENCH_LUT_FORMATS, BENCH_SHAPES, random_fp8_view, random_lut_view
+from lowbit.kernels.weights import DenseWeight, Fp8View, resolve
 
 SHAPES = BENCH_SHAPES
 MS = (1, 4, 16)
@@ -90,11 +98,9 @@ def timed(fns, repeats: int = 3) -> dict:
 
 def timed_eager(fn, repeats: int = 3) -> dict:
     """For calls a graph cannot hold (host reads): do_bench median, L2 flushed per call."""
-    from triton.testing import do_bench
-
     if SMOKE:
         return timed(fn)
-    runs = sorted(do_bench(fn, warmup=10, rep=50, return_mode="median") for _ in range(repeats))
+    runs = sorted(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") for _ in range(repeats))
     return {"us": runs[1] * 1e3, "min_us": runs[0] * 1e3, "max_us": runs[-1] * 1e3}
 
 
@@ -104,8 +110,6 @@ def copies_for(nbytes: int) -> int:
 
 
 def payload_bytes(w) -> int:
-    from lowbit.kernels.weights import DenseWeight, Fp8View
-
     if isinstance(w, DenseWeight):
         ts = [w.w]
     elif isinstance(w, Fp8View):
@@ -166,11 +170,6 @@ def _peers(n: int, k: int) -> dict:
 
 def _ours(n: int, k: int) -> dict:
     """name -> (make(copy) -> weight, route, fn(x, w))."""
-    from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv
-    from lowbit.kernels.fp8_gemm import fp8_w8a8
-    from lowbit.kernels.samples import random_fp8_view, random_lut_view
-    from lowbit.kernels.weights import resolve
-
     out = {}
     for name, kw in LUT_FORMATS.items():
         make = lambda i, kw=kw: resolve(random_lut_view(n, k, device=DEV, seed=i, **kw))  # noqa: E731
@@ -185,9 +184,6 @@ def _ours(n: int, k: int) -> dict:
 
 
 def linear_section(copy_tbps: float, quick: bool) -> list[dict]:
-    from lowbit.kernels.dequant_gemm import reference_linear
-    from lowbit.kernels.fp8_gemm import reference_w8a8
-
     rows = []
     for n, k in ((96, 256),) if SMOKE else (SHAPES[:1] if quick else SHAPES):
         peers = {name: ([make(i) for i in range(copies_for(nb))], nb)
@@ -225,8 +221,6 @@ def linear_section(copy_tbps: float, quick: bool) -> list[dict]:
 
 
 def _torch_moe(x, ids, wts, w13, w2, b13=None, b2=None, activation=None):
-    from lowbit.kernels.moe import torch_act
-
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
@@ -241,18 +235,12 @@ def _moe_extras(model: str, e: int, h: int, inter: int) -> dict:
     limit = MOE_EXTRAS.get(model)
     if limit is None:
         return {}
-    from lowbit.kernels.moe_op import MoeActivation
-
     return dict(b13=torch.randn(e, 2 * inter, device=DEV, dtype=torch.bfloat16) * 0.1,
                 b2=torch.randn(e, h, device=DEV, dtype=torch.bfloat16) * 0.1,
                 activation=MoeActivation("swiglu_oai", limit=limit))
 
 
 def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
-    from lowbit.kernels.moe import fused_moe, fused_moe_gemv, reference_moe
-    from lowbit.kernels.samples import random_lut_view
-    from lowbit.kernels.weights import resolve
-
     rows = []
     models = {"tiny": (8, 2, 64, 32), "tiny-oss": (8, 2, 64, 32)} if SMOKE else MOE_MODELS
     for model, (e, top, h, inter) in models.items():
@@ -325,18 +313,6 @@ def moe_mixed_section(copy_tbps: float, quick: bool) -> list[dict]:
     """Hybrid layouts in one launch pair: Qwen3-30B-A3B with hot experts nvfp4 and cold ones
     nf3 (skewed routing), and DeepSeek-V3 with its shared expert fused as a slot of weight 1,
     against the routed launch plus the shared MLP as three gemv launches."""
-    from lowbit.kernels.dequant_gemm import lut_gemv
-    from lowbit.kernels.moe import fused_moe
-    from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid
-    from lowbit.kernels.moe_layout import (
-        hybrid_experts,
-        make_group,
-        shared_group,
-        with_shared_slots,
-    )
-    from lowbit.kernels.samples import random_lut_view
-    from lowbit.kernels.weights import resolve
-
     def stack(fmt, n, h, inter, seed=0):
         kw = LUT_FORMATS[fmt]
         return (resolve(random_lut_view(2 * inter, h, lead=(n,), device=DEV, seed=seed, **kw)),
@@ -433,8 +409,6 @@ def main() -> None:
         global DEV, SMOKE
         DEV, SMOKE = "cpu", True
         os.environ["TRITON_INTERPRET"] = "1"
-    import triton
-
     commit = os.environ.get("LOWBIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(),

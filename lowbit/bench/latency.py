@@ -22,11 +22,18 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from lowbit import LLM, SamplingParams
+from lowbit.bench.record import md_table
 from lowbit.bench.stats import mean_sd
+from lowbit.bench.step_profile import format_profile, profile_decode
 from lowbit.config import EngineConfig
+from lowbit.distributed import engine_model
+from lowbit.errors import LowbitError
+from lowbit.kernels import routes
 
 
 @dataclass
@@ -70,14 +77,13 @@ class Session:
     of a request [depth + 1 token] generating N + 1 tokens (the first comes from prefill)."""
 
     def __init__(self, cfg: EngineConfig) -> None:
-        from lowbit import LLM
-
         t0 = time.perf_counter()
         progress(f"loading {cfg.config if cfg.random_weights else cfg.model} ...")
-        self.llm = LLM(**cfg.llm_kwargs())
+        self.llm = LLM(**cfg.llm_kwargs(), loaded=engine_model(cfg))
         _sync(self.llm.device)
         self.time_to_ready_s = time.perf_counter() - t0
-        progress(f"ready: model built, weights filled, KV cache and graphs set up on {self.llm.device}", t0)
+        progress(f"ready: model built, weights filled, KV cache set up on {self.llm.device}; "
+                 f"{graph_status(self.llm.engine)}", t0)
         self.model, self.config, self.device = self.llm.model, self.llm.config, self.llm.device
         self.depth: list[int] = []
         self._rng = random.Random(0)
@@ -105,8 +111,6 @@ class Session:
         return out.metrics["decode_s"]
 
     def _generate(self, ids: list[int] | list[list[int]], max_tokens: int):
-        from lowbit import SamplingParams
-
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         prompts = ids if ids and isinstance(ids[0], list) else [ids]
         return self.llm.generate(prompts, sp)[0]
@@ -116,8 +120,6 @@ class Session:
         return getattr(blocks, "num_prefix_hits", None)
 
     def _check_reused(self, before: int | None) -> None:
-        from lowbit.errors import LowbitError
-
         after = self._prefix_hits()
         block = getattr(getattr(self.llm, "engine", None), "config", None)
         block = getattr(block, "block_size", 1)
@@ -138,6 +140,28 @@ class Session:
             window = self.config.layer_window(i)
             total += per_token * min(context, window or context)
         return total
+
+
+def graph_status(engine) -> str:
+    """What decode steps run as: graphs (captured per bucket at first use) or eager, and why."""
+    runner = engine.runner
+    if runner.graphs is None:
+        return f"decode CUDA graphs OFF: {runner.graphs_off}"
+    eager = runner.graphs.eager
+    captured = sorted({b for b, _ in runner.graphs.graphs})
+    text = f"decode CUDA graphs on (captured buckets: {captured or 'none yet'})"
+    if eager:
+        text += "; eager buckets: " + "; ".join(f"{b}: {why}" for (b, _), why in sorted(eager.items(), key=str))
+    return text
+
+
+def route_summary() -> dict:
+    """Which route ran each op (calls per route) and the fallbacks warned about."""
+    calls: dict[str, dict[str, int]] = {}
+    for row in routes.route_table():
+        if row["calls"]:
+            calls.setdefault(row["op"], {})[row["route"]] = row["calls"]
+    return {"calls": calls, "fallbacks": routes.warned_fallbacks()}
 
 
 def weight_bytes(model: torch.nn.Module, config) -> dict[str, float]:
@@ -196,8 +220,6 @@ def usable_depths(depths: list[int], prompt: list[int], gen: list[int], max_len:
                   fit: bool) -> list[int]:
     """The depths whose cells fit max_len: all of them or an error (fit=False), or those
     that fit (fit=True, for the default depths)."""
-    from lowbit.errors import LowbitError
-
     if fit:
         depths = [d for d in depths if context_needed(prompt, gen, [d]) <= max_len] or [0]
     need = context_needed(prompt, gen, depths)
@@ -274,21 +296,22 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
     mem_loaded = peak_memory(s.device)
     cells = run_cells(s, prompt, gen, depths, repeats, batches)
     mem = peak_memory(s.device)
+    profiles = [p for b in batches if (p := _timed(f"profile of decode steps x{b}", profile_decode,
+                                                    s.llm.engine, b)) is not None]
     bw = copy_bandwidth(s.device)
     return {"kind": "latency", "model": cfg.config if cfg.random_weights else cfg.model,
             "weight_format": s.llm.loaded.weight_format, "device": s.device,
             "dtype": str(next(s.model.parameters()).dtype).removeprefix("torch."),
             "kv_cache_tokens": cfg.kv_cache_tokens, "repeats": repeats, "time_to_ready_s": s.time_to_ready_s,
             "memory_after_load": mem_loaded, "memory": mem, "copy_bandwidth_Bps": bw,
-            "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw)}
+            "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw),
+            "graphs": graph_status(s.llm.engine), "routes": route_summary(), "step_profiles": profiles}
 
 
 HEADERS = ["model", "format", "dtype", "device", "test", "t/s", "ms/tok", "GB/s", "MBU"]
 
 
 def table_rows(rec: dict) -> list[list[str]]:
-    from pathlib import Path
-
     model = Path(str(rec["model"])).name.removesuffix(".json")
     rows = []
     for c in rec["cells"]:
@@ -301,12 +324,14 @@ def table_rows(rec: dict) -> list[list[str]]:
 
 
 def summary_md(rec: dict) -> str:
-    from lowbit.bench.record import md_table
-
     mem = rec["memory"]
     peak = mem.get("peak_device_bytes", mem.get("peak_rss_bytes", 0))
     foot = (f"ready in {rec['time_to_ready_s']:.1f} s; peak memory {peak / 2**30:.2f} GiB "
             f"({'device' if 'peak_device_bytes' in mem else 'RSS'}); copy bandwidth "
             f"{rec['copy_bandwidth_Bps'] / 1e9:.1f} GB/s; active weight bytes per token "
             f"{rec['weight_bytes']['active'] / 2**20:.1f} MiB; {rec['repeats']} repeats, mean ± sd")
-    return md_table(HEADERS, table_rows(rec)) + "\n\n" + foot
+    lines = [foot, rec.get("graphs", "")]
+    lines += [format_profile(p).splitlines()[0] for p in rec.get("step_profiles", [])]
+    fallbacks = rec.get("routes", {}).get("fallbacks", [])
+    lines += [f"WARNING reference route on CUDA: {f}" for f in fallbacks]
+    return md_table(HEADERS, table_rows(rec)) + "\n\n" + "  \n".join(x for x in lines if x)

@@ -8,8 +8,10 @@ A record is a dict: {"kind": "latency" | "serve" | "fingerprint" | "ab" | ..., "
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
 import importlib.metadata
+import io
 import json
 import os
 import platform
@@ -18,6 +20,8 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 DEFAULT_DIR = Path("bench/records")
 MD_HEADING = "# Benchmarks\n"
@@ -57,8 +61,6 @@ def cpu_name() -> str:
 
 def device_name(device: str | None = None) -> str:
     """'NVIDIA H200' for a CUDA device, the CPU model otherwise."""
-    import torch
-
     if (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()):
         idx = torch.device(device or "cuda").index or 0
         return torch.cuda.get_device_name(idx)
@@ -143,9 +145,6 @@ def md_table(headers: list[str], rows: list[list]) -> str:
 
 
 def csv_text(headers: list[str], rows: list[list]) -> str:
-    import csv
-    import io
-
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(headers)

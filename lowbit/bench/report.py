@@ -1,4 +1,5 @@
-"""`lowbit bench report`: PNG plots from bench records (matplotlib, Agg backend).
+"""`lowbit bench report`: PNG plots from bench records (matplotlib Figures, drawn without
+pyplot or a display).
 
 - serve_throughput.png: aggregate output throughput and per-user decode rate (median)
   against concurrency, one line per (run, retained context).
@@ -35,13 +36,20 @@ def eval_points(records: list[dict]) -> list[dict]:
     return pts
 
 
-def plot_serve(records: list[dict], out: Path) -> Path | None:
-    import matplotlib.pyplot as plt
+def _figure(**kw):
+    """A matplotlib Figure outside pyplot: no backend to pick, nothing to close."""
+    # imported here: matplotlib is an optional dependency that only this command needs
+    from matplotlib.figure import Figure
 
+    return Figure(**kw)
+
+
+def plot_serve(records: list[dict], out: Path) -> Path | None:
     serve = [r for r in records if r.get("kind") == "serve" and r.get("levels")]
     if not serve:
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = _figure(figsize=(12, 4.5))
+    ax1, ax2 = fig.subplots(1, 2)
     for rec in serve:
         for ctx in sorted({lv["context"] for lv in rec["levels"]}):
             lvs = sorted((lv for lv in rec["levels"] if lv["context"] == ctx), key=lambda lv: lv["concurrency"])
@@ -59,12 +67,11 @@ def plot_serve(records: list[dict], out: Path) -> Path | None:
 
 
 def plot_latency(records: list[dict], out: Path) -> Path | None:
-    import matplotlib.pyplot as plt
-
     lat = [r for r in records if r.get("kind") == "latency" and r.get("cells")]
     if not lat:
         return None
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig = _figure(figsize=(10, 4.5))
+    ax = fig.subplots()
     width = 0.8 / len(lat)
     tests = list(dict.fromkeys(c["test"] for r in lat for c in r["cells"]))
     for i, rec in enumerate(lat):
@@ -81,14 +88,13 @@ def plot_latency(records: list[dict], out: Path) -> Path | None:
 
 
 def plot_kl(records: list[dict], out: Path) -> Path | None:
-    import matplotlib.pyplot as plt
-
     pts = eval_points(records)
     if not pts:
         return None
     positive = [p for p in pts if p["kl"] > 0]
     shown = positive or pts  # the teacher itself (KL 0) has no place on a log axis
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = _figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     ax.scatter([p["bpw"] for p in shown], [p["kl"] for p in shown])
     for p in shown:
         ax.annotate(p["format"], (p["bpw"], p["kl"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
@@ -101,19 +107,13 @@ def plot_kl(records: list[dict], out: Path) -> Path | None:
 
 
 def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
 def make_report(records_dir: str | Path, out_dir: str | Path, log=print) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
     records = load_records(records_dir)
     out = Path(out_dir)
     written = []

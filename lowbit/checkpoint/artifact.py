@@ -32,9 +32,10 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from lowbit.checkpoint.quant_plan import quantized_weights
 from lowbit.errors import LowbitError
 from lowbit.formats import FORMATS, QuantizedTensor
-from lowbit.quantize.policy import quantized_weights
+from lowbit.kernels.moe_layout import HybridTensor
 
 MANIFEST = "lowbit.json"
 INDEX = "model.safetensors.index.json"
@@ -110,16 +111,12 @@ def artifact_entries(model: nn.Module, source_dtype: torch.dtype) -> tuple[dict,
 
 def _hybrid_weights(model: nn.Module) -> dict:
     """Expert stacks held by parts in two formats (lowbit.kernels.moe_layout.HybridTensor)."""
-    from lowbit.kernels.moe_layout import HybridTensor
-
     return {f"{name}.{attr}" if name else attr: v for name, mod in model.named_modules()
             for attr, v in vars(mod).items() if isinstance(v, HybridTensor)}
 
 
 def _load_hybrid(pname: str, entry: dict, read):
     """A HybridTensor from its manifest entry (parts: format, shape, payload keys, experts)."""
-    from lowbit.kernels.moe_layout import HybridTensor
-
     parts, members = {}, {}
     for part, p in dict(entry.get("parts", {})).items():
         fmt = FORMATS.get(p.get("format"))

@@ -3,26 +3,32 @@
 The model is built with its parameters on the `meta` device (buffers such as rotary
 frequencies are real), then each parameter is materialised on the device only when its
 tensor arrives, so the device never holds more than the finished model plus one weight in
-flight. With `quantization`, each weight the policy selects (lowbit.quantize.policy) is
-assembled on the CPU (an expert stack one layer at a time), moved to the device, encoded
+flight. With `quantization`, each weight the plan selects (lowbit.checkpoint.quant_plan)
+is assembled on the CPU (an expert stack one layer at a time), moved to the device, encoded
 there, and only its payload is kept. Third-party quantized checkpoints (DeepSeek FP8,
 gpt-oss MXFP4, NVFP4, AWQ, GPTQ) arrive as QuantizedTensors and are kept as they are.
+
+The loader knows nothing of processes. A `partition` (lowbit.distributed passes one for
+this rank of a tensor / expert parallel world) cuts the model built on the meta device
+before any weight is read, and filters the checkpoint's tensor stream to match.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from lowbit.checkpoint.artifact import load_artifact
 from lowbit.checkpoint.hf import CheckpointReader, read_generation_config, resolve_model_dir
-from lowbit.distributed.driver import drive_workers
-from lowbit.distributed.sharding import shard_if_parallel, shard_stream
+from lowbit.checkpoint.quant_plan import QuantPlan, describe_weights, plan_quantization, swappable
+from lowbit.checkpoint.thirdparty import assemble, detect, quantized_tensors
 from lowbit.errors import LowbitError
 from lowbit.formats import QuantizedTensor
 from lowbit.formats.base import ACCEPTED_DTYPES
@@ -30,11 +36,20 @@ from lowbit.layers.linear import set_quantized
 from lowbit.layers.loading import default_loader
 from lowbit.models import build_model
 from lowbit.models.config import ArchConfig, load_config
-from lowbit.quantize.policy import QuantPlan, describe_weights, plan_quantization, swappable
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+class Partition(Protocol):
+    """The part of a model this process holds (lowbit.distributed.sharding.RankPartition)."""
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """Cut `model`, built with its parameters on the meta device, to this part."""
+
+    def stream(self, model: nn.Module, tensors: Iterable) -> Iterator:
+        """The checkpoint's (name, tensor) pairs that this part loads, cut to it."""
 
 
 @dataclass
@@ -104,13 +119,16 @@ def _params_on_meta():
         nn.Module.register_parameter = register
 
 
-def allocate_empty(cfg: ArchConfig, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
-    """The model with parameters on `meta` and everything else (buffers) on `device`."""
+def allocate_empty(cfg: ArchConfig, dtype: torch.dtype, device: str | torch.device,
+                   partition: Partition | None = None) -> torch.nn.Module:
+    """The model (or the `partition` of it) with parameters on `meta` and everything else
+    (buffers) on `device`."""
     # built on the CPU: an untouched torch.empty costs no memory there, and no parameter
     # ever lands on the device before its tensor is read
     with _params_on_meta(), default_dtype(dtype), torch.device("cpu"):
         m = build_model(cfg).eval()
-    shard_if_parallel(m)  # under tensor / expert parallelism: this rank's part only
+    if partition is not None:
+        m = partition.shard(m)
     for mod in m.modules():
         for name, buf in mod._buffers.items():
             if buf is not None:
@@ -169,8 +187,6 @@ class DeviceFiller:
         elif isinstance(tensor, QuantizedTensor) and pname in self.targets:
             self._pieces.setdefault(pname, {})[shard] = tensor
             if complete:
-                from lowbit.checkpoint.thirdparty import assemble
-
                 qt = assemble(self.model, pname, tuple(meta.shape), self._pieces.pop(pname), name)
                 self.swap(pname, qt)
         else:
@@ -238,42 +254,40 @@ def _fill_random(model: nn.Module, filler: DeviceFiller, seed: int) -> None:
 def load_model(model: str | Path, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
                random_weights: bool = False, config: str | Path | None = None,
                seed: int = 0, quantization: str | None = None,
-               quantize_lm_head: bool = False) -> LoadedModel:
+               quantize_lm_head: bool = False, partition: Partition | None = None) -> LoadedModel:
     """`model` is a built-in name, an HF directory or a lowbit artifact; with random_weights,
     `config` (a config.json) alone decides the shape and no checkpoint is read.
-    `quantization` (a format name) encodes every eligible weight while loading."""
+    `quantization` (a format name) encodes every eligible weight while loading.
+    `partition`: load only that part of the model (see the module docstring)."""
     dt = parse_dtype(dtype)
     if random_weights:
         if config is None:
             raise LowbitError("--random-weights needs --config FILE (a model's config.json)")
         cfg = load_config(config)
-        m = allocate_empty(cfg, dt, device)
+        m = allocate_empty(cfg, dt, device, partition)
         filler = DeviceFiller(m, device, _plan(m, quantization, quantize_lm_head))
         _fill_random(m, filler, seed)
         return _loaded(m, cfg, None, {}, f"{SHORT[dt]} (random)", filler)
     path = resolve_model_dir(model)
     cfg = load_config(path)
-    m = allocate_empty(cfg, dt, device)
+    m = allocate_empty(cfg, dt, device, partition)
     if (path / "lowbit.json").exists():
-        from lowbit.checkpoint.artifact import load_artifact
-
         if quantization:
             raise LowbitError(f"{path} is a lowbit artifact, already quantized: load it as it is, "
                               "or quantize its bf16 source instead")
-        if getattr(m, "parallel_layout", None) is not None:
+        if partition is not None:
             raise LowbitError("lowbit artifacts do not load sharded yet; run them on one GPU, or load the HF checkpoint")
         filler = DeviceFiller(m, device)
         load_artifact(path, m, filler)
         return _loaded(m, cfg, path, read_generation_config(path), SHORT[dt], filler)
     reader = CheckpointReader(path)
     filler = DeviceFiller(m, device, _plan(m, quantization, quantize_lm_head))
-    m.load_weights(shard_stream(m, _checkpoint_tensors(reader, cfg, path)), sink=filler)
+    tensors = _checkpoint_tensors(reader, cfg, path)
+    m.load_weights(tensors if partition is None else partition.stream(m, tensors), sink=filler)
     return _loaded(m, cfg, path, read_generation_config(path), reader.storage_format(), filler)
 
 
 def _checkpoint_tensors(reader: CheckpointReader, cfg: ArchConfig, path: Path) -> Iterator:
-    from lowbit.checkpoint.thirdparty import detect, quantized_tensors
-
     layout = detect(cfg.quantization_config)
     stream = reader.tensors(desc=f"loading {path.name}")
     return stream if layout is None else quantized_tensors(reader, layout, stream)
@@ -288,4 +302,4 @@ def _plan(m: nn.Module, quantization: str | None, quantize_lm_head: bool) -> Qua
 def _loaded(m: nn.Module, cfg: ArchConfig, path: Path | None, gen: dict, dense_format: str,
             filler: DeviceFiller) -> LoadedModel:
     fmt = describe_weights(m) or dense_format
-    return LoadedModel(drive_workers(m), cfg, path, gen, fmt, filler.plan, filler.stats)
+    return LoadedModel(m, cfg, path, gen, fmt, filler.plan, filler.stats)

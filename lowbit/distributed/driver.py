@@ -1,10 +1,11 @@
 """Rank 0 drives, the other ranks follow.
 
 Rank 0 runs the engine (scheduler, sampler, detokenizer, HTTP) as on one GPU; its model is
-a `DriverModel`. Each call that runs collectives (the forward, compute_logits, a draft
-head) is first broadcast to the workers as a control message, then run locally; every
-worker sits in `worker_loop`, runs the same call on its own shard of the model, and
-drops the result. So all ranks enter each collective in the same order.
+a `DriverModel` (lowbit.distributed.loading.engine_model wraps rank 0's shard in one). Each
+of its methods that runs collectives (the forward, compute_logits, a draft head) or changes
+the model (prepare_for_serving) is first broadcast to the workers as a control message,
+then run locally; every worker sits in `worker_loop`, runs the same call on its own shard
+of the model, and drops the result. So all ranks enter each collective in the same order.
 
 A control message is the method name and its arguments, pickled. Tensors in it travel
 by value: small ones inside the message (CPU), large ones (hidden states) over the device
@@ -24,11 +25,13 @@ import torch
 import torch.distributed as dist
 
 from lowbit.distributed import parallel_state as ps
+from lowbit.engine.kv_cache import ContiguousKVCache
+from lowbit.engine.paged_cache import PagedKVCache
 from lowbit.errors import LowbitError
 
 log = logging.getLogger("lowbit")
 
-COLLECTIVE_CALLS = ("forward", "compute_logits", "mtp_forward")
+MIRRORED = ("forward", "compute_logits", "mtp_forward", "prepare_for_serving")  # DriverModel's calls
 INLINE_NUMEL = 1 << 16  # tensors up to this size ride in the control message
 STOP = "__stop__"
 
@@ -64,9 +67,9 @@ def workers_lost() -> bool:
     return _RUN["workers"] == "lost"
 
 
-def drive_workers(model: torch.nn.Module) -> torch.nn.Module:
-    """The loader's hook: rank 0 of a driven world gets a DriverModel (once every worker
-    has loaded its shard), everyone else the model."""
+def drive_workers(model: torch.nn.Module) -> torch.nn.Module | DriverModel:
+    """Rank 0 of a driven world gets a DriverModel (once every worker has loaded its
+    shard), everyone else the model."""
     if not ps.is_driver():
         return model
     errors = _gather_status(None)
@@ -102,28 +105,55 @@ def release_workers() -> bool:
 
 
 class DriverModel:
-    """Stands for the model on rank 0: attributes are the model's; collective calls are
-    mirrored on the workers first."""
+    """Stands for the model on rank 0, with the part of a CausalLM's interface the engine
+    uses. The MIRRORED calls run on the workers too; the rest reads rank 0's own shard,
+    `local`."""
 
     supports_cuda_graphs = False  # the workers do not capture graphs yet (docs/DISTRIBUTED.md)
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.__dict__["_model"] = model
-        self.__dict__["_caches"] = {}  # id(cache) -> (handle, cache)
+        self.local = model
+        self._caches: dict[int, tuple[int, object]] = {}  # id(cache) -> (handle, cache)
 
-    def __getattr__(self, name: str):
-        value = getattr(self._model, name)
-        if name in COLLECTIVE_CALLS and callable(value):
-            return lambda *args, **kwargs: self._mirror(name, value, args, kwargs)
-        return value
+    # -- mirrored on every rank
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        return self.forward(*args, **kwargs)
 
-    def __setattr__(self, name: str, value) -> None:
-        setattr(self._model, name, value)
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self._mirror("forward", args, kwargs)
 
-    def __call__(self, *args, **kwargs):
-        return self._mirror("forward", self._model, args, kwargs)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._mirror("compute_logits", (hidden,), {})
 
-    def _mirror(self, name: str, fn, args: tuple, kwargs: dict):
+    def mtp_forward(self, *args, **kwargs) -> torch.Tensor:
+        return self._mirror("mtp_forward", args, kwargs)
+
+    def prepare_for_serving(self) -> None:
+        self._mirror("prepare_for_serving", (), {})
+
+    # -- rank 0's shard
+    @property
+    def config(self):
+        return self.local.config
+
+    @property
+    def num_cache_layers(self) -> int:
+        return self.local.num_cache_layers
+
+    def parameters(self, recurse: bool = True):
+        return self.local.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.local.named_parameters(*args, **kwargs)
+
+    def modules(self):
+        return self.local.modules()
+
+    def named_modules(self, *args, **kwargs):
+        return self.local.named_modules(*args, **kwargs)
+
+    def _mirror(self, name: str, args: tuple, kwargs: dict):
+        fn = self.local if name == "forward" else getattr(self.local, name)
         big: list[torch.Tensor] = []
         msg = _Packer(self._caches, big).pack((name, args, kwargs))
         ps.broadcast_object((msg, [(tuple(t.shape), t.dtype) for t in big]))
@@ -146,6 +176,7 @@ def worker_loop(model: torch.nn.Module) -> None:
                 return
             big = [ps.broadcast(torch.empty(s, dtype=d, device=device)) for s, d in big_specs]
             name, args, kwargs = _Unpacker(msg, caches, big, device).load()
+            assert name in MIRRORED, name
             fn = model if name == "forward" else getattr(model, name)
             fn(*args, **kwargs)
 
@@ -198,20 +229,16 @@ class _Unpacker(pickle.Unpickler):
 
 
 def _is_cache(obj) -> bool:
-    return callable(getattr(obj, "update", None)) and hasattr(obj, "k") and hasattr(obj, "v")
+    return isinstance(obj, (PagedKVCache, ContiguousKVCache))
 
 
-def _cache_geometry(cache) -> tuple:
-    if hasattr(cache, "num_blocks"):  # lowbit.engine.paged_cache.PagedKVCache
+def _cache_geometry(cache: PagedKVCache | ContiguousKVCache) -> tuple:
+    if isinstance(cache, PagedKVCache):
         return ("paged", len(cache.k), cache.num_blocks, cache.block_size, cache.dtype)
     return ("contiguous", len(cache.k), cache.num_slots, cache.max_len)
 
 
-def _twin_cache(geometry: tuple, device: torch.device):
+def _twin_cache(geometry: tuple, device: torch.device) -> PagedKVCache | ContiguousKVCache:
     if geometry[0] == "paged":
-        from lowbit.engine.paged_cache import PagedKVCache
-
         return PagedKVCache(*geometry[1:], device)
-    from lowbit.engine.kv_cache import ContiguousKVCache
-
     return ContiguousKVCache(*geometry[1:])

@@ -6,9 +6,10 @@
 set, one process per rank, any number of nodes) nothing is spawned: each process takes
 its role from the environment.
 
-Rank 0 runs the command; its model, loaded through lowbit.checkpoint.loader, is a
-DriverModel. Every other rank loads its shard with the same arguments, reports whether
-that worked, then follows rank 0 (lowbit.distributed.driver.worker_loop) until told to stop.
+Rank 0 runs the command; the command's engine gets its model from
+lowbit.distributed.loading.engine_model, a DriverModel on rank 0. Every other rank loads
+its shard the same way, with the same arguments, reports whether that worked, then follows
+rank 0 (lowbit.distributed.driver.worker_loop) until told to stop.
 
 Lifetimes of spawned ranks: a worker ignores SIGINT and SIGTERM (a Ctrl-C or a stop sent to
 the whole process group reaches rank 0, which stops the workers once its command is done)
@@ -34,8 +35,10 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
+from lowbit.config import EngineConfig
 from lowbit.distributed import driver
 from lowbit.distributed import parallel_state as ps
+from lowbit.distributed.loading import engine_model
 from lowbit.errors import LowbitError
 
 log = logging.getLogger("lowbit")
@@ -145,7 +148,7 @@ def _finish(done: threading.Event | None) -> None:
 
 def _follow(args: argparse.Namespace) -> int:
     try:
-        model = load_worker_model(args)
+        model = engine_model(EngineConfig.from_cli(args)).model
     except Exception as e:  # tell rank 0, which raises it
         driver.report_loaded(f"rank {ps.current_layout().rank}: {type(e).__name__}: {e}")
         log.debug("worker load failed:\n%s", traceback.format_exc())
@@ -154,19 +157,6 @@ def _follow(args: argparse.Namespace) -> int:
         return 1  # rank 0 gave up before driving
     driver.worker_loop(model)
     return 0
-
-
-def load_worker_model(args: argparse.Namespace) -> torch.nn.Module:
-    """Load this rank's shard with the arguments the engine on rank 0 uses."""
-    from lowbit.checkpoint.loader import load_model
-    from lowbit.config import EngineConfig
-    from lowbit.engine.engine import compute_dtype, default_device
-
-    cfg = EngineConfig.from_cli(args)
-    dev = torch.device(cfg.device or default_device())
-    return load_model(cfg.model, dtype=compute_dtype(cfg.dtype, dev), device=str(dev),
-                      random_weights=cfg.random_weights, config=cfg.config,
-                      quantization=getattr(cfg, "quantization", None)).model
 
 
 def _uses_cuda(args: argparse.Namespace) -> bool:

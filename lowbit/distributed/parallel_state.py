@@ -124,8 +124,8 @@ def check_launched(tp: int, ep: int) -> None:
     if layout is None or (layout.tp, layout.ep) != (tp, ep):
         raise LowbitError(
             f"--tensor-parallel-size {tp} --expert-parallel-size {ep} needs one process per GPU: "
-            "`lowbit generate` starts them itself, as does `lowbit serve`; other entry points must run under torchrun and call "
-            "lowbit.distributed.init_distributed first (docs/DISTRIBUTED.md)")
+            "`lowbit generate` starts them itself, as does `lowbit serve`; other entry points must run under torchrun "
+            "and call lowbit.distributed.init_distributed first (docs/DISTRIBUTED.md)")
 
 
 def destroy_distributed() -> None:
@@ -138,12 +138,6 @@ def destroy_distributed() -> None:
 def current_layout() -> ParallelLayout | None:
     """The layout of this process, or None outside init_distributed."""
     return None if _STATE is None else _STATE.layout
-
-
-def local_heads(heads: int) -> int:
-    """Heads of `heads` this rank holds: heads/tp, or one copied head when heads < tp."""
-    tp = 1 if _STATE is None else _STATE.layout.tp
-    return max(1, heads // tp)
 
 
 def current_device() -> torch.device:

@@ -1,4 +1,5 @@
-"""shard_model: make one rank's part of a model built for one GPU, and load it.
+"""shard_model: make one rank's part of a model built for one GPU, and load it
+(`RankPartition` is that part in the form lowbit.checkpoint.loader.load_model takes).
 
 Why in place, after building: the model families stay single-GPU code, and one walk over
 module types (attention, gated MLP, MoE block, embedding, lm_head) shards every family.
@@ -6,10 +7,10 @@ Run on a model whose parameters are still on the meta device (lowbit's loader bu
 so), it only changes shapes; run on a loaded model, it cuts the loaded weights.
 
 Loading a sharded model, each checkpoint tensor takes one of two paths:
-  - dense tensors reach the parameter's weight loader, which `cutting_loader` wraps: it
-    cuts the whole tensor (or one expert's piece) to this rank's part first. A family
-    loader that re-lays a tensor out (gpt-oss's interleaved gate/up) fills a whole-size
-    buffer on the CPU, which is then cut.
+  - dense tensors reach the parameter's weight loader, which `cutting_loader`
+    (lowbit.distributed.tensor_parallel) wraps: it cuts the whole tensor (or one expert's
+    piece) to this rank's part first. A family loader that re-lays a tensor out (gpt-oss's
+    interleaved gate/up) fills a whole-size buffer on the CPU, which is then cut.
   - `shard_stream` filters the (name, tensor) stream before CausalLM.load_weights: the
     tensors of another rank's experts are dropped, this rank's are renamed to local
     expert indices (so load counts stay exact), and QuantizedTensors are cut there, since
@@ -20,18 +21,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from lowbit.distributed import parallel_state as ps
 from lowbit.distributed.expert_parallel import ParallelMoE
 from lowbit.distributed.parallel_state import ParallelLayout
-from lowbit.distributed.slicing import ShardSpec, take, take_piece
+from lowbit.distributed.slicing import take, take_piece
 from lowbit.distributed.tensor_parallel import shard_attention, shard_mlp, shard_vocab
 from lowbit.errors import LowbitError
 from lowbit.formats.base import QuantizedTensor
-from lowbit.layers.loading import check_shape, default_loader, expert_loader
 from lowbit.layers.mlp import GatedMLP
 from lowbit.layers.moe import SparseMoE
 
@@ -61,46 +60,19 @@ def shard_model(model: nn.Module, layout: ParallelLayout) -> nn.Module:
     return model
 
 
-def shard_if_parallel(model: nn.Module) -> nn.Module:
-    """The loader's hook: shard for the layout of this process, if it has one."""
-    layout = ps.current_layout()
-    return model if layout is None else shard_model(model, layout)
+@dataclass(frozen=True)
+class RankPartition:
+    """One rank's part of a model, as lowbit.checkpoint.loader.load_model takes a
+    `partition`: `shard` cuts the model built on the meta device, `stream` filters the
+    checkpoint's (name, tensor) stream to match."""
 
+    layout: ParallelLayout
 
-def cutting_loader(base, spec: ShardSpec):
-    """Wrap a weight loader so it takes whole checkpoint tensors and keeps this rank's part.
-    A tensor already cut (a QuantizedTensor cut in shard_stream, then dequantized) passes."""
-    base = base or default_loader
-    plain = base in (default_loader, expert_loader)
+    def shard(self, model: nn.Module) -> nn.Module:
+        return shard_model(model, self.layout)
 
-    def load(param: torch.Tensor, loaded: torch.Tensor, shard=None, name: str = "") -> None:
-        if shard is not None:  # one expert's piece; shard_stream made its index local
-            half = shard[1]
-            whole, local = _piece_shape(spec.logical, spec, half), _piece_shape(spec.local, spec, half)
-            if tuple(loaded.shape) != local or local == whole:
-                loaded = take_piece(loaded, spec, half, name)
-            base(param, loaded, shard, name)
-        elif tuple(loaded.shape) == spec.local and spec.local != spec.logical:
-            base(param, loaded, None, name)
-        elif plain:
-            check_shape(name, spec.logical, tuple(loaded.shape))
-            base(param, take(loaded, spec, name), None, name)
-        else:  # the family re-lays the tensor out: do that at whole size, then cut
-            full = torch.empty(spec.logical, dtype=param.dtype, device=loaded.device)
-            base(full, loaded, None, name)
-            default_loader(param, take(full, spec, name), None, name)
-
-    return load
-
-
-def _piece_shape(shape: tuple, spec: ShardSpec, half: int | None) -> tuple:
-    """One expert's piece of a stack of `shape`: drop the expert dim, halve the gate/up dim."""
-    out = list(shape[1:])
-    if half is not None and spec.split is not None and spec.split.halves:
-        out[spec.split.dim - 1] //= 2
-    elif half is not None:
-        out[0] //= 2
-    return tuple(out)
+    def stream(self, model: nn.Module, tensors: Iterable) -> Iterator:
+        return shard_stream(model, tensors)
 
 
 def shard_stream(model: nn.Module, stream: Iterable) -> Iterator:

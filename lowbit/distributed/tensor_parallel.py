@@ -22,17 +22,15 @@ import torch
 from torch import nn
 
 from lowbit.distributed import parallel_state as ps
-from lowbit.distributed.slicing import ShardSpec, Split
+from lowbit.distributed.slicing import ShardSpec, Split, take, take_piece
 from lowbit.errors import LowbitError
 from lowbit.layers.linear import Linear, kernel_linear
+from lowbit.layers.loading import check_shape, default_loader, expert_loader
 
 
 def reshard(value, spec: ShardSpec, name: str):
     """The local part of a parameter: a meta parameter of the local shape before loading,
     the cut data after. The spec and a cutting weight loader ride on the parameter."""
-    from lowbit.distributed.sharding import cutting_loader
-    from lowbit.distributed.slicing import take
-
     if value is None:
         return None
     if not isinstance(value, nn.Parameter):  # a QuantizedTensor, already loaded
@@ -46,6 +44,42 @@ def reshard(value, spec: ShardSpec, name: str):
     p.shard_spec = spec
     p.weight_loader = cutting_loader(getattr(value, "weight_loader", None), spec)
     return p
+
+
+def cutting_loader(base, spec: ShardSpec):
+    """Wrap a weight loader so it takes whole checkpoint tensors and keeps this rank's part.
+    A tensor already cut (a QuantizedTensor cut in shard_stream, then dequantized) passes."""
+    base = base or default_loader
+    plain = base in (default_loader, expert_loader)
+
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard=None, name: str = "") -> None:
+        if shard is not None:  # one expert's piece; shard_stream made its index local
+            half = shard[1]
+            whole, local = _piece_shape(spec.logical, spec, half), _piece_shape(spec.local, spec, half)
+            if tuple(loaded.shape) != local or local == whole:
+                loaded = take_piece(loaded, spec, half, name)
+            base(param, loaded, shard, name)
+        elif tuple(loaded.shape) == spec.local and spec.local != spec.logical:
+            base(param, loaded, None, name)
+        elif plain:
+            check_shape(name, spec.logical, tuple(loaded.shape))
+            base(param, take(loaded, spec, name), None, name)
+        else:  # the family re-lays the tensor out: do that at whole size, then cut
+            full = torch.empty(spec.logical, dtype=param.dtype, device=loaded.device)
+            base(full, loaded, None, name)
+            default_loader(param, take(full, spec, name), None, name)
+
+    return load
+
+
+def _piece_shape(shape: tuple, spec: ShardSpec, half: int | None) -> tuple:
+    """One expert's piece of a stack of `shape`: drop the expert dim, halve the gate/up dim."""
+    out = list(shape[1:])
+    if half is not None and spec.split is not None and spec.split.halves:
+        out[spec.split.dim - 1] //= 2
+    elif half is not None:
+        out[0] //= 2
+    return tuple(out)
 
 
 def _shape(value) -> tuple[int, ...]:

@@ -1,22 +1,25 @@
-"""CUDA graphs for decode-only steps: one graph per batch-size bucket.
+"""CUDA graphs for decode-only steps: one graph per (batch-size bucket, sampler mode).
 
-A decode step of B sequences is padded up to the next bucket (1, 2, 4, 8, then multiples
-of 16 up to --max-num-seqs); padding rows read and write the pool's scratch block, which
-the block manager never hands out, and their outputs are dropped.
-Capture records the model forward on static buffers (input ids, positions, slot mapping,
-block tables, sequence lengths); replay copies the step's metadata into them. A bucket is
-captured at its first decode step, so a run pays only for the batch sizes it uses (the
-bucket list up to 256 sequences is 20 graphs of every layer).
+A graph covers the whole step: embedding, every layer, the final norm, lm_head and the
+sampler, from the token ids to the sampled tokens, with no host sync inside. It reads the
+runner's persistent device buffers (lowbit.engine.staging.StepInputs: ids, positions,
+slot mapping, block tables, sequence lengths, sampler rows and steps) and the sampler's
+persistent state (lowbit.engine.sampling.SamplingState), and writes the tokens and the
+logits into static outputs. A decode step of B sequences is padded up to the next bucket
+(1, 2, 4, 8, multiples of 16, and --max-num-seqs itself); padded rows read and write the
+pool's scratch block and the sampler's scratch row, and their outputs are dropped.
+
+The sampler mode (greedy only; random; with top-k/p filters; with penalties) is a static
+property of a graph, so a greedy batch never pays for a sort over the vocabulary. A bucket
+is captured at its first decode step in a mode, so a run pays only for what it uses.
 
 A graph replays kernels with the arguments they had at capture, so it is only correct for
-a model whose layers read the batch through those tensors alone. A model says so with
-`supports_cuda_graphs = True` (its attention goes through the paged `attention` op); the
-op's torch route still reads Python lengths, so graphs also need a graph-safe route to
-serve decode (lowbit.kernels.attention_op.decode_graph_refusal). Each bucket's warm-up
-step runs with torch's sync debug mode set to error: a layer that reads device values on
-the host (the reference MoE route, which serves more tokens than the fused decode route
-takes) makes that bucket run eagerly, with the reason logged once, instead of breaking
-the capture; the other buckets keep their graphs.
+a model whose layers read the batch through those tensors alone: a model says so with
+`supports_cuda_graphs = True`, and the decode attention route must be graph-safe
+(lowbit.kernels.attention_op.decode_graph_refusal). Each capture's warm-up step runs with
+torch's sync debug mode set to error: a layer that reads device values on the host makes
+that bucket run eagerly, with the reason as a WARNING (stderr), instead of breaking the
+capture; the other buckets keep their graphs.
 """
 
 from __future__ import annotations
@@ -26,13 +29,17 @@ import logging
 import torch
 
 from lowbit.engine.batch import ForwardBatch
+from lowbit.engine.staging import StepInputs
+from lowbit.kernels.attention_op import decode_graph_refusal
+from lowbit.kernels.sample_op import sample_rows
 
 log = logging.getLogger("lowbit")
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
-    return small + list(range(16, max_num_seqs + 1, 16))
+    buckets = small + list(range(16, max_num_seqs + 1, 16))
+    return buckets if buckets[-1] == max_num_seqs else buckets + [max_num_seqs]
 
 
 def graphs_wanted(model: torch.nn.Module, device: torch.device, enforce_eager: bool) -> str | None:
@@ -42,94 +49,92 @@ def graphs_wanted(model: torch.nn.Module, device: torch.device, enforce_eager: b
     if device.type != "cuda":
         return "not on CUDA"
     if not getattr(model, "supports_cuda_graphs", False):
-        return "the model's attention reads per-sequence Python metadata"
-    try:
-        from lowbit.kernels.attention_op import decode_graph_refusal
-    except ImportError as e:
-        return f"the attention kernels cannot be imported ({e})"
+        return f"{type(model).__name__} reads per-sequence Python metadata in its attention"
     return decode_graph_refusal()
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_cache, max_num_seqs: int, max_blocks: int,
-                 device: torch.device) -> None:
-        self.model, self.kv_cache, self.device = model, kv_cache, device
+    def __init__(self, model: torch.nn.Module, inputs: StepInputs, sampling, kv_cache,
+                 max_num_seqs: int, device: torch.device) -> None:
+        self.model, self.inputs, self.sampling, self.kv_cache = model, inputs, sampling, kv_cache
+        self.device = device
         self.buckets = graph_buckets(max_num_seqs)
         n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), kv_cache.scratch_row, dtype=torch.long, device=device)
-        self.block_tables = torch.full((n, max_blocks), kv_cache.scratch_block, dtype=torch.int32,
-                                       device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}
-        self.eager: dict[int, str] = {}  # bucket -> why its steps run eagerly
+        self.tokens = torch.zeros(n, dtype=torch.long, device=device)
+        self.logits: dict[tuple, torch.Tensor] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.eager: dict[tuple, str] = {}  # (bucket, mode) -> why its steps run eagerly
         self.pool = None
-
-    def _static_batch(self, b: int) -> ForwardBatch:
-        return ForwardBatch(self.positions[:b], list(range(b + 1)), [1] * b, [None] * b,
-                            self.kv_cache, self.slot_mapping[:b], self.block_tables[:b],
-                            self.seq_lens[:b])
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def ready(self, num_seqs: int) -> bool:
+    def ready(self, num_seqs: int, mode=None) -> bool:
         """Whether a decode step of num_seqs sequences replays a graph; the first step of a
-        bucket captures it, or records why that bucket runs eagerly."""
+        (bucket, mode) captures it, or records why it runs eagerly."""
         b = self.bucket_for(num_seqs)
-        if b is None or b in self.eager:
+        key = (b, mode)
+        if b is None or key in self.eager:
             return False
-        if b not in self.graphs:
-            reason = self.capture(b)
+        if key not in self.graphs:
+            reason = self.capture(b, mode)
             if reason is not None:
-                self.eager[b] = reason
-                log.info("decode steps of up to %d sequences run eagerly: %s", b, reason)
+                self.eager[key] = reason
+                log.warning("decode steps of up to %d sequences run eagerly (slow): %s", b, reason)
                 return False
         return True
 
-    def capture(self, b: int) -> str | None:
-        """Capture bucket b; or the reason its warm-up step cannot be captured."""
+    def _static_batch(self, b: int) -> ForwardBatch:
+        tok, seq = self.inputs.tokens(b), self.inputs.seqs(b)
+        return ForwardBatch(tok["positions"], list(range(b + 1)), [1] * b, [None] * b,
+                            self.kv_cache, tok["slot_mapping"], self.inputs.block_tables[:b],
+                            seq["seq_lens"])
+
+    def _step(self, b: int, mode) -> torch.Tensor:
+        """The captured work: ids -> hidden -> logits -> tokens (into self.tokens)."""
         batch = self._static_batch(b)
-        reason = self._warm_up(b, batch)
+        hidden = self.model(self.inputs.tokens(b)["input_ids"], batch)
+        logits = self.model.compute_logits(hidden)  # [b, V] float32
+        seq = self.inputs.seqs(b)
+        self.tokens[:b].copy_(sample_rows(logits, self.sampling, seq["rows"], seq["steps"], mode))
+        return logits
+
+    def capture(self, b: int, mode=None) -> str | None:
+        """Capture bucket b in a sampler mode; or the reason its warm-up step cannot be."""
+        reason = self._warm_up(b, mode)
         if reason is not None:
             return reason
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):  # one pool: buckets never replay at once
-            self.hidden[b] = self.model(self.input_ids[:b], batch)
+        with torch.cuda.graph(graph, pool=self.pool):  # one pool: graphs never replay at once
+            self.logits[(b, mode)] = self._step(b, mode)
         self.pool = graph.pool()
-        self.graphs[b] = graph
+        self.graphs[(b, mode)] = graph
         torch.cuda.synchronize(self.device)
-        log.info("captured the decode CUDA graph for %d sequences", b)
+        log.info("captured the decode CUDA graph for %d sequences (%s)", b, mode)
         return None
 
-    def _warm_up(self, b: int, batch: ForwardBatch) -> str | None:
-        """One eager step outside the graph; a host sync in it would break the capture."""
+    def _warm_up(self, b: int, mode) -> str | None:
+        """One eager step outside the graph; a host sync in it would break the capture.
+        The inputs hold the step about to run (padded to b), so the warm-up computes it too:
+        its K/V writes are the ones the replay then rewrites with the same values."""
         torch.cuda.synchronize(self.device)
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
+        counts = self.sampling.snapshot()  # the warm-up's sampled tokens must not count
         try:
-            self.model(self.input_ids[:b], batch)
+            self._step(b, mode)
         except RuntimeError as e:
             if "synchroniz" not in str(e):
                 raise
             return f"a decode step of {b} sequences reads device values on the host ({e})"
         finally:
             torch.cuda.set_sync_debug_mode(previous)
+            self.sampling.restore(counts)
         return None
 
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        B = batch.num_seqs
-        assert self.ready(B), f"no decode graph for {B} sequences: {self.eager.get(self.bucket_for(B))}"
-        b = self.bucket_for(B)
-        self.input_ids[:B].copy_(input_ids)
-        self.positions[:B].copy_(batch.positions)
-        self.slot_mapping.fill_(self.kv_cache.scratch_row)
-        self.slot_mapping[:B].copy_(batch.slot_mapping)
-        self.block_tables.fill_(self.kv_cache.scratch_block)
-        self.block_tables[:B, :batch.block_tables.shape[1]].copy_(batch.block_tables)
-        self.seq_lens.fill_(1)
-        self.seq_lens[:B].copy_(batch.seq_lens)
-        self.graphs[b].replay()
-        return self.hidden[b][:B]
+    def run(self, num_seqs: int, mode=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the step staged in the runner's inputs; (tokens [B], logits [B, V])."""
+        b = self.bucket_for(num_seqs)
+        assert (b, mode) in self.graphs, f"no decode graph for {num_seqs} sequences in {mode}"
+        self.graphs[(b, mode)].replay()
+        return self.tokens[:num_seqs], self.logits[(b, mode)][:num_seqs]

@@ -72,10 +72,13 @@ class LLMEngine:
         check_env()  # a misspelt LOWBIT_ROUTE_* fails before the model loads, not at its first call
         self.device = torch.device(config.device or default_device())
         dtype = compute_dtype(config.dtype, self.device)
+        if loaded is None:
+            config.check_loads_alone()
         self.loaded = loaded or load_model(config.model, dtype=dtype, device=str(self.device),
                                            random_weights=config.random_weights, config=config.config,
                                            quantization=config.quantization)
         self.model, self.arch = self.loaded.model, self.loaded.config
+        self.model.prepare_for_serving()
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(config.cpu_threads, self.arch))
         tok_dir = config.tokenizer or self.loaded.path
@@ -88,7 +91,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.max_num_seqs,
-                                  self.max_model_len, self.config.enforce_eager)
+                                  self.max_model_len, self.config.enforce_eager,
+                                  self.config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._pending: list[RequestDelta] = []  # deltas of requests aborted between steps
@@ -110,7 +114,7 @@ class LLMEngine:
             raise LowbitError("the KV cache would hold no block; give it more memory or tokens")
         self.kv_cache = PagedKVCache(layers, num_blocks, cfg.block_size, kv_dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        mib = num_blocks * cfg.block_size * kv_bytes_per_token(self.arch, kv_dtype, layers) / 2**20
+        mib = num_blocks * cfg.block_size * kv_bytes_per_token(self.arch, kv_dtype, layers, cfg.tensor_parallel_size) / 2**20
         log.info("KV cache: %d blocks x %d = %d tokens, %s, %.1f MiB", num_blocks, cfg.block_size,
                  self.kv_cache.num_tokens, str(kv_dtype).replace("torch.", ""), mib)
 
@@ -197,6 +201,7 @@ class LLMEngine:
         if req is None:
             return
         self.scheduler.finish(req, "abort")
+        self.runner.release(request_id)
         self.stats.on_finish("abort", req.arrival_time, time.monotonic())
         self._pending.append(take_delta(req, "abort"))
 
@@ -232,6 +237,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         self.scheduler.finish(req, reason)
+        self.runner.release(req.request_id)
         self.requests.pop(req.request_id, None)
         self.stats.on_finish(reason, req.arrival_time, now)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from lowbit.checkpoint.loader import LoadedModel
 from lowbit.config import EngineConfig
 from lowbit.engine.engine import LLMEngine
 from lowbit.engine.prompt import PromptEncoder
@@ -29,10 +30,15 @@ def child_params(sp: SamplingParams, i: int) -> SamplingParams:
 class LLM:
     def __init__(self, model: str = "demo", *, dtype: str = "auto", device: str | None = None,
                  random_weights: bool = False, config: str | None = None,
-                 max_model_len: int | None = None, tokenizer: str | None = None, **engine_args) -> None:
+                 max_model_len: int | None = None, tokenizer: str | None = None,
+                 loaded: LoadedModel | None = None, **engine_args) -> None:
+        """`loaded`: a model loaded already (lowbit.distributed.engine_model's, under tensor /
+        expert parallelism); by default the engine loads `model` itself."""
         cfg = EngineConfig(model=model, dtype=dtype, device=device, random_weights=random_weights,
                            config=config, max_model_len=max_model_len, tokenizer=tokenizer, **engine_args)
-        self.engine = LLMEngine(cfg)
+        if loaded is None:
+            cfg.check_loads_alone()
+        self.engine = LLMEngine(cfg, loaded)
         self.device = str(self.engine.device)
         self.loaded = self.engine.loaded
         self.model, self.config = self.engine.model, self.engine.arch

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.distributed.parallel_state import local_heads
 from lowbit.errors import LowbitError
 
 log = logging.getLogger("lowbit")
@@ -143,14 +142,20 @@ def _load_fp8(pool: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, dtyp
 
 
 # -- sizing -------------------------------------------------------------------------------
-def kv_bytes_per_token(arch, dtype: torch.dtype, num_layers: int) -> int:
-    """Upper bound on this rank's cache bytes per token over all layers, from the config's
-    head shapes (under tensor parallelism a rank caches only its own kv heads; MLA's latent
-    is shared by all heads, so every rank caches all of it)."""
+def kv_heads_per_rank(kv_heads: int, tp: int) -> int:
+    """The kv heads one of `tp` tensor parallel ranks caches: kv_heads/tp, or one copied
+    head when kv_heads < tp (lowbit.distributed.tensor_parallel.shard_attention)."""
+    return max(1, kv_heads // tp)
+
+
+def kv_bytes_per_token(arch, dtype: torch.dtype, num_layers: int, tp: int = 1) -> int:
+    """Upper bound on one rank's cache bytes per token over all layers, from the config's
+    head shapes, with `tp` tensor parallel ranks (a rank caches only its own kv heads; MLA's
+    latent is shared by all heads, so every rank caches all of it)."""
     if arch.kv_lora_rank:  # MLA: c_kv and k_pe, one "head" for all query heads
         heads, dk, dv = 1, arch.kv_lora_rank, arch.qk_rope_head_dim
     else:
-        heads, dk, dv = local_heads(arch.num_kv_heads), arch.head_dim, arch.head_dim
+        heads, dk, dv = kv_heads_per_rank(arch.num_kv_heads, tp), arch.head_dim, arch.head_dim
     elem = torch.empty((), dtype=dtype).element_size()
     scales = 2 * heads * 4 if dtype == FP8 else 0
     return num_layers * (heads * (dk + dv) * elem + scales)
@@ -170,7 +175,7 @@ def pool_tokens(cfg, arch, dtype: torch.dtype, device: torch.device, num_layers:
         return cfg.num_gpu_blocks_override * cfg.block_size
     if cfg.kv_cache_tokens:
         return cfg.kv_cache_tokens
-    per_token = kv_bytes_per_token(arch, dtype, num_layers)
+    per_token = kv_bytes_per_token(arch, dtype, num_layers, cfg.tensor_parallel_size)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = total * cfg.gpu_memory_utilization - (total - free) - activation_bytes

@@ -1,22 +1,26 @@
 """ModelRunner: turns a SchedulerOutput into one model forward and the sampled tokens.
 
-prepare: the scheduled (request, new tokens) pairs become the flat token list and a
-ForwardBatch (positions, per-sequence slots over the paged cache, slot mapping, block
-tables). forward: a decode-only batch replays a CUDA graph when graphs are on; anything
-else runs eagerly. sample: logits only for the rows that need them (each request that
-caught up with its known tokens, plus prompt rows of requests that asked for prompt
-logprobs), penalties, the device sampler, and log-probabilities.
+prepare: the scheduled (request, new tokens) pairs become the flat metadata of the step
+(token ids, positions, slot mapping, block tables, sequence lengths, and for the sampler
+each sequence's state row and step), staged in pinned host buffers and uploaded without a
+blocking copy (lowbit.engine.staging). execute: a decode-only step replays one CUDA graph
+from the token ids to the sampled tokens (embedding, every layer, final norm, lm_head,
+sampler) when graphs are on; anything else runs eagerly through the same sampler. The
+sampled tokens come back through a pinned buffer: one wait per step, after the GPU work.
+Logits feed log-probabilities only for the requests that asked for them.
+
+Each running request owns a row of the SamplingState (its parameters, seed and the token
+counts its penalties read) from its first scheduled step to its end or preemption.
 
 Seams: `before_forward` hooks see each batch and its token ids before the model runs
 (an expert cache can prefetch the experts the step will route to; a speculative step can
-run its drafter over the same batch). Speculative verification needs nothing else here:
-its draft tokens are uncomputed tokens, and `sample` would then score every row of them.
+run its drafter over the same batch).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,8 +29,10 @@ from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
 from lowbit.engine.request import Request, TokenLogprob
-from lowbit.engine.sampling import penalize, sample, token_logprobs
+from lowbit.engine.sampling import SamplingState, token_logprobs
 from lowbit.engine.scheduler import SchedulerOutput
+from lowbit.engine.staging import Padding, StepInputs
+from lowbit.kernels.sample_op import sample_rows
 
 log = logging.getLogger("lowbit")
 
@@ -38,78 +44,162 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
+class LazySlots(Sequence):
+    """Per-sequence SeqSlots built on first use: only the reference attention loop and MLA's
+    latent cache read them, and building one uploads a block table."""
+
+    def __init__(self, scheduled: list[tuple[Request, int]], block_size: int, device: torch.device):
+        self._args = [(r.block_table, r.num_computed_tokens, n) for r, n in scheduled]
+        self._built: dict[int, SeqSlots] = {}
+        self.block_size, self.device = block_size, device
+
+    def __len__(self) -> int:
+        return len(self._args)
+
+    def __getitem__(self, i):
+        if i not in self._built:
+            table, start, n = self._args[i]
+            self._built[i] = SeqSlots.build(table, start, n, self.block_size, self.device)
+        return self._built[i]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 max_num_seqs: int, max_model_len: int, enforce_eager: bool = False) -> None:
+                 max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
+                 max_num_batched_tokens: int | None = None) -> None:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.before_forward: list[Callable[[ForwardBatch, torch.Tensor], None]] = []
+        self.sampling = SamplingState(max_num_seqs, model.config.vocab_size, device)
+        self.rows: dict[str, int] = {}
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        max_blocks = -(-max_model_len // kv_cache.block_size)
+        max_tokens = max(max_num_batched_tokens or max_model_len, max_num_seqs)
+        pad = Padding(kv_cache.scratch_row, kv_cache.scratch_block, self.sampling.scratch_row)
+        self.inputs = StepInputs(max_tokens, max_num_seqs, max_blocks, pad, device)
         self.graphs: DecodeGraphs | None = None
-        reason = graphs_wanted(model, device, enforce_eager)
-        if reason is None:  # each bucket is captured at its first decode step
-            max_blocks = -(-max_model_len // kv_cache.block_size)
-            self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, device)
-        else:
-            log.info("decode CUDA graphs off: %s", reason)
+        self.graphs_off = graphs_wanted(model, device, enforce_eager)
+        if self.graphs_off is None:  # each bucket is captured at its first decode step
+            self.graphs = DecodeGraphs(model, self.inputs, self.sampling, kv_cache, max_num_seqs, device)
+        elif device.type == "cuda":
+            log.warning("decode CUDA graphs are off (every decode step runs eagerly, slowly): %s",
+                        self.graphs_off)
+        pin = device.type == "cuda"
+        self._tokens_host = torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=pin)
+        self._tokens_ready = torch.cuda.Event() if pin else None
 
+    # -- sampler rows ---------------------------------------------------------------------
+    def _seat(self, req: Request) -> int:
+        row = self.rows.get(req.request_id)
+        if row is None:
+            row = self.rows[req.request_id] = self.free_rows.pop()
+            self.sampling.assign(row, req.params, req.prompt_token_ids, req.output_token_ids)
+        return row
+
+    def release(self, request_id: str) -> None:
+        """The request ended or was preempted: its sampler row is free again."""
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self.sampling.release(row)
+            self.free_rows.append(row)
+
+    # -- the step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for req in sched.preempted:
+            self.release(req.request_id)
         if sched.is_empty:
             return RunnerOutput()
         input_ids, batch = self.prepare(sched.scheduled)
         for hook in self.before_forward:
             hook(batch, input_ids)
-        hidden = self.forward(input_ids, batch)
-        return self.sample(sched.scheduled, batch, hidden)
+        reqs = [r for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        mode = self.sampling.mode_for([r.params for r in reqs])
+        if reqs and self._graph_ready(batch, len(reqs), mode):
+            tokens, logits = self.graphs.run(batch.num_seqs, mode)
+            out = RunnerOutput()
+        else:
+            hidden = self.model(input_ids, batch)
+            out = self._prompt_logprobs_all(sched.scheduled, batch, hidden)
+            if not reqs:
+                return out
+            tokens, logits = self._sample_eager(sched.scheduled, batch, hidden, mode)
+        return self._collect(reqs, tokens, logits, out)
+
+    def _graph_ready(self, batch: ForwardBatch, num_sampled: int, mode) -> bool:
+        return (self.graphs is not None and batch.mode.is_decode and num_sampled == batch.num_seqs
+                and self.graphs.ready(batch.num_seqs, mode))
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, ForwardBatch]:
-        ids: list[int] = []
-        slots: list[SeqSlots] = []
+        """Stage and upload the step's metadata; the batch's tensors are device views."""
         bs = self.kv_cache.block_size
+        vals: dict[str, list[int]] = {f: [] for f in StepInputs.FIELDS}
+        starts, context = [0], []
         for req, n in scheduled:
             start = req.num_computed_tokens
-            ids.extend(req.token_ids[start:start + n])
-            slots.append(SeqSlots.build(req.block_table, start, n, bs, self.device))
-        batch = ForwardBatch.build([n for _, n in scheduled], [r.num_computed_tokens for r, _ in scheduled],
-                                   slots, self.kv_cache, self.device)
-        batch.slot_mapping = torch.cat([s.write_rows for s in slots])
+            vals["input_ids"] += req.token_ids[start:start + n]
+            vals["positions"] += range(start, start + n)
+            vals["slot_mapping"] += [req.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            vals["seq_lens"].append(start + n)
+            vals["rows"].append(self._seat(req))
+            vals["steps"].append(req.num_tokens)
+            starts.append(starts[-1] + n)
+            context.append(start)
+        graph_bucket = self._bucket(scheduled, starts)
+        self.inputs.stage(vals, [r.block_table for r, _ in scheduled], pad_to=graph_bucket)
+        self.inputs.upload()
+        t, b = starts[-1], len(scheduled)
+        tok, seq = self.inputs.tokens(t), self.inputs.seqs(b)
         width = max(len(r.block_table) for r, _ in scheduled)
-        tables = [r.block_table + [self.kv_cache.scratch_block] * (width - len(r.block_table))
-                  for r, _ in scheduled]
-        batch.block_tables = torch.tensor(tables, dtype=torch.int32, device=self.device)
-        seq_lens = [r.num_computed_tokens + n for r, n in scheduled]
-        batch.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
-        return torch.tensor(ids, dtype=torch.long, device=self.device), batch
+        batch = ForwardBatch(tok["positions"], starts, context, LazySlots(scheduled, bs, self.device),
+                             self.kv_cache, tok["slot_mapping"], self.inputs.block_tables[:b, :width],
+                             seq["seq_lens"])
+        return tok["input_ids"], batch
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if self.graphs is not None and batch.mode.is_decode and self.graphs.ready(batch.num_seqs):
-            return self.graphs.run(input_ids, batch)
-        return self.model(input_ids, batch)
+    def _bucket(self, scheduled: list[tuple[Request, int]], starts: list[int]) -> int:
+        """The graph bucket a decode step pads to (0: no padding)."""
+        if self.graphs is None or starts[-1] != len(scheduled):
+            return 0
+        return self.graphs.bucket_for(len(scheduled)) or 0
 
-    def sample(self, scheduled: list[tuple[Request, int]], batch: ForwardBatch,
-               hidden: torch.Tensor) -> RunnerOutput:
+    def _sample_eager(self, scheduled: list[tuple[Request, int]], batch: ForwardBatch,
+                      hidden: torch.Tensor, mode) -> tuple[torch.Tensor, torch.Tensor]:
+        picks = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n == r.num_tokens]
+        rows = [batch.query_start[i + 1] - 1 for i in picks]
+        if len(rows) == batch.num_tokens:
+            last = hidden
+        else:
+            last = hidden[torch.as_tensor(rows).to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(last)  # [R, V]
+        seq = self.inputs.seqs()
+        sel = torch.as_tensor(picks).to(self.device, non_blocking=True)
+        tokens = sample_rows(logits, self.sampling, seq["rows"][sel], seq["steps"][sel], mode)
+        return tokens, logits
+
+    def _collect(self, reqs: list[Request], tokens: torch.Tensor, logits: torch.Tensor,
+                 out: RunnerOutput) -> RunnerOutput:
+        """Tokens to the host (one wait), log-probabilities where asked."""
+        n = len(reqs)
+        host = self._tokens_host[:n]
+        host.copy_(tokens[:n], non_blocking=self.device.type == "cuda")
+        num_top = max((r.params.logprobs or 0) for r in reqs)
+        lp = None
+        if any(r.params.logprobs is not None for r in reqs):
+            lp = token_logprobs(logits[:n], tokens[:n], num_top)
+        if self._tokens_ready is not None:  # an event wait: the step's only one
+            self._tokens_ready.record()
+            self._tokens_ready.synchronize()
+        for j, (req, tok) in enumerate(zip(reqs, host.tolist())):
+            out.sampled[req.request_id] = tok
+            if lp is not None and req.params.logprobs is not None:
+                out.logprobs[req.request_id] = _entry(tok, lp[0][j], lp[1][j], lp[2][j], req.params.logprobs)
+        return out
+
+    def _prompt_logprobs_all(self, scheduled: list[tuple[Request, int]], batch: ForwardBatch,
+                             hidden: torch.Tensor) -> RunnerOutput:
         out = RunnerOutput()
-        rows, reqs = [], []
         for i, (req, n) in enumerate(scheduled):
-            if req.num_computed_tokens + n == req.num_tokens:
-                rows.append(batch.query_start[i + 1] - 1)
-                reqs.append(req)
             if req.wants_prompt_logprobs:
                 self._prompt_logprobs(req, n, batch.query_start[i], hidden, out)
-        if not reqs:
-            return out
-        logits = self.model.compute_logits(hidden[rows])  # [R, V]
-        params = [r.params for r in reqs]
-        processed = penalize(logits, params, [(r.prompt_token_ids, r.output_token_ids) for r in reqs])
-        tokens = sample(processed, params, [r.generator for r in reqs])  # [R]
-        num_top = max((p.logprobs or 0) for p in params)
-        if any(p.logprobs is not None for p in params):
-            chosen, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
-            for j, req in enumerate(reqs):
-                if req.params.logprobs is not None:
-                    out.logprobs[req.request_id] = _entry(tokens[j], chosen[j], top_ids[j], top_lp[j],
-                                                          req.params.logprobs)
-        for req, tok in zip(reqs, tokens.tolist()):
-            out.sampled[req.request_id] = tok
         return out
 
     def _prompt_logprobs(self, req: Request, n: int, row0: int, hidden: torch.Tensor,
@@ -127,7 +217,7 @@ class ModelRunner:
             _entry(targets[j], chosen[j], top_ids[j], top_lp[j], k) for j in range(len(targets))]
 
 
-def _entry(token: torch.Tensor, chosen: torch.Tensor, top_ids: torch.Tensor, top_lp: torch.Tensor,
+def _entry(token, chosen: torch.Tensor, top_ids: torch.Tensor, top_lp: torch.Tensor,
            k: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(chosen),
                         list(zip(top_ids[:k].tolist(), top_lp[:k].tolist())))

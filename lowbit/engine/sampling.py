@@ -1,8 +1,14 @@
-"""SamplingParams (vLLM's names) and the device-side sampler.
+"""SamplingParams (vLLM's names), the sampler's persistent device state, and the eager sampler.
 
-Shapes: B sequences, V vocabulary. Sampling never reads values back to the host: greedy is
-an argmax; random sampling draws Exp(1) noise and takes argmax(p / noise), which picks
-token i with probability p_i and needs no cumulative sum on the host.
+Shapes: B sequences, V vocabulary, R = max_rows + 1 state rows. Sampling never reads values
+back to the host: greedy is an argmax; random sampling draws Exp(1) noise and takes
+argmax(p / noise), which picks token i with probability p_i and needs no cumulative sum on
+the host.
+
+SamplingState holds each running request's parameters in device tensors (one row per
+request, written once by `assign`), so that lowbit.kernels.sample_op.sample_rows, and a
+decode CUDA graph around it, read nothing from the host. `sample` / `penalize` are the
+older per-step sampler (parameters uploaded every step, torch.Generator noise).
 """
 
 from __future__ import annotations
@@ -13,6 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.kernels.sample_op import SampleMode, apply_penalties, filter_logits
+
+__all__ = ["SamplingParams", "SamplingState", "SampleMode", "apply_penalties", "filter_logits",
+           "sample", "penalize", "token_logprobs"]
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -102,32 +112,109 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor,
-                    rep: torch.Tensor, pres: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
-    """logits [B, V]; counts [B, V] output-token counts; prompt_mask [B, V] bool.
-    rep/pres/freq [B]. Repetition penalty (CTRL-style) covers prompt and output tokens."""
-    seen = prompt_mask | (counts > 0)
-    r = rep[:, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    return logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
+class SamplingState:
+    """Per-request sampling parameters in persistent device tensors [R] (R = max_rows + 1;
+    row max_rows is the scratch row that padded graph rows read and write), as
+    lowbit.kernels.sample_op reads them: temperature, top_k (int32, 0: off), top_p, min_p,
+    seed (int64), repetition_penalty, presence_penalty, frequency_penalty.
+
+    counts [R, V] int32 (output-token counts) and prompt_mask [R, V] bool are for penalties
+    only, so they exist once a request asks for penalties: allocated at construction with
+    penalties=True, else at the first `assign` of such a request; once allocated they are
+    never replaced. Only penalties-mode work reads them, and `mode_for` gives that mode only
+    to batches holding such a request, so a graph captured in that mode sees the final
+    tensors. Every tensor is written in place: captured graphs keep their addresses.
+    """
+
+    FLOATS = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+              "presence_penalty": 0.0, "frequency_penalty": 0.0}  # the neutral (greedy) row
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str,
+                 penalties: bool = False) -> None:
+        self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, torch.device(device)
+        self.scratch_row = max_rows
+        n = max_rows + 1
+        for name, neutral in self.FLOATS.items():
+            setattr(self, name, torch.full((n,), neutral, dtype=torch.float32, device=self.device))
+        self.top_k = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self.seed = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.counts: torch.Tensor | None = None  # [R, V] int32
+        self.prompt_mask: torch.Tensor | None = None  # [R, V] bool
+        if penalties:
+            self._allocate_penalties()
+
+    def _allocate_penalties(self) -> None:
+        shape = (self.max_rows + 1, self.vocab_size)
+        self.counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+
+    def assign(self, row: int, params: SamplingParams, prompt_ids: list[int],
+               output_ids: list[int], seed: int | None = None) -> None:
+        """Seat a request in `row` (once per request, or again after a preemption: the
+        counts come from output_ids). seed overrides params.seed; with neither, a random
+        row gets one from torch's default generator (a greedy row needs none)."""
+        assert 0 <= row < self.max_rows, f"row {row} is outside 0..{self.max_rows - 1}"
+        values = {"temperature": params.temperature, "top_p": params.top_p, "min_p": params.min_p,
+                  "repetition_penalty": params.repetition_penalty,
+                  "presence_penalty": params.presence_penalty,
+                  "frequency_penalty": params.frequency_penalty}
+        for name, v in values.items():
+            getattr(self, name)[row] = v
+        self.top_k[row] = max(params.top_k, 0)
+        self.seed[row] = _int64(_pick_seed(seed if seed is not None else params.seed, params.greedy))
+        if params.has_penalties and self.counts is None:
+            self._allocate_penalties()
+        if self.counts is not None:
+            self._fill_history(row, prompt_ids, output_ids)
+
+    def _fill_history(self, row: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        self.prompt_mask[row].zero_()
+        self.counts[row].zero_()
+        if prompt_ids:
+            self.prompt_mask[row].index_fill_(0, self._upload(prompt_ids), True)
+        if output_ids:
+            out = self._upload(output_ids)
+            self.counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+
+    def _upload(self, ids: list[int]) -> torch.Tensor:
+        """ids on the device without waiting for the stream (a seat happens while the
+        previous step may still run)."""
+        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def release(self, row: int) -> None:
+        """The row's request ended or was preempted: back to the neutral (greedy) row."""
+        for name, neutral in self.FLOATS.items():
+            getattr(self, name)[row] = neutral
+        self.top_k[row] = 0
+        self.seed[row] = 0
+
+    def mode_for(self, params: list[SamplingParams]) -> SampleMode:
+        """The static sampler mode of a batch of these requests' rows."""
+        random = [p for p in params if not p.greedy]
+        return SampleMode(
+            random=bool(random),
+            filters=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in random),
+            penalties=any(p.has_penalties for p in params))
+
+    def snapshot(self) -> torch.Tensor | None:
+        """A copy of the counts (None before any penalties), for `restore`: a graph
+        capture's warm-up step samples, and its tokens must not count."""
+        return None if self.counts is None else self.counts.clone()
+
+    def restore(self, snapshot: torch.Tensor | None) -> None:
+        if snapshot is not None:
+            self.counts.copy_(snapshot)
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks; returns probabilities [B, V]."""
-    V = logits.shape[-1]
-    logits = logits / temperature.clamp(min=1e-5)[:, None]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, V)[:, None]
-    drop = rank >= k
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    cum = probs.cumsum(-1) - probs  # mass strictly before each token
-    drop |= cum >= top_p[:, None]
-    drop |= probs < (min_p[:, None] * probs[:, :1])
-    drop[:, 0] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits).softmax(-1)
+def _pick_seed(seed: int | None, greedy: bool) -> int:
+    if seed is not None or greedy:
+        return seed or 0
+    return int(torch.empty((), dtype=torch.int64).random_())  # 0..2^63 - 1
+
+
+def _int64(v: int) -> int:
+    """v modulo 2^64 as a signed 64-bit value (seeds may be given in 0..2^64 - 1)."""
+    return (v + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

@@ -141,8 +141,9 @@ routes.register("linear", routes.Route(
     BENCH + " (M = 1: 8.0-38.0 us, M = 4: 14.1-87.2 us; the torch route's bound: 111 / 111 / 24 us)",
     _admit_lut_gemv, _run_gemv))
 routes.register("linear", routes.Route(
-    "triton_lut_gemm", routes.OPT_IN, BENCH + " (M = 16: 59-177 us, over the torch bound on two of "
-    "three shapes)", _admit_gemm((LutWeight,)), _run_gemm))
+    "triton_lut_gemm", routes.DEFAULT, BENCH + " (M = 16: 59-177 us; the torch route it replaces "
+    "above M = 4 decodes every weight to float32 per call: docs/BENCHMARKS.md#decode-graph)",
+    _admit_gemm((LutWeight,)), _run_gemm))
 routes.register("linear", routes.Route(
     "triton_fp8_w8a16", routes.DEFAULT, BENCH + " (M = 1: 10.2-32.5 us, M = 4: 20.3-101.1 us)",
     _admit_fp8_w8a16, _run_fp8_w8a16))

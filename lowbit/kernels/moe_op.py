@@ -148,8 +148,9 @@ routes.register("moe", routes.Route(
     BENCH + " (Qwen3-30B-A3B and Mixtral C1-C16: 22-1476 us, 2-277x the torch bf16 expert "
     "loop except Mixtral C16 nvfp4, 0.96x)", _admit_decode, _run("decode")))
 routes.register("moe", routes.Route(
-    "triton_moe_grouped", routes.OPT_IN, "not benchmarked yet (prefill shapes)", _refusal,
-    _run("grouped")))
+    "triton_moe_grouped", routes.DEFAULT,
+    "docs/BENCHMARKS.md#decode-graph (batched decode and prefill through the engine; the torch "
+    "loop reads expert ids on the host, so it cannot be captured)", _refusal, _run("grouped")))
 routes.register("moe", routes.Route(
     "torch", routes.DEFAULT, "reference (admits every call)", lambda call: None, _run_torch),
     reference=True)

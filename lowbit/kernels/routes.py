@@ -18,6 +18,7 @@ graph capture the Python side runs once, so counts are per captured call, not pe
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import Counter
@@ -25,7 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from lowbit.errors import LowbitError
+
+log = logging.getLogger("lowbit")
 
 DEFAULT = "DEFAULT"
 OPT_IN = "OPT_IN"
@@ -33,9 +38,8 @@ MEASURED_NEGATIVE = "MEASURED_NEGATIVE"
 STATUSES = (DEFAULT, OPT_IN, MEASURED_NEGATIVE)
 ENV_PREFIX = "LOWBIT_ROUTE_"
 # The ops lowbit.kernels registers, known ahead so that a forcing variable for one is not
-# mistaken for a typo before its module is imported. Sampling has no routes (it is torch
-# code in the engine), so LOWBIT_ROUTE_SAMPLE is refused like any unknown op.
-KNOWN_OPS = ("linear", "moe", "attention", "kv_write")
+# mistaken for a typo before its module is imported.
+KNOWN_OPS = ("linear", "moe", "attention", "kv_write", "norm", "rope", "router", "sample")
 
 
 @dataclass
@@ -138,15 +142,42 @@ def select(op: str, call: Any, layer: str = "") -> Route:
             )
         return route
     call.forced = False
+    refused = []
     for route in entry.routes:
         if route.status != DEFAULT:
             continue
         reason = route.admit(call)
         if reason is None:
+            if refused and _is_reference(route) and _on_cuda(call):
+                _warn_fallback(op, route.name, refused)
             return route
+        refused.append((route.name, reason))
         with _LOCK:
             _REFUSALS[(op, layer, route.name, reason)] += 1
     raise AssertionError(f"{op}: no DEFAULT route admitted the call; the reference must")
+
+
+def _on_cuda(call: Any) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in vars(call).values())
+
+
+_WARNED: set = set()
+
+
+def _warn_fallback(op: str, reference: str, refused: list[tuple[str, str]]) -> None:
+    """A CUDA call that every fast route refused runs the reference: slow, so say it once
+    per (op, reasons) at WARNING (stderr), not only in the counters."""
+    key = (op, tuple(refused))
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    why = "; ".join(f"{name}: {reason}" for name, reason in refused)
+    log.warning("%s runs its %s reference route on CUDA (slow): %s", op, reference, why)
+
+
+def warned_fallbacks() -> list[str]:
+    """The fallbacks warned about so far, one line each (bench records carry them)."""
+    return sorted(f"{op}: " + "; ".join(f"{n}: {r}" for n, r in refused) for op, refused in _WARNED)
 
 
 def dispatch(op: str, call: Any, layer: str = "") -> Any:

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.kernels import attention_op
+from lowbit.kernels.attention import KVPool
+
 
 @dataclass
 class AttnSpec:
@@ -59,11 +62,30 @@ def reference_attention(
     return out.to(q.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, spec: AttnSpec) -> torch.Tensor:
-    """Attention for a flat batch; returns [T, H, Dv]."""
-    ops = _paged_ops(batch)
-    if ops is not None:
-        return _paged_attention(ops, q, k, v, batch, spec)
+def kv_pool(batch, layer: int, num_kv_heads: int, head_dim: int, like: torch.Tensor) -> KVPool | None:
+    """The layer's paged pool when the batch carries paged metadata (the serving engine),
+    else None (the contiguous cache of model tests and distributed workers)."""
+    if batch.slot_mapping is None or batch.block_tables is None or batch.seq_lens is None:
+        return None
+    if not hasattr(batch.kv_cache, "layer_pool"):
+        return None
+    shape = like.new_empty((0, num_kv_heads, head_dim))  # allocates the layer at its first call
+    return KVPool(*batch.kv_cache.layer_pool(layer, shape, shape))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, spec: AttnSpec,
+              pool: KVPool | None = None) -> torch.Tensor:
+    """Attention for a flat batch; returns [T, H, Dv]. With `pool` the step's k/v are
+    already in it (the rope op wrote them) and the attention op reads it."""
+    if pool is None:
+        pool = kv_pool(batch, spec.layer_idx, k.shape[1], k.shape[2], k)
+        if pool is not None:
+            attention_op.kv_write(k, v, pool, batch.slot_mapping, layer=f"layers.{spec.layer_idx}.attn")
+    if pool is not None:
+        call = attention_op.AttentionCall(q, pool, batch.block_tables, batch.seq_lens, batch.query_start,
+                                          batch.context_lens, batch.mode.is_decode, spec.scale,
+                                          spec.window, spec.sinks)
+        return attention_op.paged_attention(call, layer=f"layers.{spec.layer_idx}.attn")
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     for b in range(batch.num_seqs):
         s, e = batch.query_start[b], batch.query_start[b + 1]
@@ -75,34 +97,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, spec: At
             kb, vb = k[s:e], v[s:e]
         out[s:e] = reference_attention(q[s:e], kb, vb, start, spec)
     return out
-
-
-def _paged_ops(batch):
-    """lowbit.kernels.attention_op for a batch with paged metadata (and triton present)."""
-    if batch.slot_mapping is None or batch.block_tables is None or batch.seq_lens is None:
-        return None
-    if not hasattr(batch.kv_cache, "layer_pool"):
-        return None
-    from lowbit.kernels.runtime import HAS_TRITON
-
-    if not HAS_TRITON:
-        return None
-    from lowbit.kernels import attention_op
-
-    return attention_op
-
-
-def _paged_attention(ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch,
-                     spec: AttnSpec) -> torch.Tensor:
-    from lowbit.kernels.attention import KVPool
-
-    name = f"layers.{spec.layer_idx}.attn"
-    pool = KVPool(*batch.kv_cache.layer_pool(spec.layer_idx, k, v))
-    ops.kv_write(k, v, pool, batch.slot_mapping, layer=name)
-    call = ops.AttentionCall(q, pool, batch.block_tables, batch.seq_lens, batch.query_start,
-                             batch.context_lens, batch.mode.is_decode, spec.scale, spec.window,
-                             spec.sinks)
-    return ops.paged_attention(call, layer=name)
 
 
 # -- MLA over the latent cache ------------------------------------------------------------

@@ -9,47 +9,14 @@ Expert weights are stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from lowbit.formats.base import QuantizedTensor
+from lowbit.kernels.router_op import RouterSpec, gate_logits, route_topk
 from lowbit.layers.linear import Linear, kernel_ops, set_quantized
 from lowbit.layers.loading import expert_loader
 from lowbit.layers.mlp import GatedMLP
-
-
-@dataclass
-class RouterSpec:
-    top_k: int
-    scoring: str = "softmax"  # softmax | sigmoid
-    norm_topk: bool = True
-    n_group: int = 1
-    topk_group: int = 1
-    group_score: str = "top2sum"  # top2sum (deepseek_v3) | max (deepseek_v2)
-    scaling: float = 1.0
-
-
-def route(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None):
-    """logits [T, E] -> (ids [T, A] int32, weights [T, A] float32). Runs on the device."""
-    scores = torch.sigmoid(logits.float()) if spec.scoring == "sigmoid" else torch.softmax(logits.float(), -1)
-    choice = scores if bias is None else scores + bias.float()
-    if spec.n_group > 1:
-        T, E = choice.shape
-        grouped = choice.view(T, spec.n_group, E // spec.n_group)
-        if spec.group_score == "top2sum":
-            gscore = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
-        else:
-            gscore = grouped.max(dim=-1).values
-        keep = torch.zeros_like(gscore).scatter_(1, gscore.topk(spec.topk_group, dim=-1).indices, 1.0)
-        mask = keep[:, :, None].expand_as(grouped).reshape(T, E)
-        choice = choice.masked_fill(mask == 0, float("-inf"))  # biased scores may be < 0
-    ids = choice.topk(spec.top_k, dim=-1).indices  # [T, A]
-    w = scores.gather(1, ids)
-    if spec.norm_topk:
-        w = w / (w.sum(-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
-    return ids.to(torch.int32), w * spec.scaling
 
 
 class Experts(nn.Module):
@@ -153,10 +120,16 @@ class SparseMoE(nn.Module):
             cached = self._shared_layout = (key, layout)
         return cached[1]
 
+    def prepare_for_serving(self) -> None:
+        """Keep the gate in float32 from now on: the router GEMM reads it as it is."""
+        g = self.gate
+        self._gate32 = (g.weight.float(), None if g.bias is None else g.bias.float())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D]
-        logits = nn.functional.linear(x.float(), self.gate.weight.float(),
-                                      None if self.gate.bias is None else self.gate.bias.float())
-        ids, w = route(logits, self.spec, self.e_score_correction_bias)
+        g = self.gate
+        w32, b32 = getattr(self, "_gate32", None) or (g.weight.float(), None if g.bias is None else g.bias.float())
+        logits = gate_logits(x, w32, b32)  # [T, E] float32
+        ids, w = route_topk(logits, self.spec, self.e_score_correction_bias, layer=f"{self.experts.prefix}.router")
         layout = self._fused_shared(x)
         if layout is not None:  # shared experts as extra slots of weight 1 in the routed launch
             from lowbit.kernels.moe_layout import with_shared_slots

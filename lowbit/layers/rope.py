@@ -1,8 +1,12 @@
 """Rotary position embedding: default, linear, llama3 and YaRN frequency schedules.
 
-Shapes: T tokens, H heads, R rotary dims (even).
+Shapes: T tokens, H heads, R rotary dims (even), P positions.
 `RotaryEmbedding(positions)` gives cos/sin [T, R/2]; `apply_rope(x [T, H, R], cos, sin)`
-rotates the two halves of R ("neox" layout: pairs (i, i + R/2)).
+rotates the two halves of R ("neox" layout: pairs (i, i + R/2)). With `table=True` the
+embedding also holds `cos_sin` [P, R] float32 (cos then sin, scaled), computed once at
+build time for every position: the fused rope op (lowbit.kernels.rope_op) reads it, so a
+step computes no trigonometry. A model builds one such embedding and shares it by all
+its layers.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError
-from lowbit.models.config import yarn_mscale
+from lowbit.kernels.rope_op import rope_cos_sin
 
 
 def _yarn_inv_freq(rope: dict, dim: int, base: float, max_pos: int) -> tuple[torch.Tensor, float]:
@@ -56,8 +60,14 @@ def _llama3_inv_freq(rope: dict, inv: torch.Tensor) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention-magnitude correction for a context stretched by `scale`."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, dim: int, base: float, max_pos: int, rope: dict | None = None) -> None:
+    def __init__(self, dim: int, base: float, max_pos: int, rope: dict | None = None,
+                 table: bool = False) -> None:
         super().__init__()
         rope = rope or {}
         kind = rope.get("rope_type", "default")
@@ -72,6 +82,10 @@ class RotaryEmbedding(nn.Module):
         elif kind != "default":
             raise LowbitError(f"rope_type {kind!r} is not supported (default, linear, llama3, yarn)")
         self.register_buffer("inv_freq", inv, persistent=False)
+        self.max_positions = max_pos
+        if table:
+            self.register_buffer("cos_sin", rope_cos_sin(inv, self.attention_scaling, max_pos),
+                                 persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, R/2]

@@ -60,7 +60,15 @@ class CausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, batch)
-        return self.model.norm(h + residual if residual is not None else h)
+        return self.model.norm.add_norm(h, residual)[0]
+
+    def prepare_for_serving(self) -> None:
+        """Once, after loading: every module lays its weights out the way the serving path
+        reads them (merged projections, a float32 router gate). The reference forward
+        without it computes the same values."""
+        for mod in list(self.modules()):
+            if mod is not self and hasattr(mod, "prepare_for_serving"):
+                mod.prepare_for_serving()
 
     @property
     def num_cache_layers(self) -> int:

@@ -8,7 +8,6 @@ are resolved in one place.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,6 +215,3 @@ def load_config(path: str | Path) -> ArchConfig:
         raise LowbitError(f"{p} must hold a JSON object")
     return ArchConfig.from_dict(raw)
 
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

@@ -56,9 +56,9 @@ from lowbit.layers.linear import Linear
 from lowbit.layers.mlp import GatedMLP
 from lowbit.layers.moe import RouterSpec, SparseMoE
 from lowbit.layers.norm import RMSNorm
-from lowbit.layers.rope import RotaryEmbedding, apply_rope
+from lowbit.layers.rope import RotaryEmbedding, apply_rope, yarn_mscale
 from lowbit.models.base import CausalLM
-from lowbit.models.config import ArchConfig, yarn_mscale
+from lowbit.models.config import ArchConfig
 from lowbit.models.qwen3 import DecoderLayer
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps

@@ -39,7 +39,7 @@ from lowbit.errors import LowbitError
 from lowbit.layers.loading import check_shape
 from lowbit.layers.moe import RouterSpec, SparseMoE
 from lowbit.models.config import ArchConfig
-from lowbit.models.qwen3 import DecoderLayer, GQAttention, Qwen3ForCausalLM
+from lowbit.models.qwen3 import DecoderLayer, GQAttention, Qwen3ForCausalLM, shared_rotary
 
 # mlp.experts.{gate_up_proj,down_proj}[_bias|_blocks|_scales]
 _EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
@@ -73,8 +73,8 @@ def load_down(param: torch.Tensor, loaded: torch.Tensor, shard=None, name: str =
 
 
 class GptOssAttention(GQAttention):
-    def __init__(self, cfg: ArchConfig, i: int, prefix: str) -> None:
-        super().__init__(cfg, i, prefix, qk_norm=False)
+    def __init__(self, cfg: ArchConfig, i: int, prefix: str, rotary) -> None:
+        super().__init__(cfg, i, prefix, qk_norm=False, rotary=rotary)
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads), requires_grad=False)  # [H]
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
@@ -85,10 +85,11 @@ class GptOssAttention(GQAttention):
 class GptOssForCausalLM(Qwen3ForCausalLM):
     def __init__(self, cfg: ArchConfig) -> None:
         super(Qwen3ForCausalLM, self).__init__(cfg)
+        self.rotary = shared_rotary(cfg)
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
-            attn = GptOssAttention(cfg, i, f"{p}.self_attn")
+            attn = GptOssAttention(cfg, i, f"{p}.self_attn", self.rotary)
             layers.append(DecoderLayer(attn, self.make_mlp(cfg, i, f"{p}.mlp"), cfg.hidden_size,
                                        cfg.rms_norm_eps))
         self._finish(layers)

@@ -9,46 +9,77 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.layers.attention import AttnSpec, attention
+from lowbit.kernels.rope_op import RopeCall, qk_norm_rope
+from lowbit.layers.attention import AttnSpec, attention, kv_pool
 from lowbit.layers.linear import Linear
 from lowbit.layers.mlp import GatedMLP
 from lowbit.layers.moe import RouterSpec, SparseMoE
 from lowbit.layers.norm import RMSNorm
-from lowbit.layers.rope import RotaryEmbedding, apply_rope
+from lowbit.layers.rope import RotaryEmbedding
 from lowbit.models.base import CausalLM
 from lowbit.models.config import ArchConfig
 
 
 class GQAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, i: int, prefix: str, qk_norm: bool) -> None:
+    """q, k, v as one merged projection (or three, until `merge_qkv`), then the rope op
+    (q/k-norm, RoPE from the shared table, the KV-cache write: one kernel), attention, o_proj."""
+
+    def __init__(self, cfg: ArchConfig, i: int, prefix: str, qk_norm: bool,
+                 rotary: RotaryEmbedding) -> None:
         super().__init__()
         H, Hkv, Dh, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-        self.H, self.Hkv, self.Dh = H, Hkv, Dh
+        self.H, self.Hkv, self.Dh, self.prefix = H, Hkv, Dh, prefix
         bias = cfg.attention_bias
         self.q_proj = Linear(D, H * Dh, bias, f"{prefix}.q_proj")
         self.k_proj = Linear(D, Hkv * Dh, bias, f"{prefix}.k_proj")
         self.v_proj = Linear(D, Hkv * Dh, bias, f"{prefix}.v_proj")
+        self.qkv_proj: Linear | None = None
         self.o_proj = Linear(H * Dh, D, bias and cfg.model_type == "gpt_oss", f"{prefix}.o_proj")
         self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(Dh, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope)
+        self.eps = cfg.rms_norm_eps
+        self.rotary = rotary
         self.spec = AttnSpec(layer_idx=i, scale=Dh ** -0.5, window=cfg.layer_window(i))
+
+    def prepare_for_serving(self) -> None:
+        self.merge_qkv()
+
+    def merge_qkv(self) -> bool:
+        """Serve q, k and v from one [(H + 2 Hkv) Dh, D] projection (one GEMM a step) when
+        the three weights are plain tensors; quantized ones stay three (their payloads carry
+        per-matrix scales). Returns whether it merged."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv_proj is not None or not all(isinstance(p.weight, torch.Tensor) for p in parts):
+            return False
+        merged = Linear(self.q_proj.in_features, sum(p.out_features for p in parts),
+                        self.q_proj.bias is not None, f"{self.prefix}.qkv_proj")
+        merged.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        if merged.bias is not None:
+            merged.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        self.qkv_proj = merged
+        self.q_proj = self.k_proj = self.v_proj = None
+        return True
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:  # [T, (H + 2 Hkv) Dh]
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x)
+        return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.H, self.Dh)
-        k = self.k_proj(x).view(T, self.Hkv, self.Dh)
-        v = self.v_proj(x).view(T, self.Hkv, self.Dh)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary(batch.positions)  # [T, Dh/2]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attention(q, k, v, batch, self.spec)  # [T, H, Dh]
+        qkv = self._qkv(x)
+        pool = kv_pool(batch, self.spec.layer_idx, self.Hkv, self.Dh, qkv)
+        call = RopeCall(qkv, self.H, self.Hkv, self.Dh, batch.positions, self.rotary.cos_sin,
+                        None if self.q_norm is None else self.q_norm.weight,
+                        None if self.k_norm is None else self.k_norm.weight, self.eps,
+                        pool, None if pool is None else batch.slot_mapping)
+        q, k, v = qk_norm_rope(call, layer=self.prefix)
+        o = attention(q, k, v, batch, self.spec, pool)  # [T, H, Dh]
         return self.o_proj(o.reshape(T, self.H * self.Dh))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; carries the residual separately so norms can fuse the add later."""
+    """Pre-norm block; carries the residual separately so that each norm fuses the add."""
 
     def __init__(self, attn: nn.Module, mlp: nn.Module, D: int, eps: float) -> None:
         super().__init__()
@@ -58,10 +89,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(D, eps)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, batch):
-        residual = h if residual is None else h + residual
-        h = self.self_attn(self.input_layernorm(residual), batch)
-        residual = h + residual
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+        x, residual = self.input_layernorm.add_norm(h, residual)
+        h = self.self_attn(x, batch)
+        x, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(x), residual
+
+
+def shared_rotary(cfg: ArchConfig) -> RotaryEmbedding:
+    """One rotary table [max_position_embeddings, head_dim] that every layer reads."""
+    return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope, table=True)
 
 
 def softmax_router(cfg: ArchConfig) -> RouterSpec:
@@ -74,10 +110,11 @@ class Qwen3ForCausalLM(CausalLM):
 
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__(cfg)
+        self.rotary = shared_rotary(cfg)
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
-            attn = GQAttention(cfg, i, f"{p}.self_attn", self.qk_norm)
+            attn = GQAttention(cfg, i, f"{p}.self_attn", self.qk_norm, self.rotary)
             layers.append(DecoderLayer(attn, self.make_mlp(cfg, i, f"{p}.mlp"), cfg.hidden_size,
                                        cfg.rms_norm_eps))
         self._finish(layers)

@@ -1,1 +1,2 @@
-"""Quantization: which weights take a format (the policy) and the artifact exporter."""
+"""Quantization: hybrid expert plans (policy.py) and the artifact exporter. Which weights a
+format replaces is lowbit.checkpoint.quant_plan, which the loader uses too."""

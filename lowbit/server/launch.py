@@ -18,7 +18,8 @@ import threading
 import uvicorn
 
 from lowbit.config import EngineConfig
-from lowbit.distributed import driver
+from lowbit.distributed import driver, engine_model
+from lowbit.distributed.parallel_state import check_launched
 from lowbit.engine.async_engine import AsyncLLMEngine
 from lowbit.engine.engine import LLMEngine
 from lowbit.errors import LowbitError
@@ -28,9 +29,12 @@ log = logging.getLogger("lowbit")
 
 
 def build(config: EngineConfig):
-    """(app, async engine) for `config`; the engine starts loading when the app starts."""
+    """(app, async engine) for `config`; the engine starts loading when the app starts (under
+    tensor / expert parallelism, this rank's shard, driving the other ranks)."""
     config.validate()
-    engine = AsyncLLMEngine(lambda: LLMEngine(config), config.max_queued_requests)
+    if config.parallel:  # refused before the server starts, not later in the engine thread
+        check_launched(config.tensor_parallel_size, config.expert_parallel_size)
+    engine = AsyncLLMEngine(lambda: LLMEngine(config, engine_model(config)), config.max_queued_requests)
     return create_app(config, engine), engine
 
 

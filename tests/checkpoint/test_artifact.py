@@ -135,7 +135,7 @@ def test_cli_quantize_info_generate(tiny_moe_dir, tmp_path, capsys):
     info = capsys.readouterr().out
     assert "bytes int4" in info and "bytes bfloat16" in info
     assert main(["generate", str(out), "It is a truth", "--max-tokens", "3", "--ignore-eos"]) == 0
-    assert "weights int4 (" in capsys.readouterr().out
+    assert "weights int4 (" in capsys.readouterr().err
     assert main(["quantize", str(tiny_moe_dir), "--format", "int4", "--out", str(out)]) == 2
     assert "already holds weights" in capsys.readouterr().err
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from lowbit.checkpoint.loader import load_model
+from lowbit.checkpoint.quant_plan import quantized_weights
 from lowbit.cli import main
 from lowbit.engine.batch import ForwardBatch
 from lowbit.errors import LowbitError
 from lowbit.formats import FORMATS, QuantizedTensor
-from lowbit.quantize.policy import quantized_weights
 
 IDS = torch.tensor([5, 17, 40, 3, 99, 120, 7, 64, 31, 200, 11, 2])
 
@@ -111,7 +111,7 @@ def test_generate_flag(tiny_moe_dir, capsys):
     rc = main(["generate", str(tiny_moe_dir), "It is a truth", "--max-tokens", "4", "--ignore-eos",
                "--quantization", "nvfp4"])
     assert rc == 0
-    assert "weights nvfp4 (" in capsys.readouterr().out
+    assert "weights nvfp4 (" in capsys.readouterr().err
 
 
 def test_checkpoint_is_untouched(tiny_moe_dir):

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lowbit.checkpoint.loader import load_model
+from lowbit.checkpoint.quant_plan import quantized_weights
 from lowbit.engine.batch import ForwardBatch
 from lowbit.errors import LowbitError
-from lowbit.quantize.policy import quantized_weights
 
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

@@ -22,9 +22,11 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from lowbit.checkpoint.loader import allocate_empty, load_model
-from lowbit.distributed import ParallelLayout, shard_model
+from lowbit.config import EngineConfig
+from lowbit.distributed import ParallelLayout, engine_model, load_shard, shard_model
 from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.kv_cache import ContiguousKVCache
+from lowbit.engine.llm import LLM
 from lowbit.errors import LowbitError
 from lowbit.models.config import load_config
 
@@ -55,10 +57,10 @@ def scenario_id(s: tuple) -> str:
     return f"{s[0]}-tp{s[1]}-ep{s[2]}-{'a2a' if s[3] == A2A else 'allreduce'}"
 
 
-def logits_of(path, vocab: int) -> torch.Tensor:
-    """float32 logits of a fixed prompt run as three cached steps."""
+def logits_of(path, vocab: int, load=load_model) -> torch.Tensor:
+    """float32 logits of a fixed prompt run as three cached steps (load: load_shard on a rank)."""
     ids = torch.randint(0, vocab, (N_TOKENS,), generator=torch.Generator().manual_seed(1))
-    lm = load_model(path, dtype="float32").model
+    lm = load(path, dtype="float32").model
     cache = ContiguousKVCache(lm.config.num_layers, 1, N_TOKENS)
     bounds = [0, *CHUNKS, N_TOKENS]
     with torch.no_grad():
@@ -153,7 +155,7 @@ def _worker(rank: int, port: int, models: dict, out_dir: str) -> None:
         try:
             init_distributed(tp, ep, "cpu")
             expert_parallel.ALL_TO_ALL_MIN_TOKENS = threshold
-            save_file({"logits": logits_of(*models[name]).contiguous()}, out + ".safetensors")
+            save_file({"logits": logits_of(*models[name], load=load_shard).contiguous()}, out + ".safetensors")
         except Exception:
             with open(out + ".err", "w") as f:
                 f.write(traceback.format_exc())
@@ -225,10 +227,15 @@ def test_indivisible_experts_are_refused(models):
 
 
 def test_engine_refuses_parallel_sizes_it_was_not_launched_with():
-    from lowbit.config import EngineConfig
-
     with pytest.raises(LowbitError, match=r"needs one process per GPU: `lowbit generate` starts them"):
-        EngineConfig(expert_parallel_size=2).validate()
+        engine_model(EngineConfig(expert_parallel_size=2))
+    with pytest.raises(LowbitError, match=r"needs one process per GPU: `lowbit generate` starts them"):
+        LLM("demo", expert_parallel_size=2)  # an engine loading its own model is one process
+
+
+def test_loading_a_shard_needs_a_rank():
+    with pytest.raises(LowbitError, match="call lowbit.distributed.init_distributed first"):
+        load_shard("demo")
 
 
 def test_world_size_must_match_the_layout():

@@ -13,20 +13,21 @@ class Recording(DecodeGraphs):
 
     def __init__(self, max_num_seqs: int, max_graph: int) -> None:
         cache = SimpleNamespace(scratch_row=0, scratch_block=0)
-        super().__init__(torch.nn.Identity(), cache, max_num_seqs, 4, torch.device("cpu"))
+        super().__init__(torch.nn.Identity(), None, None, cache, max_num_seqs, torch.device("cpu"))
         self.max_graph, self.captured = max_graph, []
 
-    def capture(self, b: int) -> str | None:
+    def capture(self, b: int, mode=None) -> str | None:
         self.captured.append(b)
         if b > self.max_graph:
             return f"a decode step of {b} sequences reads device values on the host"
-        self.graphs[b] = object()
+        self.graphs[(b, mode)] = object()
         return None
 
 
 def test_buckets_up_to_max_num_seqs():
     assert graph_buckets(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
-    assert len(graph_buckets(256)) == 20 and graph_buckets(6) == [1, 2, 4]
+    assert len(graph_buckets(256)) == 20 and graph_buckets(6) == [1, 2, 4, 6]
+    assert graph_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
 
 
 def test_only_the_buckets_a_run_uses_are_captured_once():
@@ -41,6 +42,6 @@ def test_a_bucket_that_syncs_runs_eagerly_and_the_others_keep_their_graphs(caplo
     g = Recording(max_num_seqs=256, max_graph=16)
     assert not g.ready(32) and not g.ready(20)  # bucket 32: refused once, then remembered
     assert g.ready(8) and g.ready(16)
-    assert g.captured == [32, 8, 16] and list(g.eager) == [32]
+    assert g.captured == [32, 8, 16] and list(g.eager) == [(32, None)]
     assert "up to 32 sequences run eagerly" in caplog.text
     assert not g.ready(300)  # above --max-num-seqs: no bucket

@@ -51,13 +51,15 @@ def test_bytes_per_token_counts_both_tensors_and_fp8_scales(tiny_model):
     per_layer = arch.num_kv_heads * 2 * arch.head_dim
     assert kv_bytes_per_token(arch, torch.float32, 2) == 2 * per_layer * 4
     assert kv_bytes_per_token(arch, torch.float8_e4m3fn, 2) == 2 * (per_layer + 2 * arch.num_kv_heads * 4)
+    one_head = 2 * 2 * arch.head_dim * 4  # 2 layers, k and v, float32
+    assert kv_bytes_per_token(arch, torch.float32, 2, tp=arch.num_kv_heads) == one_head  # a rank's own heads
+    assert kv_bytes_per_token(arch, torch.float32, 2, tp=2 * arch.num_kv_heads) == one_head  # one copied head
 
 
-def test_mla_bytes_per_token_count_the_latent_once_for_all_heads(monkeypatch):
+def test_mla_bytes_per_token_count_the_latent_once_for_all_heads():
     from pathlib import Path
 
     import lowbit
-    from lowbit.engine import paged_cache
     from lowbit.models.config import load_config
 
     arch = load_config(Path(lowbit.__file__).parent / "model_configs" / "deepseek-ai__DeepSeek-V3.json")
@@ -68,5 +70,4 @@ def test_mla_bytes_per_token_count_the_latent_once_for_all_heads(monkeypatch):
     assert kv_bytes_per_token(arch, torch.float8_e4m3fn, L) == (C + Dr + 2 * 4) * L  # scales: c_kv, k_pe
     per_head = arch.num_heads * (arch.qk_nope_head_dim + Dr + arch.v_head_dim) * L * 2  # uncompressed K/V
     assert per_head / latent == pytest.approx(71.1, abs=0.05)  # tokens the same pool holds
-    monkeypatch.setattr(paged_cache, "local_heads", lambda heads: max(1, heads // 8))  # tp = 8
-    assert kv_bytes_per_token(arch, torch.bfloat16, L) == latent  # every rank caches the whole latent
+    assert kv_bytes_per_token(arch, torch.bfloat16, L, tp=8) == latent  # every rank caches the whole latent

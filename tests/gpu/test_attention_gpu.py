@@ -128,17 +128,15 @@ def _moe_dir(path):
     return path
 
 
-def test_decode_graph_replay_matches_eager(tmp_path, monkeypatch, caplog):
+def test_decode_graph_replay_matches_eager(tmp_path, caplog):
     """Prompts of 5, 37 and 100 tokens prefill in 16-token chunks beside decodes (the prefill
     kernel over cached prefixes), then decode through graphs (bucket 4: one padded row) across
-    block boundaries; one decode step replayed from its graph equals the same step run eagerly.
-    16-token steps keep every MoE call within the graph-safe fused decode route."""
+    block boundaries, all on the default routes; the logits and greedy tokens of one decode
+    step replayed from its graph (ids -> sampled tokens) equal the same step run eagerly."""
     from lowbit import SamplingParams
     from lowbit.config import EngineConfig
     from lowbit.engine.engine import LLMEngine
 
-    monkeypatch.setenv("LOWBIT_ROUTE_ATTENTION", "triton_paged")
-    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_fused_moe_decode")
     caplog.set_level("INFO", logger="lowbit")
     engine = LLMEngine(EngineConfig(model=str(_moe_dir(tmp_path / "moe")), device="cuda", dtype="bfloat16",
                                     kv_cache_tokens=4096, max_num_seqs=8, max_num_batched_tokens=16,
@@ -152,10 +150,16 @@ def test_decode_graph_replay_matches_eager(tmp_path, monkeypatch, caplog):
             break
         engine.step()
     assert all(r.num_computed_tokens > r.num_prompt_tokens + 12 for r in reqs)
+    assert engine.runner.graphs.graphs, "no decode step replayed a graph"
     sched = engine.scheduler.schedule()
+    runner = engine.runner
     with torch.inference_mode():
-        ids, batch = engine.runner.prepare(sched.scheduled)
-        assert batch.mode.is_decode and engine.runner.graphs.bucket_for(batch.num_seqs) == 4
-        replayed = engine.runner.graphs.run(ids, batch).clone()
-        eager = engine.model(ids, batch)  # rewrites the same K/V rows with the same values
-    assert _rel(replayed, eager) < RTOL
+        ids, batch = runner.prepare(sched.scheduled)
+        mode = runner.sampling.mode_for([r.params for r, _ in sched.scheduled])
+        assert batch.mode.is_decode and runner.graphs.bucket_for(batch.num_seqs) == 4
+        assert runner.graphs.ready(batch.num_seqs, mode)
+        tokens, logits = runner.graphs.run(batch.num_seqs, mode)
+        tokens, logits = tokens.clone(), logits.clone()
+        eager = engine.model.compute_logits(engine.model(ids, batch))  # rewrites the same K/V rows
+    assert _rel(logits, eager) < RTOL
+    assert torch.equal(tokens, logits.argmax(-1))

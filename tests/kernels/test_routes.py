@@ -73,7 +73,7 @@ def test_auto_and_empty_mean_unforced(op, monkeypatch, value):
 
 def test_check_env_strict(op):
     routes.check_env({"LOWBIT_ROUTE_T_OP": "fancy", "LOWBIT_ROUTE_MOE": "auto"})
-    for typo in ("LOWBIT_ROUTE_LINEAER", "LOWBIT_ROUTE_SAMPLE"):  # sampling has no routes
+    for typo in ("LOWBIT_ROUTE_LINEAER", "LOWBIT_ROUTE_SAMPLER"):  # no such op
         with pytest.raises(LowbitError, match="names no op"):
             routes.check_env({typo: "torch"})
     with pytest.raises(LowbitError, match="valid names"):

@@ -1,0 +1,89 @@
+"""StepInputs: a step's flat metadata, built on the host and sent to the device in one go.
+
+Shapes: T tokens of the step (<= max_tokens), B sequences (<= max_seqs), W block-table
+width (<= max_blocks).
+Host side, every field lives in a pinned buffer that `stage()` fills from Python lists;
+`upload()` issues one non-blocking copy per field into persistent device buffers, the same
+buffers a captured decode graph reads, so a replay needs no further copy. The upload
+records an event; the next `stage()` waits on it before it overwrites the pinned memory,
+so a copy still in flight never reads the next step's values.
+
+Rows past the step's B (graph padding) are filled so that a padded row is harmless: token
+0 at position 0, writing the pool's scratch row, reading one token of the scratch block,
+and sampling into the sampler's scratch row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Padding:
+    scratch_row: int  # KV pool row padded tokens write
+    scratch_block: int  # block padded table entries name
+    sampler_row: int  # sampling-state row padded sequences use
+
+
+class StepInputs:
+    FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "rows", "steps")
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, padding: Padding,
+                 device: torch.device) -> None:
+        self.device, self.pad = device, padding
+        pin = device.type == "cuda"
+        sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
+                 "seq_lens": max_seqs, "rows": max_seqs, "steps": max_seqs}
+        dtypes = {"seq_lens": torch.int32}
+        self.host = {f: torch.zeros(n, dtype=dtypes.get(f, torch.long), pin_memory=pin)
+                     for f, n in sizes.items()}
+        self.dev = {f: torch.zeros(n, dtype=dtypes.get(f, torch.long), device=device)
+                    for f, n in sizes.items()}
+        self.host_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.block_tables = torch.full((max_seqs, max_blocks), padding.scratch_block,
+                                       dtype=torch.int32, device=device)
+        self._uploaded = torch.cuda.Event() if pin else None
+        self.num_tokens = self.num_seqs = self.width = 0
+
+    def stage(self, values: dict[str, list[int]], tables: list[list[int]], pad_to: int = 0) -> None:
+        """Fill the pinned buffers: token fields [T], sequence fields [B], tables [B][<=W];
+        with pad_to (a graph bucket), token and sequence fields are padded to pad_to rows."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last upload has left the pinned buffers
+        t, b = len(values["input_ids"]), len(tables)
+        n_tok, n_seq = max(t, pad_to), max(b, pad_to)
+        fill = {"input_ids": 0, "positions": 0, "slot_mapping": self.pad.scratch_row,
+                "seq_lens": 1, "rows": self.pad.sampler_row, "steps": 0}
+        for f in self.FIELDS:
+            n = n_tok if f in ("input_ids", "positions", "slot_mapping") else n_seq
+            vals = values[f]
+            buf = self.host[f]
+            buf[:len(vals)] = torch.as_tensor(vals, dtype=buf.dtype)
+            buf[len(vals):n] = fill[f]
+        width = max(len(row) for row in tables)
+        self.host_tables[:n_seq, :width] = self.pad.scratch_block
+        for i, row in enumerate(tables):
+            self.host_tables[i, :len(row)] = torch.as_tensor(row, dtype=torch.int32)
+        self.num_tokens, self.num_seqs, self.width = n_tok, n_seq, width
+
+    def upload(self) -> None:
+        """Non-blocking copies of the staged rows into the device buffers."""
+        nb = self.device.type == "cuda"
+        for f in self.FIELDS:
+            n = self.num_tokens if f in ("input_ids", "positions", "slot_mapping") else self.num_seqs
+            self.dev[f][:n].copy_(self.host[f][:n], non_blocking=nb)
+        b, w = self.num_seqs, self.width
+        self.block_tables[:b, :w].copy_(self.host_tables[:b, :w], non_blocking=nb)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+    def tokens(self, n: int | None = None) -> dict[str, torch.Tensor]:
+        """Device views of the token fields, n rows (default: the staged count)."""
+        n = self.num_tokens if n is None else n
+        return {f: self.dev[f][:n] for f in ("input_ids", "positions", "slot_mapping")}
+
+    def seqs(self, n: int | None = None) -> dict[str, torch.Tensor]:
+        n = self.num_seqs if n is None else n
+        return {f: self.dev[f][:n] for f in ("seq_lens", "rows", "steps")}
