@@ -25,8 +25,13 @@ The two entry points the model layers call (signatures are stable):
 call by lowbit.kernels.routes (LOWBIT_ROUTE_LINEAR / LOWBIT_ROUTE_MOE force one; docs/ROUTES.md).
 """
 
-from lowbit.kernels import attention_op  # noqa: F401  registers the attention and kv_write ops
-from lowbit.kernels import norm_op, rope_op, router_op, sample_op  # noqa: F401  register their ops
+from lowbit.kernels import (  # noqa: F401  register their ops
+    attention_op,  # noqa: F401  registers the attention and kv_write ops
+    norm_op,
+    rope_op,
+    router_op,
+    sample_op,
+)
 from lowbit.kernels.linear_op import linear
 from lowbit.kernels.moe_op import MoeActivation, moe_experts
 from lowbit.kernels.routes import counters, format_table, route_table
