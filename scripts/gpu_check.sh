@@ -7,9 +7,8 @@
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
 #   attention  python -m lowbit.kernels.attention_bench: paged decode attention vs SDPA
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
-#              $QUANT: pp/tg cells, batched decode, depth; the Triton attention route is
-#              forced when its GPU test passed (else the torch route, said in the log)
-#              (docs/SERVING.md#gpu-benchmark-status says what the last H200 run showed)
+#              $QUANT, default routes and flags (what a user gets): pp/tg cells, batched
+#              decode, kernels per decode step from a profile, graph status, route calls
 # Writes under $OUT (default ./gpu_out); the last lines printed are the summary tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,16 +22,17 @@ export LOWBIT_COMMIT=${LOWBIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null |
 STAGES=${STAGES:-tests tune kernels attention engine}
 T_TESTS=${T_TESTS:-200} T_TUNE=${T_TUNE:-150} T_BENCH=${T_BENCH:-330} T_ATT=${T_ATT:-60}
 T_ENGINE_BF16=${T_ENGINE_BF16:-240} T_ENGINE_Q=${T_ENGINE_Q:-240}  # engine stage: a cap per format
+TESTS=${TESTS:-tests/gpu}
 QUANT=${QUANT:-nvfp4}
 CONFIG=${CONFIG:-lowbit/model_configs/Qwen__Qwen3-30B-A3B.json}
-CELLS=${CELLS:--p 8192 -n 32 -b 1,8,32 -d 0,32000 -r 2}
+CELLS=${CELLS:--p 512 -n 64 -b 1,8,32,64 -r 2}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
 if has tests; then
   echo "== tests/gpu"
-  timeout "$T_TESTS" python3 -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tail -40 | tee "$OUT/tests_gpu.log"
+  timeout "$T_TESTS" python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -60 | tee "$OUT/tests_gpu.log"
 fi
 
 if has tune; then
@@ -58,18 +58,9 @@ if has kernels; then
   timeout "$T_BENCH" python3 -m lowbit.bench.kernels --out "$RES" 2>&1 | tee "$OUT/bench.log" | tail -80
 fi
 
-ATT=torch
-if has attention || has engine; then
-  echo "== attention: GPU test, then benchmark"
-  if timeout "$T_ATT" python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_attention_gpu.py 2>&1 \
-       | tail -30 | tee "$OUT/attention_test.log" | grep -qE "[0-9]+ passed" \
-     && ! grep -qE "failed|error" "$OUT/attention_test.log"; then
-    ATT=triton_paged
-  fi
-  echo "attention route for the engine stage: $ATT"
-  if has attention; then
-    timeout "$T_ATT" python3 -m lowbit.kernels.attention_bench --out "$RES" 2>&1 | tail -30 | tee "$OUT/attention_bench.log"
-  fi
+if has attention; then
+  echo "== attention benchmark"
+  timeout "$T_ATT" python3 -m lowbit.kernels.attention_bench --out "$RES" 2>&1 | tail -30 | tee "$OUT/attention_bench.log"
 fi
 
 if has engine; then
@@ -77,9 +68,9 @@ if has engine; then
   # stream in as they come (a capped run still shows its last step), the table comes last
   for fmt in bf16 "$QUANT"; do
     cap=$T_ENGINE_BF16; [ "$fmt" != bf16 ] && cap=$T_ENGINE_Q
-    echo "== engine latency: $fmt (attention route $ATT, cap ${cap} s)" | tee -a "$OUT/engine.log"
+    echo "== engine latency: $fmt (default routes, cap ${cap} s)" | tee -a "$OUT/engine.log"
     q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
-    LOWBIT_ROUTE_ATTENTION=$ATT timeout "$cap" python3 -m lowbit bench latency x --random-weights \
+    timeout "$cap" python3 -m lowbit bench latency x --random-weights \
       --config "$CONFIG" "${q[@]}" $CELLS --records "$RES" --append-md "$OUT/engine.md" 2>&1 \
       | grep --line-buffered -v "^loading" | tee -a "$OUT/engine.log"
     rc=${PIPESTATUS[0]}

@@ -53,7 +53,7 @@ SAMPLERS = {
 }
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8, 20, 40])
+@pytest.mark.parametrize("batch", [1, 3, 20, 40])
 @pytest.mark.parametrize("sampler", list(SAMPLERS))
 def test_decode_steps_do_not_sync_inside(moe_dir, batch, sampler):
     from lowbit import SamplingParams
