@@ -14,6 +14,8 @@
 # Knobs (env): CONFIG, QUANT (nvfp4), PORT (8011), BUDGET_S (540), REPEATS (3), CELLS
 # ("-p 512 -n 128 -d 0,32768"), CONCURRENCY (1,2,4,8,16,32), LONG_CONTEXT (32768),
 # INPUT_LEN (128), OUTPUT_LEN (32), DEVICE (empty: cuda when present), DTYPE (auto: bf16 on a GPU).
+# LONG_CONTEXT=0 skips the long-context serving level; the server's --max-num-seqs is the
+# largest CONCURRENCY level.
 # `lowbit serve` needs fastapi and uvicorn; where they are missing (the GPU image has
 # httpx but no fastapi/uvicorn/pydantic/starlette) carry their wheels in .whl/
 # (`bash scripts/fetch_wheels.sh` downloads them) and this script installs them to
@@ -38,6 +40,8 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LB=(python3 -m lowbit)
 SERVER_PID=""
 
+MAX_SEQS=$(tr ',' '\n' <<< "$CONCURRENCY" | sort -n | tail -1)
+healthy() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; }
 say() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
 left() { echo $(( DEADLINE - $(date +%s) )); }
 cap() { local want=$1 l; l=$(left); (( l < want )) && want=$l; (( want < 1 )) && want=1; echo "$want"; }
@@ -78,19 +82,21 @@ stage latency-bf16 170 "${LB[@]}" bench latency x "${COMMON[@]}" "${CELLS[@]}" -
 if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
     say "start lowbit serve on port $PORT"
     "${LB[@]}" serve x "${COMMON[@]}" --port "$PORT" --served-model-name campaign-random \
-        --max-num-seqs 32 --kv-cache-tokens 262144 > "$WORK/logs/serve.log" 2>&1 &
+        --max-num-seqs "$MAX_SEQS" --kv-cache-tokens 262144 > "$WORK/logs/serve.log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 180); do
-        curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1 && break
+        healthy && break
         kill -0 "$SERVER_PID" 2>/dev/null || break
         sleep 1
     done
-    if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1; then
+    if healthy; then
         say "server ready"
         LOAD=(--base-url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" --input-len "${INPUT_LEN:-128}"
               --output-len "${OUTPUT_LEN:-32}" --prompts-per-slot 2 --ignore-eos --timeout 150)
         stage serve-ctx0 150 "${LB[@]}" bench serve "${LOAD[@]}" --context 0 --time-limit 110 "${REC[@]}"
-        stage serve-ctx-long 190 "${LB[@]}" bench serve "${LOAD[@]}" --context "$LONG_CONTEXT" --time-limit 120 "${REC[@]}"
+        if (( LONG_CONTEXT > 0 )); then
+            stage serve-ctx-long 190 "${LB[@]}" bench serve "${LOAD[@]}" --context "$LONG_CONTEXT" --time-limit 120 "${REC[@]}"
+        fi
     else
         say "lowbit serve did not come up; see logs/serve.log in records.tar.gz"
         tail -20 "$WORK/logs/serve.log" >> "$LOG"

@@ -67,8 +67,10 @@ def test_routes_lists_registry_and_counts_a_run(tiny_moe_dir, capsys):
         assert f"\n{op} " in out
     assert "MEASURED_NEGATIVE" in out and "DEFAULT" in out
     rows = [ln.split() for ln in out.splitlines()]
-    torch_linear = [r for r in rows if r[:2] == ["linear", "torch"]][0]
-    assert int(torch_linear[3]) > 0  # the torch route served the run's linear calls
+    dense_linear = [r for r in rows if r[:2] == ["linear", "dense"]][0]
+    assert int(dense_linear[3]) > 0  # the dense route served the run's (bf16) linear calls
+    for op in ("norm", "rope", "router", "sample"):  # every hot op goes through the registry
+        assert f"\n{op} " in out
 
 
 def test_misspelt_route_variables_fail_before_loading(tmp_path, monkeypatch, capsys):

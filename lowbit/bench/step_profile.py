@@ -6,7 +6,8 @@ sampling, the token read-back) and reports per step:
   kernels         GPU kernels launched (inside a replayed graph too: CUPTI records each node)
   per_layer       kernels / decoder layers
   kernel_us       the sum of those kernels' GPU times
-  step_us         wall time of a step (host included), from the profile's span
+  step_us         wall time of a step (host included), timed over the same number of steps
+                  just before the profiled ones, without the profiler (which slows the host)
   overhead        step_us / kernel_us: 1.0 when the GPU runs back to back; the host and the
                   gaps between kernels account for the rest
   top             the ten kernels with the most GPU time per step (name, count, us)
@@ -31,7 +32,7 @@ def _kernel_events(prof) -> list:
 def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64) -> dict | None:
     if engine.device.type != "cuda":
         return None
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
     for i in range(batch):
         engine.add_request([(7 * i + j) % engine.arch.vocab_size for j in range(context)], sp)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
@@ -39,13 +40,16 @@ def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64) ->
     for _ in range(2):  # capture / warm the bucket outside the profile
         engine.step()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
     for rid in list(engine.requests):
         engine.abort(rid)
     while engine.has_unfinished():

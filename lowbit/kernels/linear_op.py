@@ -2,6 +2,7 @@
 
 Shape legend: x [..., K] flattened to [M, K]; W [N, K] (dense, LUT view or fp8); y [..., N].
 Routes, in selection order (see lowbit.kernels.routes; status and record in docs/ROUTES.md):
+  dense              bf16 / fp16 / fp32 weights: F.linear (cuBLAS on CUDA)
   triton_lut_gemv    CUDA-core dequantizing GEMV of LUT weights, M <= 4 (M <= 16 when forced)
   triton_lut_gemm    tensor-core tiles with in-register decode, bf16/fp16 activations
   triton_fp8_w8a16   the gemv (M <= 4; forced: gemv to 16, gemm above) on fp8 weights
@@ -127,6 +128,17 @@ def _run_w8a8(call: LinearCall) -> torch.Tensor:
     return fp8_w8a8(call.x, call.weight, call.bias)
 
 
+def _admit_dense(call: LinearCall) -> str | None:
+    if not isinstance(call.weight, DenseWeight):
+        return f"weights are {type(call.weight).__name__}, this route reads DenseWeight"
+    return None if call.weight.lead == () else "weight is stacked; linear takes [N, K]"
+
+
+def _run_dense(call: LinearCall) -> torch.Tensor:
+    w, b = call.weight.w, call.bias
+    return F.linear(call.x, w.to(call.x.dtype), None if b is None else b.to(call.x.dtype))
+
+
 def _run_torch(call: LinearCall) -> torch.Tensor:
     w = call.weight
     if isinstance(w, DenseWeight):
@@ -136,6 +148,10 @@ def _run_torch(call: LinearCall) -> torch.Tensor:
     return reference_linear(call.x, w, call.bias)
 
 
+routes.register("linear", routes.Route(
+    "dense", routes.DEFAULT, "torch F.linear (cuBLAS on CUDA) on bf16 / fp16 / fp32 weights: the "
+    "ceiling the quantized routes are measured against (docs/BENCHMARKS.md#kernels)",
+    _admit_dense, _run_dense))
 routes.register("linear", routes.Route(
     "triton_lut_gemv", routes.DEFAULT,
     BENCH + " (M = 1: 8.0-38.0 us, M = 4: 14.1-87.2 us; the torch route's bound: 111 / 111 / 24 us)",

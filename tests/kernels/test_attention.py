@@ -173,13 +173,17 @@ def test_route_admission_reasons():
     unforced = _call()
     unforced.forced = False
     assert "TRITON_INTERPRET=1 and a forced route" in route["triton_paged"].admit(unforced)
-    assert all(r.status == routes.OPT_IN for r in route.values() if r.name != "torch")
+    status = {name: r.status for name, r in route.items()}
+    assert status == {"triton_paged_decode": routes.DEFAULT, "triton_paged_prefill": routes.DEFAULT,
+                      "triton_paged": routes.OPT_IN, "torch": routes.DEFAULT}
 
 
 def test_forcing_and_graph_safety(monkeypatch):
     monkeypatch.delenv("LOWBIT_ROUTE_ATTENTION", raising=False)
-    assert "torch route" in attention_op.decode_graph_refusal()
-    assert routes.select("attention", _call()).name == "torch"
+    assert attention_op.decode_graph_refusal() is None  # the DEFAULT decode route is graph-safe
+    assert routes.select("attention", _call()).name == "torch"  # CPU, unforced: the reference
+    monkeypatch.setenv("LOWBIT_ROUTE_ATTENTION", "torch")
+    assert "not a graph-safe decode route" in attention_op.decode_graph_refusal()
     monkeypatch.setenv("LOWBIT_ROUTE_ATTENTION", "triton_paged")
     assert attention_op.decode_graph_refusal() is None
     monkeypatch.setenv("LOWBIT_ROUTE_ATTENTION", "triton_paged_prefill")

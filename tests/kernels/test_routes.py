@@ -101,21 +101,24 @@ def test_route_table_rows(op):
 
 def test_every_real_route_cites_a_record():
     names = {op: [r.name for r in o.routes] for op, o in routes.ops().items()}
-    assert names["linear"] == ["triton_lut_gemv", "triton_lut_gemm", "triton_fp8_w8a16",
+    assert names["linear"] == ["dense", "triton_lut_gemv", "triton_lut_gemm", "triton_fp8_w8a16",
                                "triton_fp8_w8a8", "torch"]
     assert names["moe"] == ["triton_fused_moe_decode", "triton_moe_grouped", "torch"]
     for row in routes.route_table():
         if row["op"] in ("linear", "moe") and row["status"] == DEFAULT and row["route"] != "torch":
+            assert "docs/BENCHMARKS.md#" in row["record"], row
+        if row["op"] == "moe" and row["status"] == DEFAULT and row["route"] != "torch":
             assert row["record"].startswith("docs/BENCHMARKS.md#"), row
 
 
-def test_linear_dense_cpu_is_torch_route(monkeypatch):
+def test_linear_dense_takes_the_dense_route(monkeypatch):
     monkeypatch.delenv("LOWBIT_ROUTE_LINEAR", raising=False)
     routes.reset_counters()
     x, w, b = torch.randn(2, 3, 8), torch.randn(5, 8), torch.randn(5)
     y = linear(x, w, b, layer="blk.0")
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b))
-    assert {"op": "linear", "layer": "blk.0", "route": "torch", "count": 1} in routes.counters()["route_calls"]
+    assert {"op": "linear", "layer": "blk.0", "route": "dense", "count": 1} in routes.counters()["route_calls"]
+    assert not routes.counters()["route_refusals"]  # a dense call evaluates no other admission
 
 
 def test_forcing_a_kernel_on_dense_weights_names_the_reason(monkeypatch):
