@@ -21,6 +21,7 @@ from lowbit.distributed.launcher import run_parallel, world_size
 from lowbit.errors import LowbitError
 from lowbit.formats import FORMATS
 from lowbit.kernels.routes import check_env
+from lowbit.models import param_counts
 from lowbit.models.config import load_config
 from lowbit.quantize.export import quantize_model, summary_table
 
@@ -81,7 +82,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         path = resolve_model_dir(args.model)
         cfg = load_config(path)
-    total, active = cfg.param_counts()
+    total, active = param_counts(cfg)
     print(f"architecture     {cfg.model_type} ({cfg.raw.get('architectures', ['?'])[0]})")
     print(f"layers           {cfg.num_layers}, hidden {cfg.hidden_size}, heads {cfg.num_heads}:{cfg.num_kv_heads}, vocab {cfg.vocab_size}")
     if cfg.is_moe:

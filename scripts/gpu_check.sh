@@ -5,7 +5,7 @@
 #   tests      pytest tests/gpu (kernels vs torch twins at real sizes, graph replay)
 #   tune       gemv launch-config sweep (scripts/tune_kernels.py), fed to the benchmark
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
-#   attention  python -m lowbit.kernels.attention_bench: paged decode attention vs SDPA
+#   attention  python -m lowbit.bench.attention: paged decode attention vs SDPA
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
 #              $QUANT, default routes and flags (what a user gets): pp/tg cells, batched
 #              decode, kernels per decode step from a profile, graph status, route calls
@@ -60,7 +60,7 @@ fi
 
 if has attention; then
   echo "== attention benchmark"
-  timeout "$T_ATT" python3 -m lowbit.kernels.attention_bench --out "$RES" 2>&1 | tail -30 | tee "$OUT/attention_bench.log"
+  timeout "$T_ATT" python3 -m lowbit.bench.attention --out "$RES" 2>&1 | tail -30 | tee "$OUT/attention_bench.log"
 fi
 
 if has engine; then

@@ -28,7 +28,11 @@ MD_HEADING = "# Benchmarks\n"
 
 
 def git_commit(cwd: str | Path | None = None) -> str | None:
-    """HEAD of the repository lowbit runs from (or cwd), with '+dirty' for a modified tree."""
+    """HEAD of the repository lowbit runs from (or cwd), with '+dirty' for a modified tree.
+    LOWBIT_COMMIT, when set, wins: a tree copied to another machine without its history
+    (a remote GPU run) names the commit it was copied from."""
+    if os.environ.get("LOWBIT_COMMIT") and cwd is None:
+        return os.environ["LOWBIT_COMMIT"]
     where = cwd or Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True,

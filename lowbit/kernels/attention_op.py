@@ -22,6 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.kernels import routes
+from lowbit.kernels.attention import (
+    paged_decode,
+    paged_prefill,
+    reference_kv_write,
+    reference_paged_attention,
+)
 from lowbit.kernels.runtime import capability, triton_refusal
 
 BENCH = "docs/BENCHMARKS.md#attention"
@@ -96,15 +102,11 @@ _STARTS: dict = {}
 
 
 def _run_decode(call: AttentionCall) -> torch.Tensor:
-    from lowbit.kernels.attention import paged_decode
-
     return paged_decode(call.q, call.pool, call.block_tables, call.seq_lens, call.scale,
                         call.window, call.sinks)
 
 
 def _run_prefill(call: AttentionCall) -> torch.Tensor:
-    from lowbit.kernels.attention import paged_prefill
-
     qs = call.query_start
     max_q = max(qs[i + 1] - qs[i] for i in range(len(qs) - 1))
     return paged_prefill(call.q, call.pool, call.block_tables, call.seq_lens,
@@ -116,8 +118,6 @@ def _run_paged(call: AttentionCall) -> torch.Tensor:
 
 
 def _run_torch(call: AttentionCall) -> torch.Tensor:
-    from lowbit.kernels.attention import reference_paged_attention
-
     if call.q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise AssertionError("the torch attention route reads host lengths; it cannot be captured")
     qs = call.query_start
@@ -127,8 +127,6 @@ def _run_torch(call: AttentionCall) -> torch.Tensor:
 
 
 def _run_kv_write(call: KVWriteCall) -> None:
-    from lowbit.kernels.attention import reference_kv_write
-
     reference_kv_write(call.k, call.v, call.pool, call.slot_mapping)
 
 

@@ -18,6 +18,8 @@ import torch
 from torch.nn import functional as F
 
 from lowbit.kernels import routes
+from lowbit.kernels.dequant_gemm import gemv_refusal, lut_gemm, lut_gemv, reference_linear
+from lowbit.kernels.fp8_gemm import fp8_w8a8, w8a8_refusal
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
 from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, resolve
 
@@ -57,8 +59,6 @@ AUTO_GEMV_MAX_M = 4  # measured faster than the torch route up to here (docs/ROU
 
 def _admit_gemv(kinds: tuple[type, ...]):
     def admit(call: LinearCall) -> str | None:
-        from lowbit.kernels.dequant_gemm import gemv_refusal
-
         if not call.forced and call.m > AUTO_GEMV_MAX_M:
             return f"M = {call.m} > {AUTO_GEMV_MAX_M}: not measured faster unless forced"
         return _common_refusal(call, kinds) or gemv_refusal(call.x, call.weight)
@@ -81,20 +81,14 @@ def _admit_lut_gemv(call: LinearCall) -> str | None:
 
 
 def _run_gemv(call: LinearCall) -> torch.Tensor:
-    from lowbit.kernels.dequant_gemm import lut_gemv
-
     return lut_gemv(call.x, call.weight, call.bias)
 
 
 def _run_gemm(call: LinearCall) -> torch.Tensor:
-    from lowbit.kernels.dequant_gemm import lut_gemm
-
     return lut_gemm(call.x, call.weight, call.bias)
 
 
 def _run_fp8_w8a16(call: LinearCall) -> torch.Tensor:
-    from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv
-
     if call.m <= 16:
         return lut_gemv(call.x, call.weight, call.bias)
     return lut_gemm(call.x, call.weight, call.bias)
@@ -107,8 +101,6 @@ def _admit_fp8_w8a16(call: LinearCall) -> str | None:
     if reason is None and call.m > 16 and call.x.dtype == torch.float32:
         reason = "tl.dot reads bf16/fp16 activations, got float32"
     if reason is None and call.m <= 16:
-        from lowbit.kernels.dequant_gemm import gemv_refusal
-
         reason = gemv_refusal(call.x, call.weight)
     return reason
 
@@ -117,14 +109,10 @@ def _admit_w8a8(call: LinearCall) -> str | None:
     reason = _common_refusal(call, (Fp8View,))
     if reason is not None:
         return reason
-    from lowbit.kernels.fp8_gemm import w8a8_refusal
-
     return w8a8_refusal(call.x, call.weight)
 
 
 def _run_w8a8(call: LinearCall) -> torch.Tensor:
-    from lowbit.kernels.fp8_gemm import fp8_w8a8
-
     return fp8_w8a8(call.x, call.weight, call.bias)
 
 
@@ -143,8 +131,6 @@ def _run_torch(call: LinearCall) -> torch.Tensor:
     w = call.weight
     if isinstance(w, DenseWeight):
         return F.linear(call.x, w.w.to(call.x.dtype), None if call.bias is None else call.bias.to(call.x.dtype))
-    from lowbit.kernels.dequant_gemm import reference_linear
-
     return reference_linear(call.x, w, call.bias)
 
 

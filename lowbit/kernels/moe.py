@@ -30,12 +30,13 @@ Reference twin: `reference_moe` (loop over experts, the format's decode, float32
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lowbit.kernels import launch
 from lowbit.kernels.decode import WeightArgs, dequant_tile, weight_args
-from lowbit.kernels.dequant_gemm import gated_act
-from lowbit.kernels.moe_op import MoeActivation, bias_refusal
+from lowbit.kernels.dequant_gemm import _gemv_codes, _gemv_kernel, _semaphore, gated_act, split_plan
 from lowbit.kernels.runtime import (
     interpreting,
     round_for_dot,
@@ -43,6 +44,44 @@ from lowbit.kernels.runtime import (
     triton,
 )
 from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, expert_dense
+
+ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+@dataclass(frozen=True)
+class MoeActivation:
+    """act(gate, up) of FC1's two halves. kind "silu": SiLU(gate) * up. kind "swiglu_oai"
+    (gpt-oss): gate' = min(gate, limit), up' = clamp(up, -limit, limit),
+    act = gate' * sigmoid(alpha * gate') * (up' + 1)."""
+
+    kind: str = "silu"
+    limit: float = 0.0
+    alpha: float = 1.702
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTIVATIONS:
+            raise ValueError(f"MoE activation {self.kind!r}: use one of {', '.join(ACTIVATIONS)}")
+        if self.kind == "swiglu_oai" and not self.limit > 0:
+            raise ValueError(f"swiglu_oai needs a positive clamp limit, got {self.limit}")
+
+
+SILU = MoeActivation()
+
+
+def bias_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved, b13: torch.Tensor | None,
+                 b2: torch.Tensor | None) -> str | None:
+    """Why b13 [E, 2I] / b2 [E, H] do not fit these expert stacks, or None."""
+    if len(w13.lead) != 1:
+        return None  # not a stack: moe_refusal says so
+    for name, b, n in (("b13", b13, w13.n), ("b2", b2, w2.n)):
+        if b is None:
+            continue
+        if tuple(b.shape) != (w13.lead[0], n):
+            return f"{name} is {list(b.shape)}, expected [{w13.lead[0]}, {n}]"
+        if not b.is_floating_point() or b.device != x.device:
+            return f"{name} is {b.dtype} on {b.device}, expected a float tensor on {x.device}"
+    return None
+
 
 MODE_DECODE = 0
 MODE_GROUPED = 1
@@ -348,8 +387,6 @@ def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
              bias: torch.Tensor | None, act: dict) -> None:
     """One expert layer as per-slot GEMVs: y [S, N] (float32) from rows of x (see
     dequant_gemm._gemv_kernel, MOE modes 1 and 2); bias [E, N] or None."""
-    from lowbit.kernels.dequant_gemm import _gemv_codes, _gemv_kernel, _semaphore, split_plan
-
     a = weight_args(w)
     codes, stride_cw, kw = _gemv_codes(w)
     s, n = y.shape

@@ -24,6 +24,17 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.kernels import routes
+from lowbit.kernels.dequant_gemm import gemv_refusal
+from lowbit.kernels.moe import (
+    SILU,
+    MoeActivation,
+    bias_refusal,
+    fused_moe,
+    fused_moe_gemv,
+    moe_refusal,
+    reference_moe,
+)
+from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid
 from lowbit.kernels.moe_layout import HybridExperts, HybridTensor, layout_of
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
 from lowbit.kernels.weights import DenseWeight, Resolved, resolve
@@ -31,29 +42,6 @@ from lowbit.kernels.weights import DenseWeight, Resolved, resolve
 BENCH = "docs/BENCHMARKS.md#kernels"
 DECODE_MAX_TOKENS = 16
 DECODE_MAX_SLOTS = 256
-ACTIVATIONS = ("silu", "swiglu_oai")
-
-
-@dataclass(frozen=True)
-class MoeActivation:
-    """act(gate, up) of FC1's two halves. kind "silu": SiLU(gate) * up. kind "swiglu_oai"
-    (gpt-oss): gate' = min(gate, limit), up' = clamp(up, -limit, limit),
-    act = gate' * sigmoid(alpha * gate') * (up' + 1)."""
-
-    kind: str = "silu"
-    limit: float = 0.0
-    alpha: float = 1.702
-
-    def __post_init__(self) -> None:
-        if self.kind not in ACTIVATIONS:
-            raise ValueError(f"MoE activation {self.kind!r}: use one of {', '.join(ACTIVATIONS)}")
-        if self.kind == "swiglu_oai" and not self.limit > 0:
-            raise ValueError(f"swiglu_oai needs a positive clamp limit, got {self.limit}")
-
-
-SILU = MoeActivation()
-
-
 @dataclass
 class MoeCall:
     x: torch.Tensor  # [T, H]
@@ -65,21 +53,6 @@ class MoeCall:
     b13: torch.Tensor | None = None  # [E, 2I]
     b2: torch.Tensor | None = None  # [E, H]
     activation: MoeActivation = SILU
-
-
-def bias_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved, b13: torch.Tensor | None,
-                 b2: torch.Tensor | None) -> str | None:
-    """Why b13 [E, 2I] / b2 [E, H] do not fit these expert stacks, or None."""
-    if len(w13.lead) != 1:
-        return None  # not a stack: moe_refusal says so
-    for name, b, n in (("b13", b13, w13.n), ("b2", b2, w2.n)):
-        if b is None:
-            continue
-        if tuple(b.shape) != (w13.lead[0], n):
-            return f"{name} is {list(b.shape)}, expected [{w13.lead[0]}, {n}]"
-        if not b.is_floating_point() or b.device != x.device:
-            return f"{name} is {b.dtype} on {b.device}, expected a float tensor on {x.device}"
-    return None
 
 
 def _refusal(call: MoeCall) -> str | None:
@@ -95,8 +68,6 @@ def _refusal(call: MoeCall) -> str | None:
         if call.x.shape[1] != h:
             return f"x has {call.x.shape[1]} columns, the experts {h}"
         return fp8_refusal(call.x, *(w for g in call.w13.groups for w in (g.w13, g.w2)))
-    from lowbit.kernels.moe import moe_refusal
-
     return (fp8_refusal(call.x, call.w13, call.w2) or moe_refusal(call.x, call.w13, call.w2)
             or bias_refusal(call.x, call.w13, call.w2, call.b13, call.b2))
 
@@ -107,8 +78,6 @@ def _admit_decode(call: MoeCall) -> str | None:
         return f"{t} tokens x top-{a}: the decode route takes <= {DECODE_MAX_TOKENS} tokens, <= {DECODE_MAX_SLOTS} slots"
     reason = _refusal(call)
     if reason is None and not isinstance(call.w13, (DenseWeight, HybridExperts)):
-        from lowbit.kernels.dequant_gemm import gemv_refusal
-
         reason = gemv_refusal(call.x[:1], call.w13) or gemv_refusal(call.x[:1], call.w2)
     if reason is None and isinstance(call.w13, DenseWeight) and call.x.dtype == torch.float32:
         reason = "tensor-core tiles read bf16/fp16 activations, got float32"
@@ -117,11 +86,7 @@ def _admit_decode(call: MoeCall) -> str | None:
 
 def _run(mode: str):
     def run(call: MoeCall) -> torch.Tensor:
-        from lowbit.kernels.moe import fused_moe, fused_moe_gemv
-
         if isinstance(call.w13, HybridExperts):
-            from lowbit.kernels.moe_hybrid import fused_moe_hybrid
-
             return fused_moe_hybrid(call.x, call.ids, call.weights, call.w13, mode=mode)
         t, a = call.ids.shape
         extra = dict(b13=call.b13, b2=call.b2, activation=call.activation)
@@ -133,11 +98,7 @@ def _run(mode: str):
 
 
 def _run_torch(call: MoeCall) -> torch.Tensor:
-    from lowbit.kernels.moe import reference_moe
-
     if isinstance(call.w13, HybridExperts):
-        from lowbit.kernels.moe_hybrid import reference_hybrid
-
         return reference_hybrid(call.x, call.ids, call.weights, call.w13)
     return reference_moe(call.x, call.ids, call.weights, call.w13, call.w2, b13=call.b13,
                          b2=call.b2, activation=call.activation)

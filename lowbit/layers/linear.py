@@ -8,32 +8,16 @@ reading the packed payload, or the torch reference) and counts which one ran.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from lowbit.formats.base import QuantizedTensor
+from lowbit.kernels.linear_op import linear
 from lowbit.layers.loading import default_loader
 
 
-@functools.cache
-def kernel_ops():
-    """lowbit.kernels when importable (it routes and counts), else None."""
-    try:
-        import lowbit.kernels as k
-
-        return k if hasattr(k, "linear") and hasattr(k, "moe_experts") else None
-    except ImportError:
-        return None
-
-
 def kernel_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, layer: str) -> torch.Tensor:
-    ops = kernel_ops()
-    if ops is None:
-        w = weight.dequantize(x.dtype) if isinstance(weight, QuantizedTensor) else weight.to(x.dtype)
-        return nn.functional.linear(x, w, bias)
-    return ops.linear(x, weight, bias, layer=layer)
+    return linear(x, weight, bias, layer=layer)
 
 
 def set_quantized(module: nn.Module, attr: str, qt: QuantizedTensor) -> None:

@@ -13,8 +13,11 @@ import torch
 from torch import nn
 
 from lowbit.formats.base import QuantizedTensor
+from lowbit.kernels.moe_layout import HybridTensor, shared_layout, with_shared_slots
+from lowbit.kernels.moe_op import MoeActivation, moe_experts
 from lowbit.kernels.router_op import RouterSpec, gate_logits, route_topk
-from lowbit.layers.linear import Linear, kernel_ops, set_quantized
+from lowbit.kernels.routes import forced_name
+from lowbit.layers.linear import Linear, set_quantized
 from lowbit.layers.loading import expert_loader
 from lowbit.layers.mlp import GatedMLP
 
@@ -49,18 +52,13 @@ class Experts(nn.Module):
         return gate * torch.sigmoid(gate * 1.702) * (up + 1)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ops = kernel_ops()
-        if ops is None:
-            return self.reference(x, ids, w)
         plain = self.b13 is None and self.b2 is None and self.activation == "silu"
         if plain:
-            return ops.moe_experts(x, ids, w, self.w13, self.w2, layer=self.prefix)
-        from lowbit.kernels.moe_layout import HybridTensor
-
+            return moe_experts(x, ids, w, self.w13, self.w2, layer=self.prefix)
         if isinstance(self.w13, HybridTensor):  # hybrid layouts take no biases: moe_experts
             return self.reference(x, ids, w)
-        act = ops.MoeActivation(self.activation, self.limit or 0.0)
-        return ops.moe_experts(x, ids, w, self.w13, self.w2, b13=self.b13, b2=self.b2,
+        act = MoeActivation(self.activation, self.limit or 0.0)
+        return moe_experts(x, ids, w, self.w13, self.w2, b13=self.b13, b2=self.b2,
                                activation=act, layer=self.prefix)
 
     def reference(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -100,18 +98,14 @@ class SparseMoE(nn.Module):
         """The routed + shared layout when the fused kernels would run it (CUDA, or a forced
         moe route), every weight is LUT-quantized and the shared width is whole experts."""
         ex, sh = self.experts, self.shared_experts
-        if sh is None or ex.b13 is not None or ex.activation != "silu" or kernel_ops() is None:
+        if sh is None or ex.b13 is not None or ex.activation != "silu":
             return None
-        from lowbit.kernels.routes import forced_name
-
         if not (x.is_cuda or forced_name("moe") not in (None, "torch")):
             return None
         weights = (ex.w13, ex.w2, sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight)
         key = tuple(id(w) for w in weights)
         cached = getattr(self, "_shared_layout", None)
         if cached is None or cached[0] != key:
-            from lowbit.kernels.moe_layout import shared_layout
-
             inter = ex.w13.shape[1] // 2
             n_shared = sh.gate_proj.out_features // inter
             layout = None
@@ -132,11 +126,9 @@ class SparseMoE(nn.Module):
         ids, w = route_topk(logits, self.spec, self.e_score_correction_bias, layer=f"{self.experts.prefix}.router")
         layout = self._fused_shared(x)
         if layout is not None:  # shared experts as extra slots of weight 1 in the routed launch
-            from lowbit.kernels.moe_layout import with_shared_slots
-
             n_exp = self.experts.w13.shape[0]
             ids, w = with_shared_slots(ids, w, n_exp, layout.num_experts - n_exp)
-            return kernel_ops().moe_experts(x, ids, w, layout, None, layer=self.experts.prefix)
+            return moe_experts(x, ids, w, layout, None, layer=self.experts.prefix)
         y = self.experts(x, ids, w)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

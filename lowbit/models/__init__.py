@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch
+
 from lowbit.errors import LowbitError
 from lowbit.models.config import SUPPORTED, ArchConfig
 
@@ -29,3 +31,17 @@ def model_class(model_type: str):
 def build_model(cfg: ArchConfig):
     """Allocate the model for `cfg` (parameters uninitialised; use torch.device to place it)."""
     return model_class(cfg.model_type)(cfg)
+
+
+def param_counts(cfg: ArchConfig) -> tuple[int, int]:
+    """(total, active per token) parameter counts of `cfg`'s model, from the shapes alone."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    total = active = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        total += n
+        if ".experts." in name and cfg.num_experts:
+            n = n * cfg.num_experts_per_tok // cfg.num_experts
+        active += n
+    return total, active

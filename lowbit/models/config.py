@@ -182,23 +182,6 @@ class ArchConfig:
         """Sliding window of layer i in tokens, or None for full attention."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
-    def param_counts(self) -> tuple[int, int]:
-        """(total, active per token) parameter counts, from the shapes alone."""
-        import torch
-
-        from lowbit.models import build_model  # local: models import this module
-
-        with torch.device("meta"):
-            model = build_model(self)
-        total = active = 0
-        for name, p in model.named_parameters():
-            n = p.numel()
-            total += n
-            if ".experts." in name and self.num_experts:
-                n = n * self.num_experts_per_tok // self.num_experts
-            active += n
-        return total, active
-
 
 def load_config(path: str | Path) -> ArchConfig:
     """Read and normalise a config.json (a file or a model directory)."""

@@ -12,6 +12,7 @@ import lowbit
 from lowbit.checkpoint.loader import allocate, load_model
 from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.kv_cache import ContiguousKVCache
+from lowbit.models import param_counts
 from lowbit.models.config import ArchConfig
 
 CONFIGS = Path(lowbit.__file__).parent / "model_configs"
@@ -44,7 +45,7 @@ def test_every_shipped_config_is_checked():
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_param_counts_match_published(name):
     cfg = ArchConfig.from_dict(raw_config(name))
-    total, active = cfg.param_counts()
+    total, active = param_counts(cfg)
     pub = PUBLISHED[name]
     assert total / B == pytest.approx(pub["total"], rel=0.02)
     if pub["active"] is not None:
@@ -54,11 +55,11 @@ def test_param_counts_match_published(name):
 
 def test_deepseek_v3_main_model_and_mtp():
     raw = raw_config("deepseek-ai__DeepSeek-V3")
-    main_total, main_active = ArchConfig.from_dict({**raw, "num_nextn_predict_layers": 0}).param_counts()
+    main_total, main_active = param_counts(ArchConfig.from_dict({**raw, "num_nextn_predict_layers": 0}))
     assert main_total / B == pytest.approx(671, rel=0.02)
     # 36.6B active per DeepSeek's weight notes: everything but the input embedding
     assert (main_active - raw["vocab_size"] * raw["hidden_size"]) / B == pytest.approx(36.6, rel=0.02)
-    total, _ = ArchConfig.from_dict(raw).param_counts()
+    total, _ = param_counts(ArchConfig.from_dict(raw))
     assert (total - main_total) / B == pytest.approx(11.5, rel=0.02)  # "11.5B unique parameters"
 
 
@@ -68,7 +69,7 @@ def test_meta_allocation_holds_no_memory(name):
     m = allocate(cfg, torch.bfloat16, "meta")
     params = list(m.parameters())
     assert all(p.is_meta and p.dtype == torch.bfloat16 for p in params)
-    assert sum(p.numel() for p in params) == cfg.param_counts()[0]
+    assert sum(p.numel() for p in params) == param_counts(cfg)[0]
 
 
 # -- shrunk copies, end to end -------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Decode attention benchmark: the split-KV paged kernel against torch SDPA on gathered K/V.
 
-    python -m lowbit.kernels.attention_bench --out DIR [--copy-gbps N] [--sweep]
+    python -m lowbit.bench.attention --out DIR [--copy-gbps N] [--sweep]
         [--batches 1,8,32] [--contexts 1024,8192,32768]
 
 Shapes: Qwen3-30B-A3B attention (H/Hkv = 32/4, D = 128), bf16 KV, block size 16; every
@@ -31,6 +31,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lowbit.bench.record import environment, md_table
+from lowbit.kernels.attention import KVPool, decode_splits, paged_decode
+from lowbit.kernels.runtime import HAS_TRITON
+
+if HAS_TRITON:  # imported here: triton's timer; the module still imports where triton (a test extra) is absent
+    from triton.testing import do_bench
+
 H, HKV, D, BS = 32, 4, 128, 16
 ROTATE_BYTES = 256 << 20
 MAX_SETS = 128
@@ -39,8 +46,6 @@ SWEEP = [dict(BN=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w i
 
 def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy, read + write bytes over the median time."""
-    from triton.testing import do_bench
-
     a = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
     b = torch.empty_like(a)
     ms = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
@@ -49,8 +54,6 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
 
 def _inputs(batch: int, context: int, sets: int, seed: int = 0, device: str = "cuda"):
     """One pool holding sets * batch sequences; per set: q, block tables, seq_lens, dense K/V."""
-    from lowbit.kernels.attention import KVPool
-
     g = torch.Generator(device=device).manual_seed(seed)
     per_seq = -(-context // BS)
     blocks = sets * batch * per_seq
@@ -82,8 +85,6 @@ def _rotating(fns: list):
 
 def _graph_ms(fns: list) -> float:
     """Median time per call of a CUDA graph that runs every fn once."""
-    from triton.testing import do_bench
-
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -99,9 +100,6 @@ def _graph_ms(fns: list) -> float:
 
 def bench_point(batch: int, context: int, copy_gbps: float, sweep: bool = False,
                 device: str = "cuda") -> dict:
-    from triton.testing import do_bench
-
-    from lowbit.kernels.attention import decode_splits, paged_decode
 
     kv_bytes = batch * context * HKV * D * 2 * 2
     sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / kv_bytes)))
@@ -149,8 +147,6 @@ def bench_attention(out_dir: str | Path, copy_gbps: float | None = None,
                     batches: tuple[int, ...] = (1, 8, 32),
                     contexts: tuple[int, ...] = (1024, 8192, 32768), sweep: bool = False) -> list[dict]:
     """Run every (B, context) point; write attention_bench.json and .md under out_dir."""
-    from lowbit.bench.record import environment
-
     assert torch.cuda.is_available(), "the attention benchmark needs a CUDA device"
     measured = copy_gbps is None
     copy_gbps = copy_bandwidth_gbps() if measured else float(copy_gbps)
@@ -173,8 +169,6 @@ def _fmt(x, spec: str) -> str:
 
 
 def markdown(record: dict) -> str:
-    from lowbit.bench.record import md_table
-
     head = ["B", "context", "splits", "K/V MiB", "triton us", "GB/s", "% copy", "graph us",
             "% copy", "sdpa us", "% copy", "sdpa / triton time", "rel err"]
     body = [[r["B"], r["context"], r["splits"], _fmt(r["kv_bytes"] / 2**20, ".1f"),
@@ -196,7 +190,7 @@ def markdown(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m lowbit.kernels.attention_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lowbit.bench.attention", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="directory for attention_bench.json and .md")
     p.add_argument("--copy-gbps", type=float, default=None, help="copy bandwidth to compare with (default: measure)")
     p.add_argument("--batches", default="1,8,32")
