@@ -169,7 +169,8 @@ def weight_bytes(model: torch.nn.Module, config) -> dict[str, float]:
     dense = experts = 0.0
     seen: set[int] = set()
     for mod_name, mod in model.named_modules():
-        held = {**mod._parameters, **{k: v for k, v in vars(mod).items() if hasattr(v, "payload")}}
+        held = {**mod._parameters, **{k: v for k, v in vars(mod).items()
+                                      if hasattr(v, "payload") or hasattr(v, "view")}}  # quantized
         for name, t in held.items():
             if t is None or id(t) in seen:
                 continue

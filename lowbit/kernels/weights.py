@@ -114,8 +114,43 @@ class LutWeight:
     def dense(self, k: int) -> Tensor:
         return lut_view_decode(self.view)[..., :k]
 
+    @property
+    def nbytes(self) -> int:
+        v = self.view
+        parts = (v.codes, v.scales, v.table, v.table_index, v.offsets)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
 
 Resolved = DenseWeight | LutWeight | Fp8View
+
+
+def concat_rows(weights: list) -> LutWeight | None:
+    """One LutWeight [sum N_i, K] that reads the rows of `weights` (quantized [N_i, K] weights
+    with LUT views) one after the other: codes, scales and offsets concatenated, each part
+    keeping its own table through a per-row table index. None when the views do not share
+    bits, block, scale kind, K and global scale (then the weights stay separate). Made once
+    (it reads the tables on the host, like `resolve`)."""
+    views = [w.lut_view() for w in weights if hasattr(w, "lut_view")]
+    if len(views) != len(weights) or len(weights) < 2:
+        return None
+    v0 = views[0]
+    same = all(v.bits == v0.bits and v.block_size == v0.block_size and v.scale_kind == v0.scale_kind
+               and v.codes.shape[:-2] == () and v.codes.shape[-1] == v0.codes.shape[-1]
+               and v.global_scale == v0.global_scale and (v.offsets is None) == (v0.offsets is None)
+               for v in views)
+    if not same:
+        return None
+    tables, index, base = [], [], 0
+    for v in views:
+        n = v.codes.shape[-2]
+        ti = torch.zeros(n, dtype=torch.int32, device=v.codes.device) if v.table_index is None else v.table_index
+        index.append(ti + base)
+        tables.append(v.table)
+        base += v.table.shape[0]
+    cat = lambda name: None if getattr(v0, name) is None else torch.cat([getattr(v, name) for v in views])
+    view = LutView(cat("codes"), v0.bits, v0.block_size, torch.cat(tables), torch.cat(index).contiguous(),
+                   cat("scales"), v0.scale_kind, v0.global_scale, cat("offsets"))
+    return _lut_weight(view, None)
 
 
 def expert_dense(w: Resolved, e: int, k: int) -> Tensor:

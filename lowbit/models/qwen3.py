@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lowbit.kernels.rope_op import RopeCall, qk_norm_rope
+from lowbit.kernels.weights import concat_rows
 from lowbit.layers.attention import AttnSpec, attention, kv_pool
 from lowbit.layers.linear import Linear
 from lowbit.layers.mlp import GatedMLP
@@ -45,15 +46,28 @@ class GQAttention(nn.Module):
         self.merge_qkv()
 
     def merge_qkv(self) -> bool:
-        """Serve q, k and v from one [(H + 2 Hkv) Dh, D] projection (one GEMM a step) when
-        the three weights are plain tensors; quantized ones stay three (their payloads carry
-        per-matrix scales). Returns whether it merged."""
+        """Serve q, k and v from one [(H + 2 Hkv) Dh, D] projection (one GEMM or gemv a step):
+        plain tensors are concatenated; quantized ones with LUT views become one kernel-side
+        weight whose rows keep their own tables (lowbit.kernels.weights.concat_rows); other
+        formats stay three projections. Returns whether it merged."""
         parts = (self.q_proj, self.k_proj, self.v_proj)
-        if self.qkv_proj is not None or not all(isinstance(p.weight, torch.Tensor) for p in parts):
+        if self.qkv_proj is not None:
             return False
-        merged = Linear(self.q_proj.in_features, sum(p.out_features for p in parts),
-                        self.q_proj.bias is not None, f"{self.prefix}.qkv_proj")
-        merged.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        weights = [p.weight for p in parts]
+        if all(isinstance(w, torch.Tensor) for w in weights):
+            merged_w = nn.Parameter(torch.cat(weights), requires_grad=False)
+        else:
+            merged_w = concat_rows(weights)
+            if merged_w is None:
+                return False
+        with torch.device("meta"):  # the parameters are replaced below
+            merged = Linear(self.q_proj.in_features, sum(p.out_features for p in parts),
+                            self.q_proj.bias is not None, f"{self.prefix}.qkv_proj")
+        if isinstance(merged_w, nn.Parameter):
+            merged.weight = merged_w
+        else:
+            del merged._parameters["weight"]
+            merged.weight = merged_w
         if merged.bias is not None:
             merged.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
         self.qkv_proj = merged
