@@ -31,8 +31,8 @@ from lowbit.kernels.attention import (
 from lowbit.kernels.runtime import capability, triton_refusal
 
 BENCH = "docs/BENCHMARKS.md#attention"
-ENGINE_RECORD = ("docs/BENCHMARKS.md#decode-graph (engine tg128 at the Qwen3-30B-A3B shape, H200: "
-                 "15.1 -> 102.6 tok/s bf16 with the route on, graphs captured)")
+ENGINE_RECORD = ("docs/BENCHMARKS.md#decode-graph (engine tg at the Qwen3-30B-A3B shape, H200: the torch "
+                 "route kept decode eager at 15.1 tok/s bf16; with this route graphs capture: 224-235)")
 GRAPH_SAFE_DECODE = ("triton_paged_decode", "triton_paged")  # routes a captured decode may run
 MAX_HEAD_DIM = 256
 

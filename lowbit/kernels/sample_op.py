@@ -31,10 +31,8 @@ import torch
 from lowbit.kernels import routes
 from lowbit.kernels.runtime import sm_count, tl, triton, triton_refusal
 
-RECORD = ("H200, V = 151936, the sampler alone replayed as a CUDA graph, random mode at B = 1 / 32 / "
-          "128 / 256: 25 / 57 / 143 / 235 us, the torch route 152 / 520 / 1739 / 3291 us, same tokens; "
-          "filters mode is the torch sort either way (B = 128: 3550 / 4983 us). Promotion waits for the "
-          "record in docs/BENCHMARKS.md#decode-graph")
+RECORD = ("no record yet: promotion waits for an engine-level record with random sampling "
+          "(docs/BENCHMARKS.md#decode-graph)")
 
 # splitmix64 (Steele, Lea, Flood 2014) constants as signed int64: torch has no uint64 math,
 # and int64 multiply and add wrap modulo 2^64 on CPU and CUDA.
