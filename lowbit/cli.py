@@ -126,7 +126,8 @@ def _fmt_bytes(b: int) -> str:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     manifest = quantize_model(args.model, args.format, args.out, quantize_lm_head=args.quantize_lm_head,
-                              max_shard_size=args.max_shard_size, device=args.device, dtype=args.dtype)
+                              max_shard_size=args.max_shard_size, device=args.device, dtype=args.dtype,
+                              calib=args.calib, damp=args.damp)
     print(summary_table(manifest))
     print(f"wrote {args.out}")
     return 0
@@ -199,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (e.g. 2GB, 500MB)")
     q.add_argument("--device", default=None, help="where weights are encoded (default: cuda when present)")
     q.add_argument("--dtype", default="bfloat16", help="dtype of the weights kept dense")
+    q.add_argument("--calib", default=None, metavar="FILE",
+                   help="UTF-8 text to calibrate on: GPTQ rounding with each weight's input Hessian "
+                        "(scalar formats; the demo model ships lowbit/demo_model/calibration.txt)")
+    q.add_argument("--damp", type=float, default=0.01,
+                   help="with --calib: Hessian damping, as a fraction of its mean diagonal")
     q.set_defaults(func=cmd_quantize)
 
     e = sub.add_parser("eval", help="quality against a teacher: perplexity, KL, top-1 agreement")

@@ -44,24 +44,36 @@ class Int4Format(ScalarFormat):
 
         def rows(x: Tensor, r0: int, r1: int) -> dict[str, Tensor]:
             blocks = padded_blocks(x, self.block_size)  # [r, NB, G]
-            lo = blocks.amin(-1).clamp(max=0.0)
-            hi = blocks.amax(-1).clamp(min=0.0)
-            s32 = div_const(hi - lo, 15.0)
-            if bool((s32 > F16_MAX).any()):
-                raise LowbitError(
-                    f"{self.name}: a group spans {float((hi - lo).max()):.4g}, beyond what a "
-                    "float16 scale holds; use nf4 or another format with bfloat16 scales."
-                )
-            s = s32.to(torch.float16)
+            s, z = self.scale_zero(blocks)
             d = s.float()
             safe = torch.where(d > 0, d, torch.ones_like(d))
-            z = torch.where(d > 0, torch.round(-lo / safe).clamp(0, 15), torch.zeros_like(d))
+            z = z.float()
             q = torch.round(blocks / safe[..., None] + z[..., None]).clamp(0, 15)
             q = torch.where(d[..., None] > 0, q, torch.zeros_like(q))
             codes = q.to(torch.uint8).reshape(x.shape[0], -1)
             return {"codes": pack_codes(codes, 4), "scales": s, "zeros": z.to(torch.uint8)}
 
         return map_rows(w, rows)
+
+    def scale_zero(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """float32 blocks [..., G] -> (float16 scale, uint8 zero point), each [...]."""
+        lo = blocks.amin(-1).clamp(max=0.0)
+        hi = blocks.amax(-1).clamp(min=0.0)
+        s32 = div_const(hi - lo, 15.0)
+        if bool((s32 > F16_MAX).any()):
+            raise LowbitError(
+                f"{self.name}: a group spans {float((hi - lo).max()):.4g}, beyond what a "
+                "float16 scale holds; use nf4 or another format with bfloat16 scales."
+            )
+        s = s32.to(torch.float16)
+        d = s.float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        z = torch.where(d > 0, torch.round(-lo / safe).clamp(0, 15), torch.zeros_like(d))
+        return s, z.to(torch.uint8)
+
+    def block_fields(self, blocks: Tensor, payload: dict[str, Tensor]) -> dict[str, Tensor]:
+        s, z = self.scale_zero(blocks)
+        return {"scales": s, "zeros": z}
 
     def decode_padded(self, payload: dict[str, Tensor]) -> Tensor:
         q = unpack_codes(payload["codes"], 4).float()

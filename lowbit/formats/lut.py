@@ -145,6 +145,9 @@ class LutFormat(ScalarFormat):
 
         return {**map_rows(w, rows), "table": table.contiguous(), "table_index": index}
 
+    def block_fields(self, blocks: Tensor, payload: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"scales": absmax_scales(blocks)}
+
     def decode_padded(self, payload: dict[str, Tensor]) -> Tensor:
         codes = unpack_codes(payload["codes"], self.bits).long()  # [L, N, Kp]
         table = payload["table"]  # [L, RG, T]

@@ -69,6 +69,9 @@ class Mxfp4Format(ScalarFormat):
 
         return map_rows(w, rows)
 
+    def block_fields(self, blocks: Tensor, payload: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"scales": mx_scale(blocks, 2)[0]}
+
     def decode_padded(self, payload: dict[str, Tensor]) -> Tensor:
         vals = e2m1_decode(unpack_codes(payload["codes"], 4))
         return expand_blocks(vals, e8m0_decode(payload["scales"]))

@@ -83,6 +83,9 @@ class NormalFloatFormat(ScalarFormat):
 
         return map_rows(w, rows)
 
+    def block_fields(self, blocks: Tensor, payload: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"scales": absmax_scales(blocks)}
+
     def decode_padded(self, payload: dict[str, Tensor]) -> Tensor:
         codes = unpack_codes(payload["codes"], self.bits).long()
         return expand_blocks(self.table.to(codes.device)[codes], payload["scales"].float())

@@ -70,6 +70,10 @@ class Nvfp4Format(ScalarFormat):
 
         return {**map_rows(w, rows), "global_scale": g}
 
+    def block_fields(self, blocks: Tensor, payload: dict[str, Tensor]) -> dict[str, Tensor]:
+        g = payload["global_scale"].reshape(-1, 1)  # [L, 1]
+        return {"scales": e4m3_encode(div_const(blocks.abs().amax(-1), E2M1_MAX) / g)}
+
     def decode_padded(self, payload: dict[str, Tensor]) -> Tensor:
         vals = e2m1_decode(unpack_codes(payload["codes"], 4))  # [L, N, Kp]
         vals = vals * payload["global_scale"][..., None, None]

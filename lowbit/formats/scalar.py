@@ -65,6 +65,14 @@ class ScalarFormat(Format):
     def view_offsets(self, payload: dict[str, Tensor]) -> Tensor | None:
         return None
 
+    def block_fields(self, blocks: Tensor, payload: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The per-block payload fields encode picks for float32 blocks [L, N, B] (one block
+        per row of each matrix): "scales" [L, N], plus int4's "zeros". Matrix-level fields
+        (nvfp4's global scale, lut tables) are held at those of `payload`, a payload of the
+        same [L, N, K] weight. Calibrated rounding fixes a block's scale with it, then
+        chooses the block's codes itself."""
+        raise NotImplementedError
+
 
 def expand_blocks(values: Tensor, per_block: Tensor) -> Tensor:
     """values [L, N, Kp] (float32) * per_block [L, N, NB] broadcast over each block."""

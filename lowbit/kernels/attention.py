@@ -401,3 +401,18 @@ def paged_prefill(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq
         out.stride(1), G=G, D=D, BD=max(16, triton.next_power_of_2(D)), BS=pool.block_size, BM=BM,
         BN=cfg["BN"], TPB=TPB, **flags, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+# -- MLA ------------------------------------------------------------------------------------
+def reference_latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                               k_pe: torch.Tensor, q_start: int, scale: float) -> torch.Tensor:
+    """q_lat [L, H, C], q_pe [L, H, Dr] at cache indices q_start..; c_kv [S, C], k_pe [S, Dr]
+    -> latent context [L, H, C] in q_lat's dtype (float32 scores and softmax)."""
+    L, S = q_lat.shape[0], c_kv.shape[0]
+    kv = c_kv.float()
+    scores = torch.einsum("lhc,sc->hls", q_lat.float(), kv)  # [H, L, S]
+    scores = (scores + torch.einsum("lhr,sr->hls", q_pe.float(), k_pe.float())) * scale
+    qi = torch.arange(q_start, q_start + L, device=q_lat.device)[:, None]
+    kj = torch.arange(S, device=q_lat.device)[None, :]
+    probs = torch.softmax(scores.masked_fill(kj > qi, float("-inf")), dim=-1)
+    return torch.einsum("hls,sc->lhc", probs, kv).to(q_lat.dtype)

@@ -26,6 +26,7 @@ from lowbit.kernels.attention import (
     paged_decode,
     paged_prefill,
     reference_kv_write,
+    reference_latent_attention,
     reference_paged_attention,
 )
 from lowbit.kernels.runtime import capability, triton_refusal
@@ -142,6 +143,48 @@ routes.register("attention", routes.Route(
 routes.register("attention", routes.Route(
     "torch", routes.DEFAULT, "reference (admits every call)", lambda call: None, _run_torch),
     reference=True)
+
+
+@dataclass
+class LatentCall:
+    """MLA over the latent cache (lowbit.layers.attention's docstring has the layout)."""
+
+    q_lat: torch.Tensor  # [T, H, C]
+    q_pe: torch.Tensor  # [T, H, Dr]
+    c_kv: torch.Tensor  # [T, C]
+    k_pe: torch.Tensor  # [T, Dr]
+    batch: object  # ForwardBatch: query_start, context_lens, cache_slots, kv_cache (host lengths)
+    layer_idx: int
+    scale: float
+    forced: bool = False
+
+
+def _run_latent_torch(call: LatentCall) -> torch.Tensor:
+    """Per sequence: store the step's latent through the cache's `update` contract (one-head
+    "k" = c_kv [L, 1, C], "v" = k_pe [L, 1, Dr]) and attend over the whole latent."""
+    batch, out = call.batch, call.q_lat.new_empty(call.q_lat.shape)
+    for b in range(batch.num_seqs):
+        s, e = batch.query_start[b], batch.query_start[b + 1]
+        start = batch.context_lens[b]
+        if batch.kv_cache is not None:
+            kb, pb = batch.kv_cache.update(call.layer_idx, batch.cache_slots[b], start,
+                                           call.c_kv[s:e, None], call.k_pe[s:e, None])  # [S, 1, C], [S, 1, Dr]
+            kb, pb = kb[:, 0], pb[:, 0]
+        else:
+            assert start == 0, "a step over cached context needs a KV cache"
+            kb, pb = call.c_kv[s:e], call.k_pe[s:e]
+        out[s:e] = reference_latent_attention(call.q_lat[s:e], call.q_pe[s:e], kb, pb, start, call.scale)
+    return out
+
+
+routes.register("latent_attention", routes.Route(
+    "torch", routes.DEFAULT, "reference (admits every call; a Triton latent kernel is missing, so "
+    "DeepSeek decodes without CUDA graphs)", lambda call: None, _run_latent_torch), reference=True)
+
+
+def latent_attention(call: LatentCall, *, layer: str = "") -> torch.Tensor:
+    """MLA's latent context [T, H, C] for a flat batch, by the route the registry picks."""
+    return routes.dispatch("latent_attention", call, layer)
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, pool, slot_mapping: torch.Tensor, *, layer: str = "") -> None:

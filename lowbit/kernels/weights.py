@@ -130,8 +130,11 @@ def concat_rows(weights: list) -> LutWeight | None:
     keeping its own table through a per-row table index. None when the views do not share
     bits, block, scale kind, K and global scale (then the weights stay separate). Made once
     (it reads the tables on the host, like `resolve`)."""
-    views = [w.lut_view() for w in weights if hasattr(w, "lut_view")]
-    if len(views) != len(weights) or len(weights) < 2:
+    if len(weights) < 2 or not all(hasattr(w, "lut_view") for w in weights):
+        return None
+    try:
+        views = [w.lut_view() for w in weights]
+    except LowbitError:  # a format without a LUT view (fp8, mxfp8, fp8-block)
         return None
     v0 = views[0]
     same = all(v.bits == v0.bits and v.block_size == v0.block_size and v.scale_kind == v0.scale_kind

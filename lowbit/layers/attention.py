@@ -100,33 +100,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, spec: At
 
 
 # -- MLA over the latent cache ------------------------------------------------------------
-def reference_latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
-                               k_pe: torch.Tensor, q_start: int, scale: float) -> torch.Tensor:
-    """q_lat [L, H, C], q_pe [L, H, Dr] at cache indices q_start..; c_kv [S, C], k_pe [S, Dr]
-    -> latent context [L, H, C] in q_lat's dtype (float32 scores and softmax)."""
-    L, S = q_lat.shape[0], c_kv.shape[0]
-    kv = c_kv.float()
-    scores = torch.einsum("lhc,sc->hls", q_lat.float(), kv)  # [H, L, S]
-    scores = (scores + torch.einsum("lhr,sr->hls", q_pe.float(), k_pe.float())) * scale
-    qi = torch.arange(q_start, q_start + L, device=q_lat.device)[:, None]
-    kj = torch.arange(S, device=q_lat.device)[None, :]
-    probs = torch.softmax(scores.masked_fill(kj > qi, float("-inf")), dim=-1)
-    return torch.einsum("hls,sc->lhc", probs, kv).to(q_lat.dtype)
-
-
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                      batch, spec: AttnSpec) -> torch.Tensor:
     """MLA for a flat batch over the latent cache; returns the latent context [T, H, C]."""
-    out = q_lat.new_empty(q_lat.shape)
-    for b in range(batch.num_seqs):
-        s, e = batch.query_start[b], batch.query_start[b + 1]
-        start = batch.context_lens[b]
-        if batch.kv_cache is not None:
-            kb, pb = batch.kv_cache.update(spec.layer_idx, batch.cache_slots[b], start,
-                                           c_kv[s:e, None], k_pe[s:e, None])  # [S, 1, C], [S, 1, Dr]
-            kb, pb = kb[:, 0], pb[:, 0]
-        else:
-            assert start == 0, "a step over cached context needs a KV cache"
-            kb, pb = c_kv[s:e], k_pe[s:e]
-        out[s:e] = reference_latent_attention(q_lat[s:e], q_pe[s:e], kb, pb, start, spec.scale)
-    return out
+    call = attention_op.LatentCall(q_lat, q_pe, c_kv, k_pe, batch, spec.layer_idx, spec.scale)
+    return attention_op.latent_attention(call, layer=f"layers.{spec.layer_idx}.attn")

@@ -172,3 +172,19 @@ def test_quantized_kv_b_proj_is_decoded_once_and_matches_its_dense_twin(v3_dir, 
     assert kept is attn.absorbed_weight(torch.float32) and kept.shape == (attn.H, attn.Dn + attn.Dv, attn.C)
     assert dense.model.layers[0].self_attn.absorbed_weight(torch.float32).data_ptr() == \
         dense.model.layers[0].self_attn.kv_b_proj.weight.data_ptr()  # a float32 weight is used as it is
+
+
+def test_latent_attention_and_router_go_through_the_registry(v3_dir):
+    """Every hot op of an MLA model is a counted door call: latent attention, the router
+    (grouped scoring), the norms."""
+    from lowbit.kernels import routes
+
+    lm = load_model(v3_dir, dtype="float32").model
+    routes.reset_counters()
+    ids = torch.tensor([1, 5, 9, 2])
+    with torch.inference_mode():
+        lm(ids, ForwardBatch.build([4], [0], None))
+    calls = {(c["op"], c["route"]) for c in routes.counters()["route_calls"]}
+    assert {("latent_attention", "torch"), ("router", "torch"), ("norm", "torch")} <= calls
+    layers = {c["layer"] for c in routes.counters()["route_calls"] if c["op"] == "latent_attention"}
+    assert len(layers) == lm.config.num_layers

@@ -20,15 +20,18 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(model(ids, batch))
 
 
-@pytest.mark.parametrize("quant", [None, "nvfp4", "int4"])
+@pytest.mark.parametrize("quant", [None, "nvfp4", "int4", "fp8"])
 def test_merged_qkv_gives_the_same_logits(tiny_moe_dir, quant):
     model = load_model(str(tiny_moe_dir), dtype="float32", device="cpu", quantization=quant).model
     ids = torch.tensor([3, 17, 42, 5, 99])
     before = _logits(model, ids)
     model.prepare_for_serving()
     attn = model.model.layers[0].self_attn
-    assert attn.qkv_proj is not None and attn.q_proj is None
-    if quant:
+    if quant == "fp8":  # no LUT view: the three projections stay
+        assert attn.qkv_proj is None and attn.q_proj is not None
+    else:
+        assert attn.qkv_proj is not None and attn.q_proj is None
+    if quant in ("nvfp4", "int4"):
         w = attn.qkv_proj.weight
         assert isinstance(w, LutWeight) and w.view.table.shape[0] == 3  # q, k, v tables
         assert w.view.table_index.shape == (w.n,)

@@ -1,0 +1,146 @@
+"""Calibration for `lowbit quantize --calib FILE`: the input Hessian of every weight a format
+replaces, from one pass of the dense model over the file's tokens, then each weight
+rounded by lowbit.quantize.gptq.
+
+Shape legend: T tokens, K a weight's input dim, E experts, A active experts per token.
+H = X^T X / n over the inputs X [n, K] a weight sees (float32 accumulation): a Linear's
+inputs over all T tokens; an expert's w13 over the tokens routed to it, its w2 over those
+tokens' activations act(x w13^T). An expert routed fewer than MIN_TOKENS tokens takes its
+layer's H over all routed tokens instead. All Hessians come from the dense model (the
+rounding of one layer does not change the inputs another layer is calibrated on).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from lowbit.checkpoint.quant_plan import QuantPlan, swappable
+from lowbit.engine.batch import ForwardBatch
+from lowbit.errors import LowbitError
+from lowbit.formats import QuantizedTensor
+from lowbit.formats.scalar import ScalarFormat
+from lowbit.layers.linear import Linear, set_quantized
+from lowbit.layers.moe import Experts
+from lowbit.quantize.gptq import DAMP, gptq_quantize
+
+MIN_TOKENS = 32  # an expert routed fewer tokens than this takes its layer's Hessian
+WINDOW = 1024  # tokens per calibration forward pass (at most the model's context)
+
+
+@dataclass
+class Calibration:
+    """The calibration text and what lowbit.json records about it."""
+
+    path: Path
+    text: str
+    sha256: str
+
+    @classmethod
+    def read(cls, path: str | Path) -> Calibration:
+        p = Path(path)
+        if not p.is_file():
+            raise LowbitError(f"--calib {path}: " + ("no such file" if not p.exists() else "not a file")
+                              + "; give a UTF-8 text file to calibrate on.")
+        try:
+            data = p.read_bytes()
+            text = data.decode("utf-8")
+        except OSError as e:
+            raise LowbitError(f"--calib {path} cannot be read: {e.strerror}.") from None
+        except UnicodeDecodeError as e:
+            raise LowbitError(f"--calib {path} is not UTF-8 text (byte {e.start}); give a text file.") from None
+        if not text.strip():
+            raise LowbitError(f"--calib {path} is empty; give some text to calibrate on.")
+        return cls(p, text, hashlib.sha256(data).hexdigest())
+
+
+@dataclass
+class HessianSums:
+    """Running X^T X and token counts per planned weight: [K, K] and 0-dim, or [E, K, K] and [E]."""
+
+    h: dict[str, Tensor] = field(default_factory=dict)
+    n: dict[str, Tensor] = field(default_factory=dict)
+
+    def add(self, pname: str, x: Tensor, expert: int | None = None) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()  # [n, K]
+        xtx = x.T @ x
+        if expert is None:
+            self.h[pname] = self.h.get(pname, 0) + xtx
+            self.n[pname] = self.n.get(pname, 0) + x.shape[0]
+        else:
+            self.h[pname][expert] += xtx
+            self.n[pname][expert] += x.shape[0]
+
+    def mean(self, pname: str) -> Tensor:
+        """H / n; rarely routed experts take the layer's pooled H / n."""
+        h, n = self.h[pname], self.n[pname]
+        if h.dim() == 2:
+            return h / max(int(n), 1)
+        pooled = h.sum(0) / max(int(n.sum()), 1)  # [K, K]
+        per = h / n.clamp(min=1).to(h)[:, None, None]
+        return torch.where((n < MIN_TOKENS)[:, None, None], pooled, per)
+
+
+def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: str) -> HessianSums:
+    """Run the dense model over ids in windows; hooks sum X^T X for each planned weight."""
+    sums = HessianSums()
+    hooks = []
+    for pname, (mod, attr) in swappable(model).items():
+        if pname not in plan.quantized:
+            continue
+        if isinstance(mod, (Linear, nn.Linear)):
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, args, pname=pname: sums.add(pname, args[0])))
+        elif isinstance(mod, Experts) and attr == "w13":
+            e, k13, k2 = mod.w13.shape[0], mod.w13.shape[2], mod.w2.shape[2]
+            for name, k in ((f"{pname}", k13), (pname[:-3] + "w2", k2)):
+                sums.h[name] = torch.zeros(e, k, k, device=mod.w13.device)
+                sums.n[name] = torch.zeros(e, dtype=torch.long, device=mod.w13.device)
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, args, pname=pname: _expert_inputs(m, pname, sums, *args)))
+    try:
+        with torch.inference_mode():
+            for s in range(0, len(ids), WINDOW):
+                x = torch.tensor(ids[s:s + WINDOW], device=device)  # [T]
+                model(x, ForwardBatch.build([len(x)], [0], None, None, torch.device(device)))
+    finally:
+        for h in hooks:
+            h.remove()
+    return sums
+
+
+def _expert_inputs(mod: Experts, pname: str, sums: HessianSums, x: Tensor, ids: Tensor, w: Tensor) -> None:
+    """x [T, D], ids [T, A]: each expert's w13 and w2 inputs over the tokens routed to it."""
+    for e in torch.unique(ids).tolist():  # host sync: calibration only
+        tok = (ids == e).any(-1).nonzero()[:, 0]
+        xe = x[tok].float()  # [n, D]
+        bias = None if mod.b13 is None else mod.b13[e].float()
+        act = mod.act(nn.functional.linear(xe, mod.w13[e].float(), bias))  # [n, I]
+        sums.add(pname, xe, e)
+        sums.add(pname[:-3] + "w2", act, e)
+
+
+def calibrated_quantize(model: nn.Module, plan: QuantPlan, sums: HessianSums,
+                        damp: float = DAMP) -> dict[str, int]:
+    """Replace every planned weight by its GPTQ rounding; count what was done."""
+    counts = {"gptq": 0, "nearest": 0, "expert_matrices_pooled": 0}
+    for pname, (mod, attr) in swappable(model).items():
+        fmt = plan.quantized.get(pname)
+        if fmt is None:
+            continue
+        assert isinstance(fmt, ScalarFormat), f"{pname}: {fmt} has no calibrated rounding"
+        w = getattr(mod, attr).data
+        if pname in sums.h:
+            qt = gptq_quantize(fmt, w, sums.mean(pname).to(w.device), damp)
+            counts["gptq"] += 1
+            if sums.h[pname].dim() == 3:
+                counts["expert_matrices_pooled"] += int((sums.n[pname] < MIN_TOKENS).sum())
+        else:  # a planned weight no forward reads (e.g. a tied lm_head): nearest rounding
+            qt = QuantizedTensor(fmt, tuple(w.shape), fmt.encode(w))
+            counts["nearest"] += 1
+        set_quantized(mod, attr, qt)
+    return counts
