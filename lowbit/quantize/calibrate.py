@@ -75,6 +75,10 @@ class HessianSums:
             self.h[pname][expert] += xtx
             self.n[pname][expert] += x.shape[0]
 
+    def seen(self, pname: str) -> bool:
+        """Whether any calibration token reached this weight."""
+        return pname in self.n and int(torch.as_tensor(self.n[pname]).sum()) > 0
+
     def mean(self, pname: str) -> Tensor:
         """H / n; rarely routed experts take the layer's pooled H / n."""
         h, n = self.h[pname], self.n[pname]
@@ -85,8 +89,11 @@ class HessianSums:
         return torch.where((n < MIN_TOKENS)[:, None, None], pooled, per)
 
 
-def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: str) -> HessianSums:
-    """Run the dense model over ids in windows; hooks sum X^T X for each planned weight."""
+def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: str,
+                     context: int = WINDOW) -> HessianSums:
+    """Run the dense model over ids in windows of at most `context` tokens; hooks sum
+    X^T X for each planned weight."""
+    width = min(WINDOW, context)
     sums = HessianSums()
     hooks = []
     for pname, (mod, attr) in swappable(model).items():
@@ -104,8 +111,8 @@ def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: 
                 lambda m, args, pname=pname: _expert_inputs(m, pname, sums, *args)))
     try:
         with torch.inference_mode():
-            for s in range(0, len(ids), WINDOW):
-                x = torch.tensor(ids[s:s + WINDOW], device=device)  # [T]
+            for s in range(0, len(ids), width):
+                x = torch.tensor(ids[s:s + width], device=device)  # [T]
                 model(x, ForwardBatch.build([len(x)], [0], None, None, torch.device(device)))
     finally:
         for h in hooks:
@@ -134,12 +141,12 @@ def calibrated_quantize(model: nn.Module, plan: QuantPlan, sums: HessianSums,
             continue
         assert isinstance(fmt, ScalarFormat), f"{pname}: {fmt} has no calibrated rounding"
         w = getattr(mod, attr).data
-        if pname in sums.h:
+        if sums.seen(pname):
             qt = gptq_quantize(fmt, w, sums.mean(pname).to(w.device), damp)
             counts["gptq"] += 1
             if sums.h[pname].dim() == 3:
                 counts["expert_matrices_pooled"] += int((sums.n[pname] < MIN_TOKENS).sum())
-        else:  # a planned weight no forward reads (e.g. a tied lm_head): nearest rounding
+        else:  # a planned weight no calibration forward reached (e.g. lm_head): nearest rounding
             qt = QuantizedTensor(fmt, tuple(w.shape), fmt.encode(w))
             counts["nearest"] += 1
         set_quantized(mod, attr, qt)

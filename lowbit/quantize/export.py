@@ -37,6 +37,8 @@ def quantize_model(model: str, fmt: str, out: str | Path, *, quantize_lm_head: b
     instead of to its nearest code."""
     t0 = time.perf_counter()
     calibration = Calibration.read(calib) if calib is not None else None  # fails before loading
+    if not 0 <= damp < 1:
+        raise LowbitError(f"--damp {damp}: give a fraction of the mean Hessian diagonal in [0, 1), e.g. 0.01.")
     if calibration is not None and fmt not in SCALAR_FORMATS:
         get_format(fmt)  # an unknown name says so first
         raise LowbitError(f"--calib rounds the scalar formats ({', '.join(SCALAR_FORMATS)}); "
@@ -77,15 +79,17 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
     if len(ids) < 2:
         raise LowbitError(f"--calib {calibration.path} gives {len(ids)} token(s); give more text.")
     t0 = time.perf_counter()
-    sums = collect_hessians(loaded.model, plan, ids, device)
+    sums = collect_hessians(loaded.model, plan, ids, device, loaded.config.max_position_embeddings)
+    t1 = time.perf_counter()
     counts = calibrated_quantize(loaded.model, plan, sums, damp)
     target = parse_dtype(dtype)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
-    rounding = {"method": "gptq", "damp": damp, "block_order": True,
+    rounding = {"method": "gptq", "damp": damp,
                 "calibration": {"file": calibration.path.name, "sha256": calibration.sha256,
                                 "tokens": len(ids)},
-                "weights": counts, "seconds": round(time.perf_counter() - t0, 2)}
+                "weights": counts, "hessian_seconds": round(t1 - t0, 2),
+                "rounding_seconds": round(time.perf_counter() - t1, 2)}
     return loaded, plan, rounding
 
 
