@@ -23,6 +23,8 @@ import torch
 
 from lowbit.kernels import routes
 from lowbit.kernels.attention import (
+    KVPool,
+    dense_attention,
     paged_decode,
     paged_prefill,
     reference_kv_write,
@@ -49,10 +51,14 @@ class KVWriteCall:
 
 @dataclass
 class AttentionCall:
+    """A paged call (pool, block tables, sequence lengths; the step's k/v already in the
+    pool) or a contiguous one (pool None: the step's k/v and the cache object whose
+    `update(layer, slot, start, k, v)` stores them and returns each sequence's K/V)."""
+
     q: torch.Tensor  # [T, H, Dk]
-    pool: object  # KVPool: k [R, Hkv, Dk], v [R, Hkv, Dv]
-    block_tables: torch.Tensor  # [B, W] int32
-    seq_lens: torch.Tensor  # [B] int32 (device)
+    pool: object | None  # KVPool: k [R, Hkv, Dk], v [R, Hkv, Dv]; None: contiguous
+    block_tables: torch.Tensor | None  # [B, W] int32
+    seq_lens: torch.Tensor | None  # [B] int32 (device)
     query_start: list[int]  # [B + 1] host (prefill grid, torch route)
     context_lens: list[int]  # [B] host (torch route)
     decode: bool  # one query per sequence, each over a cached context
@@ -60,6 +66,11 @@ class AttentionCall:
     window: int | None = None
     sinks: torch.Tensor | None = None  # [H]
     forced: bool = False
+    k: torch.Tensor | None = None  # [T, Hkv, Dk] (contiguous calls)
+    v: torch.Tensor | None = None  # [T, Hkv, Dv]
+    cache: object | None = None  # the contiguous cache, or None (no context: prefill only)
+    cache_slots: list | None = None  # [B] each sequence's slot in the cache
+    layer_idx: int = 0
 
 
 def _refusal(call: AttentionCall) -> str | None:
@@ -67,8 +78,8 @@ def _refusal(call: AttentionCall) -> str | None:
     reason = triton_refusal(q, call.forced)
     if reason is not None:
         return reason
-    if call.block_tables is None or call.seq_lens is None:
-        return "the batch carries no paged metadata (block tables, sequence lengths)"
+    if pool is None or call.block_tables is None or call.seq_lens is None:
+        return "the batch carries no paged KV pool (a contiguous cache)"
     if pool.k.shape[-1] != pool.v.shape[-1]:
         return "MLA head dims differ"
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -121,10 +132,38 @@ def _run_paged(call: AttentionCall) -> torch.Tensor:
 def _run_torch(call: AttentionCall) -> torch.Tensor:
     if call.q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise AssertionError("the torch attention route reads host lengths; it cannot be captured")
+    if call.pool is None:
+        return _run_contiguous(call)
     qs = call.query_start
     lens = [c + qs[b + 1] - qs[b] for b, c in enumerate(call.context_lens)]
     return reference_paged_attention(call.q, call.pool, call.block_tables, qs, lens, call.scale,
                                      call.window, call.sinks)
+
+
+def _run_contiguous(call: AttentionCall) -> torch.Tensor:
+    """Per sequence: store the step's k/v through the cache's `update` and attend over the
+    sequence's whole K/V (float32 scores and softmax)."""
+    q, out = call.q, call.q.new_empty(call.q.shape[0], call.q.shape[1], call.v.shape[-1])
+    for b, start in enumerate(call.context_lens):
+        s, e = call.query_start[b], call.query_start[b + 1]
+        if call.cache is not None:
+            kb, vb = call.cache.update(call.layer_idx, call.cache_slots[b], start, call.k[s:e], call.v[s:e])
+        else:
+            assert start == 0, "a step over cached context needs a KV cache"
+            kb, vb = call.k[s:e], call.v[s:e]
+        out[s:e] = dense_attention(q[s:e], kb, vb, start, call.scale, call.window, call.sinks)
+    return out
+
+
+def layer_pool(batch, layer: int, num_kv_heads: int, head_dim: int, like: torch.Tensor) -> KVPool | None:
+    """The layer's paged pool when the batch carries paged metadata (the serving engine),
+    else None (the contiguous cache of model tests and distributed workers)."""
+    if batch.slot_mapping is None or batch.block_tables is None or batch.seq_lens is None:
+        return None
+    if not hasattr(batch.kv_cache, "layer_pool"):
+        return None
+    shape = like.new_empty((0, num_kv_heads, head_dim))  # allocates the layer at its first call
+    return KVPool(*batch.kv_cache.layer_pool(layer, shape, shape))
 
 
 def _run_kv_write(call: KVWriteCall) -> None:
@@ -193,7 +232,8 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, pool, slot_mapping: torch.Tensor,
 
 
 def paged_attention(call: AttentionCall, *, layer: str = "") -> torch.Tensor:
-    """[T, H, Dv] in q.dtype, by the route the registry picks for this call."""
+    """[T, H, Dv] in q.dtype, by the route the registry picks for this call (paged or
+    contiguous: the Triton routes refuse a contiguous call, the torch route takes both)."""
     return routes.dispatch("attention", call, layer)
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lowbit.kernels.attention_op import layer_pool
 from lowbit.kernels.rope_op import RopeCall, qk_norm_rope
 from lowbit.kernels.weights import concat_rows
-from lowbit.layers.attention import AttnSpec, attention, kv_pool
+from lowbit.layers.attention import AttnSpec, attention
 from lowbit.layers.linear import Linear
 from lowbit.layers.mlp import GatedMLP
 from lowbit.layers.moe import RouterSpec, SparseMoE
@@ -82,7 +83,7 @@ class GQAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         T = x.shape[0]
         qkv = self._qkv(x)
-        pool = kv_pool(batch, self.spec.layer_idx, self.Hkv, self.Dh, qkv)
+        pool = layer_pool(batch, self.spec.layer_idx, self.Hkv, self.Dh, qkv)
         call = RopeCall(qkv, self.H, self.Hkv, self.Dh, batch.positions, self.rotary.cos_sin,
                         None if self.q_norm is None else self.q_norm.weight,
                         None if self.k_norm is None else self.k_norm.weight, self.eps,

@@ -223,3 +223,19 @@ def test_demo_greedy_same_with_triton_route(monkeypatch):
     assert got == want
     ran = {c["route"] for c in routes.counters()["route_calls"] if c["op"] == "attention"}
     assert ran == {"triton_paged"}
+
+
+def test_triton_routes_refuse_a_contiguous_call_and_torch_takes_it():
+    """A call without a paged pool (the contiguous cache of model tests) is refused by every
+    Triton route with its reason and served by the torch route's per-sequence loop."""
+    route = {r.name: r for r in routes.ops()["attention"].routes}
+    q = torch.randn(5, 4, 32)
+    k, v = torch.randn(5, 2, 32), torch.randn(5, 2, 32)
+    call = attention_op.AttentionCall(q, None, None, None, [0, 5], [0], False, 32 ** -0.5, k=k, v=v)
+    call.forced = True
+    for name in ("triton_paged_decode", "triton_paged_prefill", "triton_paged"):
+        reason = route[name].admit(call)
+        assert reason is not None and ("contiguous" in reason or "decode" in reason), (name, reason)
+    out = attention_op._run_torch(call)
+    from lowbit.kernels.attention import dense_attention
+    torch.testing.assert_close(out, dense_attention(q, k, v, 0, 32 ** -0.5, None, None))

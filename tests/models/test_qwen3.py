@@ -22,3 +22,21 @@ def test_qwen3_moe_matches_transformers(tmp_path, sparse_step, mlp_only):
     hf = save_tiny(Qwen3MoeForCausalLM, cfg, tmp_path)
     assert_parity(hf, tmp_path, 127)
     assert_bf16_parity(hf, tmp_path, 127)
+
+
+def test_every_hot_op_of_a_layer_is_a_counted_door_call(tiny_moe_dir):
+    """A qwen3_moe forward over a contiguous batch (no paged pool) still reaches every op
+    through the registry: the attention op's torch route takes the contiguous call."""
+    import torch
+
+    from lowbit.checkpoint.loader import load_model
+    from lowbit.engine.batch import ForwardBatch
+    from lowbit.kernels import routes
+
+    lm = load_model(str(tiny_moe_dir), dtype="float32", device="cpu").model
+    routes.reset_counters()
+    with torch.inference_mode():
+        lm(torch.tensor([4, 8, 15, 16, 23]), ForwardBatch.build([5], [0], None))
+    calls = {(c["op"], c["route"]) for c in routes.counters()["route_calls"]}
+    for op in ("attention", "norm", "rope", "router", "moe", "linear"):
+        assert any(o == op for o, _ in calls), f"{op} made no counted call: {sorted(calls)}"
