@@ -176,7 +176,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--api-key", default=None)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--warmup", type=int, default=1, help="unrecorded requests before each context")
+    s.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up rounds before each context (each: one round per concurrency level)")
     s.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds")
     s.add_argument("--time-limit", type=float, default=None,
                    help="seconds for the whole run; no request starts after it, later levels are skipped")

@@ -178,7 +178,7 @@ async def run_load(cfg: LoadConfig, log=print) -> dict:
         for ctx in cfg.context:
             prefix = maker.piece(ctx) if ctx else ([] if maker.ids_mode else "")
             if time.perf_counter() < deadline:
-                await _warm(client, cfg, model, maker, prefix, log)
+                await _warm(client, cfg, model, maker, prefix, deadline, log)
             for c in cfg.concurrency:
                 if time.perf_counter() >= deadline:
                     skipped.append({"concurrency": c, "context": ctx})
@@ -224,13 +224,19 @@ def startup_line(rec: dict) -> str:
 
 
 async def _warm(client: Client, cfg: LoadConfig, model: str, maker: PromptMaker, prefix,
-                log) -> None:
-    """Warm-up requests with the level's prefix (not recorded)."""
+                deadline: float, log) -> None:
+    """Unrecorded rounds with the level's prefix: for each concurrency level, C requests of
+    the measured input length with a few output tokens, all in flight together, so that a
+    server's first-use work (kernel compiles for the prefill shapes, a CUDA graph per batch
+    size) is not timed as the first requests' latency."""
     for _ in range(cfg.warmup):
-        body = request_body(cfg, model, maker.join(prefix, maker.piece(8)), min(cfg.output_len, 8))
-        r = await client.stream(cfg.endpoint, body, 0)
-        if r.error:
-            log(f"warm-up request failed: {r.error}")
+        for c in cfg.concurrency:
+            bodies = [(request_body(cfg, model, maker.join(prefix, maker.piece(cfg.input_len)),
+                                    min(cfg.output_len, 4)), cfg.input_len) for _ in range(c)]
+            results, _t0, _t1 = await _drive(client, cfg, bodies, c, deadline)
+            failed = [r.error for r in results if r.error]
+            if failed:
+                log(f"warm-up at concurrency {c}: {len(failed)} request(s) failed: {failed[0]}")
 
 
 async def _level(client: Client, cfg: LoadConfig, model: str, maker: PromptMaker, prefix,

@@ -138,3 +138,14 @@ def test_serve_runs_without_ignore_eos_where_the_server_refuses_it(tmp_path, cap
     assert rec["dropped_fields"] == ["ignore_eos"] and not rec["config"]["ignore_eos"]
     assert s["completed"] == 4 and s["failed"] == 0 and s["total_output_tokens"] == 4 * 9
     assert "refuses ignore_eos" in capsys.readouterr().out
+
+
+def test_warm_up_sends_a_round_per_concurrency_level_before_measuring(tmp_path):
+    state = FakeState(ttft_s=0.0, itl_s=0.0)
+    with FakeServer(state) as srv:
+        rec = _run(srv.url, tmp_path, "--concurrency", "1,3", "--num-prompts", "4", "--warmup", "2")
+    assert sum(lv["num_prompts"] for lv in rec["levels"]) == 8
+    # two unrecorded rounds of C requests per level with 4 output tokens, then the 8 measured
+    # ones with 9 (one more request probes the server's extensions first)
+    assert state.sent_per_request.count(4) == 2 * (1 + 3) and state.sent_per_request.count(9) == 8
+    assert state.sent_per_request[-8:] == [9] * 8
