@@ -24,7 +24,8 @@ from torch import nn
 from lowbit.distributed import parallel_state as ps
 from lowbit.distributed.slicing import ShardSpec, Split, take, take_piece
 from lowbit.errors import LowbitError
-from lowbit.layers.linear import Linear, kernel_linear
+from lowbit.kernels.linear_op import linear
+from lowbit.layers.linear import Linear
 from lowbit.layers.loading import check_shape, default_loader, expert_loader
 
 
@@ -122,7 +123,7 @@ class RowParallelLinear(Linear):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, K/p] -> [T, N]
-        y = kernel_linear(x, self.weight, self.bias, self.prefix)
+        y = linear(x, self.weight, self.bias, layer=self.prefix)
         return ps.all_reduce(y, self.group) if self.reduce else y
 
 

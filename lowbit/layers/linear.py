@@ -16,10 +16,6 @@ from lowbit.kernels.linear_op import linear
 from lowbit.layers.loading import default_loader
 
 
-def kernel_linear(x: torch.Tensor, weight, bias: torch.Tensor | None, layer: str) -> torch.Tensor:
-    return linear(x, weight, bias, layer=layer)
-
-
 def set_quantized(module: nn.Module, attr: str, qt: QuantizedTensor) -> None:
     """Replace parameter `attr` of `module` by a QuantizedTensor of the same logical shape.
     The tensor becomes a plain attribute: it leaves named_parameters() and module.to()."""
@@ -43,7 +39,7 @@ class Linear(nn.Module):
             self.bias.weight_loader = default_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, K] -> [T, N]
-        return kernel_linear(x, self.weight, self.bias, self.prefix)
+        return linear(x, self.weight, self.bias, layer=self.prefix)
 
     def set_quantized_weight(self, qt: QuantizedTensor) -> None:
         """Hold the weight in a format from now on (`self.weight` is the QuantizedTensor)."""

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError
-from lowbit.layers.linear import kernel_linear
+from lowbit.kernels.linear_op import linear
 from lowbit.layers.loading import default_loader
 from lowbit.layers.norm import RMSNorm
 from lowbit.models.config import ArchConfig
@@ -77,7 +77,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return kernel_linear(hidden, w, None, "lm_head").float()
+        return linear(hidden, w, None, layer="lm_head").float()
 
     # -- loading ---------------------------------------------------------------------
     def map_name(self, name: str) -> tuple[str, object] | None:
