@@ -23,7 +23,7 @@ from lowbit.formats import FORMATS
 from lowbit.kernels.routes import check_env
 from lowbit.models import param_counts
 from lowbit.models.config import load_config
-from lowbit.quantize.export import quantize_model, summary_table
+from lowbit.quantize.export import DEFAULT_FORMATS, quantize_model, summary_table
 
 
 def _fmt_count(n: float) -> str:
@@ -127,7 +127,7 @@ def _fmt_bytes(b: int) -> str:
 def cmd_quantize(args: argparse.Namespace) -> int:
     manifest = quantize_model(args.model, args.format, args.out, quantize_lm_head=args.quantize_lm_head,
                               max_shard_size=args.max_shard_size, device=args.device, dtype=args.dtype,
-                              calib=args.calib, damp=args.damp)
+                              calib=args.calib, damp=args.damp, bpw=args.bpw, formats=args.formats)
     print(summary_table(manifest))
     print(f"wrote {args.out}")
     return 0
@@ -194,7 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quantize", help="write a quantized artifact (safetensors + lowbit.json)")
     q.add_argument("model", help="HF model directory or built-in name (demo)")
-    q.add_argument("--format", required=True, help="weight format (nvfp4, mxfp4, fp8, int4, nf4, lut4, ...)")
+    q.add_argument("--format", default=None, help="weight format (nvfp4, mxfp4, fp8, int4, nf4, lut4, ...)")
+    q.add_argument("--bpw", type=float, default=None, metavar="B",
+                   help="instead of --format: a format per weight so that the quantized weights store at "
+                        "most B bits per weight (scales included)")
+    q.add_argument("--formats", default=None, metavar="F1,F2,...",
+                   help=f"with --bpw: the candidate formats (default {DEFAULT_FORMATS})")
     q.add_argument("--out", required=True, help="artifact directory to create")
     q.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head too (kept dense by default)")
     q.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (e.g. 2GB, 500MB)")

@@ -9,7 +9,8 @@ Layout of an artifact directory:
                                      {"quant_method": "lowbit", "format": F, ...}
   lowbit.json                        the manifest: every tensor's format, logical shape and
                                      dtype; each shard's sha256; the dense weights and why;
-                                     provenance (source, its digest, version, command, date)
+                                     provenance (source, its digest, version, command, date);
+                                     with `quantize --bpw`, the plan under "allocation"
   tokenizer and generation files     copied from the source
 Parameter names are lowbit's (expert stacks are `...experts.w13` [E, 2I, D], gate rows then
 up rows), so an artifact loads without the family's checkpoint-name mapping.
@@ -176,8 +177,8 @@ def copy_side_files(source: Path, out: Path) -> list[str]:
 
 def write_artifact(model: nn.Module, out: Path, *, source: Path, raw_config: dict, fmt: str,
                    dense_reasons: dict[str, str], provenance: dict, source_dtype: torch.dtype,
-                   max_shard_bytes: int) -> dict:
-    """Write the artifact directory; return its manifest."""
+                   max_shard_bytes: int, extra: dict | None = None) -> dict:
+    """Write the artifact directory; return its manifest (with `extra`'s keys added)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -205,6 +206,7 @@ def write_artifact(model: nn.Module, out: Path, *, source: Path, raw_config: dic
         "dense": {k: v for k, v in sorted(dense_reasons.items()) if k in entries},
         "totals": totals,
         "provenance": provenance,
+        **(extra or {}),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     config = dict(raw_config)

@@ -8,6 +8,9 @@ inputs over all T tokens; an expert's w13 over the tokens routed to it, its w2 o
 tokens' activations act(x w13^T). An expert routed fewer than MIN_TOKENS tokens takes its
 layer's H over all routed tokens instead. All Hessians come from the dense model (the
 rounding of one layer does not change the inputs another layer is calibrated on).
+For the byte-budget allocator, each expert also sums g^2 over its routed tokens (g its
+routing weight, which scales its output): g2 / tokens puts an expert's mean output error
+on the per-token scale of a Linear's.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class HessianSums:
 
     h: dict[str, Tensor] = field(default_factory=dict)
     n: dict[str, Tensor] = field(default_factory=dict)
+    g2: dict[str, Tensor] = field(default_factory=dict)  # expert stacks: [E] sum of squared routing weights
+    tokens: int = 0  # tokens of the calibration pass
 
     def add(self, pname: str, x: Tensor, expert: int | None = None) -> None:
         x = x.reshape(-1, x.shape[-1]).float()  # [n, K]
@@ -74,6 +79,11 @@ class HessianSums:
         else:
             self.h[pname][expert] += xtx
             self.n[pname][expert] += x.shape[0]
+
+    def output_weight(self, pname: str) -> Tensor | None:
+        """[E] per-token share of each expert's output (mean g^2 over all tokens); None for a Linear."""
+        g2 = self.g2.get(pname)
+        return None if g2 is None else g2 / max(self.tokens, 1)
 
     def seen(self, pname: str) -> bool:
         """Whether any calibration token reached this weight."""
@@ -107,12 +117,14 @@ def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: 
             for name, k in ((f"{pname}", k13), (pname[:-3] + "w2", k2)):
                 sums.h[name] = torch.zeros(e, k, k, device=mod.w13.device)
                 sums.n[name] = torch.zeros(e, dtype=torch.long, device=mod.w13.device)
+                sums.g2[name] = torch.zeros(e, dtype=torch.float64, device=mod.w13.device)
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, args, pname=pname: _expert_inputs(m, pname, sums, *args)))
     try:
         with torch.inference_mode():
             for s in range(0, len(ids), width):
                 x = torch.tensor(ids[s:s + width], device=device)  # [T]
+                sums.tokens += len(x)
                 model(x, ForwardBatch.build([len(x)], [0], None, None, torch.device(device)))
     finally:
         for h in hooks:
@@ -123,7 +135,11 @@ def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: 
 def _expert_inputs(mod: Experts, pname: str, sums: HessianSums, x: Tensor, ids: Tensor, w: Tensor) -> None:
     """x [T, D], ids [T, A]: each expert's w13 and w2 inputs over the tokens routed to it."""
     for e in torch.unique(ids).tolist():  # host sync: calibration only
-        tok = (ids == e).any(-1).nonzero()[:, 0]
+        hit = ids == e  # [T, A]
+        tok = hit.any(-1).nonzero()[:, 0]
+        g2 = float((w.float() * hit).sum(-1)[tok].pow(2).sum())
+        sums.g2[pname][e] += g2
+        sums.g2[pname[:-3] + "w2"][e] += g2
         xe = x[tok].float()  # [n, D]
         bias = None if mod.b13 is None else mod.b13[e].float()
         act = mod.act(nn.functional.linear(xe, mod.w13[e].float(), bias))  # [n, I]

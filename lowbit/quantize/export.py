@@ -1,5 +1,7 @@
 """`lowbit quantize`: load a checkpoint with every eligible weight encoded in one format
-(quantize-on-load, so the device never holds the dense model), then write an artifact."""
+(quantize-on-load, so the device never holds the dense model), or with a format chosen per
+weight under a bits-per-weight budget (`--bpw`, lowbit.quantize.allocate), then write an
+artifact."""
 
 from __future__ import annotations
 
@@ -15,31 +17,43 @@ import lowbit
 from lowbit.checkpoint.artifact import parse_size, source_digest, write_artifact
 from lowbit.checkpoint.hf import resolve_model_dir
 from lowbit.checkpoint.loader import LoadedModel, load_model, parse_dtype
-from lowbit.checkpoint.quant_plan import QuantPlan, plan_quantization
+from lowbit.checkpoint.quant_plan import QuantPlan, plan_quantization, swappable
 from lowbit.checkpoint.tokenizer import Tokenizer
 from lowbit.errors import LowbitError
-from lowbit.formats import SCALAR_FORMATS, get_format
-from lowbit.quantize.calibrate import Calibration, calibrated_quantize, collect_hessians
+from lowbit.formats import SCALAR_FORMATS, Format, get_format
+from lowbit.layers.linear import set_quantized
+from lowbit.quantize.allocate import allocate, plan_record, plan_table, round_weight, tensor_choices
+from lowbit.quantize.calibrate import (
+    Calibration,
+    HessianSums,
+    calibrated_quantize,
+    collect_hessians,
+)
 from lowbit.quantize.gptq import DAMP
+
+DEFAULT_FORMATS = "nf3,lut3,nf4,lut4,nvfp4,int4-g32,fp8"  # the --bpw candidates
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def quantize_model(model: str, fmt: str, out: str | Path, *, quantize_lm_head: bool = False,
+def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_head: bool = False,
                    max_shard_size: str = "2GB", device: str | None = None,
                    dtype: str = "bfloat16", command: str | None = None,
-                   calib: str | Path | None = None, damp: float = DAMP) -> dict:
-    """Write the artifact for `model` in format `fmt` at `out`; return its manifest with
-    the run's wall time added under totals.seconds. With `calib` (a text file) every
-    weight is rounded by GPTQ on the Hessians of that text (lowbit.quantize.calibrate)
-    instead of to its nearest code."""
+                   calib: str | Path | None = None, damp: float = DAMP,
+                   bpw: float | None = None, formats: str | None = None) -> dict:
+    """Write the artifact for `model` in format `fmt` (or, with `bpw`, a format per weight
+    from `formats` under that budget) at `out`; return its manifest with the run's wall
+    time added under totals.seconds. With `calib` (a text file) every weight is rounded by
+    GPTQ on the Hessians of that text (lowbit.quantize.calibrate) instead of to its nearest
+    code."""
     t0 = time.perf_counter()
+    candidates = _check_budget_args(fmt, bpw, formats)
     calibration = Calibration.read(calib) if calib is not None else None  # fails before loading
     if not 0 <= damp < 1:
         raise LowbitError(f"--damp {damp}: give a fraction of the mean Hessian diagonal in [0, 1), e.g. 0.01.")
-    if calibration is not None and fmt not in SCALAR_FORMATS:
+    if calibration is not None and fmt is not None and fmt not in SCALAR_FORMATS:
         get_format(fmt)  # an unknown name says so first
         raise LowbitError(f"--calib rounds the scalar formats ({', '.join(SCALAR_FORMATS)}); "
                           f"{fmt} is not one: drop --calib or pick one of those.")
@@ -53,7 +67,14 @@ def quantize_model(model: str, fmt: str, out: str | Path, *, quantize_lm_head: b
         "command": command or shlex.join(["lowbit", *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    if calibration is None:
+    extra = None
+    if bpw is not None:
+        loaded, plan, rounding, extra = _budgeted(path, bpw, candidates, calibration, device, dtype,
+                                                  quantize_lm_head, damp)
+        fmt = "mixed"
+        if rounding is not None:
+            provenance["rounding"] = rounding
+    elif calibration is None:
         loaded = load_model(path, dtype=dtype, device=device, quantization=fmt,
                             quantize_lm_head=quantize_lm_head)
         plan = loaded.plan or QuantPlan()
@@ -63,10 +84,76 @@ def quantize_model(model: str, fmt: str, out: str | Path, *, quantize_lm_head: b
     manifest = write_artifact(
         loaded.model, Path(out), source=path, raw_config=loaded.config.raw, fmt=fmt,
         dense_reasons=plan.dense, provenance=provenance,
-        source_dtype=parse_dtype(dtype), max_shard_bytes=max_bytes,
+        source_dtype=parse_dtype(dtype), max_shard_bytes=max_bytes, extra=extra,
     )
     manifest["totals"]["seconds"] = time.perf_counter() - t0
     return manifest
+
+
+def _check_budget_args(fmt: str | None, bpw: float | None, formats: str | None) -> list[Format]:
+    """The --bpw candidate formats ([] without --bpw); refusals of flags that do not go together."""
+    if bpw is None:
+        if formats is not None:
+            raise LowbitError("--formats lists the candidates of --bpw; give --bpw B too, or use --format F.")
+        if fmt is None:
+            raise LowbitError("give --format F (one format for every weight) or --bpw B (a format per weight "
+                              "under B bits per weight).")
+        return []
+    if fmt is not None:
+        raise LowbitError(f"--bpw chooses a format per weight, --format {fmt} one for all: give one of them.")
+    if not 0 < bpw <= 32:
+        raise LowbitError(f"--bpw {bpw}: give the bits per quantized weight, e.g. 4.0 or 3.5.")
+    names = [n.strip() for n in (formats or DEFAULT_FORMATS).split(",") if n.strip()]
+    if not names:
+        raise LowbitError("--formats is empty; list candidate formats, e.g. nf3,lut3,nf4,lut4.")
+    return [get_format(n) for n in dict.fromkeys(names)]
+
+
+def _budgeted(path: Path, bpw: float, formats: list[Format], calibration: Calibration | None,
+              device: str, dtype: str, quantize_lm_head: bool,
+              damp: float) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
+    """Load the dense model in float32, round every planned weight in every candidate
+    format (GPTQ with --calib), allocate the budget, install the chosen roundings."""
+    loaded = load_model(path, dtype="float32", device=device)
+    sums, rounding = None, None
+    if calibration is not None:
+        sums, rounding = _hessians(loaded, path, formats, calibration, device, quantize_lm_head)
+        rounding["damp"] = damp
+    t0 = time.perf_counter()
+    choices, dense = tensor_choices(loaded.model, formats, sums, damp, quantize_lm_head)
+    chosen = allocate(choices, bpw)
+    print(plan_table(choices, chosen, bpw))
+    targets = swappable(loaded.model)
+    for pname, c in chosen.items():
+        mod, attr = targets[pname]
+        w = getattr(mod, attr).data
+        h = sums.mean(pname).to(w.device) if sums is not None and sums.seen(pname) else None
+        set_quantized(mod, attr, round_weight(get_format(c.format), w, h, damp))
+    target = parse_dtype(dtype)
+    for p in loaded.model.parameters():
+        p.data = p.data.to(target)
+    if rounding is not None:
+        rounding["rounding_seconds"] = round(time.perf_counter() - t0, 2)
+    proxy = "hessian: trace((W-Q) H (W-Q)^T), experts by output share" if sums is not None else "weight: ||W-Q||^2"
+    plan = QuantPlan({n: get_format(c.format) for n, c in chosen.items()}, dense)
+    return loaded, plan, rounding, {"allocation": plan_record(choices, chosen, bpw, formats, proxy)}
+
+
+def _hessians(loaded: LoadedModel, path: Path, formats: list[Format], calibration: Calibration,
+              device: str, quantize_lm_head: bool) -> tuple[HessianSums, dict]:
+    """Hessians of every weight some candidate takes, and the rounding record."""
+    plan = QuantPlan()
+    for f in formats:
+        plan.quantized.update(plan_quantization(loaded.model, f.name, quantize_lm_head).quantized)
+    ids = Tokenizer(path).encode(calibration.text)
+    if len(ids) < 2:
+        raise LowbitError(f"--calib {calibration.path} gives {len(ids)} token(s); give more text.")
+    t0 = time.perf_counter()
+    sums = collect_hessians(loaded.model, plan, ids, device, loaded.config.max_position_embeddings)
+    return sums, {"method": "gptq (scalar formats; nearest for the others)",
+                  "calibration": {"file": calibration.path.name, "sha256": calibration.sha256,
+                                  "tokens": len(ids)},
+                  "hessian_seconds": round(time.perf_counter() - t0, 2)}
 
 
 def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dtype: str,

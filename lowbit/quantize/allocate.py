@@ -1,0 +1,158 @@
+"""`lowbit quantize --bpw B`: one format per quantized tensor under a byte budget.
+
+Shape legend: E experts, N rows, K input columns; F candidate formats, C budget cells.
+
+Each tensor the plan quantizes (every Linear weight and expert stack w13 / w2) is rounded in
+every candidate format; its cost is the stored bytes of that payload (codes, scales,
+tables: QuantizedTensor.nbytes, what the artifact writes) and its error a proxy for the
+output damage: with Hessians H = X^T X / n from calibration text, trace((W - Q) H (W - Q)^T)
+(for a stack, summed over experts weighted by each one's mean squared routing weight per
+calibration token, its share of the layer's output), else ||W - Q||^2. The choice minimises
+the summed error subject to sum(bytes) * 8 <= B * (weights of those tensors), as a
+multiple-choice knapsack
+solved exactly over bytes rounded up to cells of `unit` bytes (so the budget holds exactly
+by the true byte count; the cell size depends on the candidates only, so more budget never
+gives a larger error).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from lowbit.checkpoint.quant_plan import plan_quantization, swappable
+from lowbit.errors import LowbitError
+from lowbit.formats import Format, QuantizedTensor
+from lowbit.formats.scalar import ScalarFormat
+from lowbit.quantize.calibrate import HessianSums
+from lowbit.quantize.gptq import gptq_quantize
+
+CELLS = 16384  # budget cells over the costliest assignment: rounding loss <= tensors / CELLS of it
+
+
+@dataclass
+class Candidate:
+    """One tensor rounded in one format: what it stores and what it loses."""
+
+    format: str
+    nbytes: int
+    error: float
+
+
+@dataclass
+class TensorChoices:
+    name: str
+    weights: int
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+def proxy_error(w: Tensor, qt: QuantizedTensor, h: Tensor | None, share: Tensor | None = None) -> float:
+    """w [N, K] or [E, N, K]; h None, [K, K] or [E, K, K]: trace(D H D^T) per matrix, D = w - q,
+    summed with weights share [E] (an expert's per-token output share; default 1)."""
+    d = (w.float() - qt.dequantize(torch.float32).to(w.device)).reshape(-1, *w.shape[-2:])  # [E, N, K]
+    if h is None:
+        per = d.pow(2).sum((1, 2))  # [E]
+    else:
+        h3 = h.float().reshape(-1, w.shape[-1], w.shape[-1]).to(d.device)  # [E, K, K]
+        per = ((d @ h3) * d).sum((1, 2))
+    return float(per.double().sum() if share is None else (per.double() * share.to(per.device)).sum())
+
+
+def allocate(tensors: list[TensorChoices], bpw: float) -> dict[str, Candidate]:
+    """The choice of least summed error with sum(nbytes) * 8 <= bpw * sum(weights)."""
+    if not tensors:
+        raise LowbitError("no tensor to quantize: the model has no Linear or expert weight a format takes.")
+    weights = sum(t.weights for t in tensors)
+    budget = math.floor(bpw * weights / 8)
+    cheapest = sum(min(c.nbytes for c in t.candidates) for t in tensors)
+    if cheapest > budget:
+        names = sorted({min(t.candidates, key=lambda c: c.nbytes).format for t in tensors})
+        raise LowbitError(f"--bpw {bpw}: the cheapest candidates ({', '.join(names)}) already take "
+                          f"{8 * cheapest / weights:.3f} bits per weight; raise --bpw or add a cheaper "
+                          "format to --formats.")
+    costliest = sum(max(c.nbytes for c in t.candidates) for t in tensors)
+    unit = max(1, math.ceil(costliest / CELLS))
+    cells = budget // unit
+    best = torch.zeros(cells + 1, dtype=torch.float64)  # least error within c cells
+    picks = []
+    for t in tensors:
+        new = torch.full_like(best, math.inf)
+        pick = torch.full((cells + 1,), -1, dtype=torch.int16)
+        for i, c in enumerate(t.candidates):
+            k = math.ceil(c.nbytes / unit)
+            if k > cells:
+                continue
+            trial = torch.full_like(best, math.inf)
+            trial[k:] = best[: cells + 1 - k] + c.error
+            better = trial < new
+            new = torch.where(better, trial, new)
+            pick[better] = i
+        best, picks = new, picks + [pick]
+    c = int(torch.argmin(best))  # ties: the fewest cells
+    if not math.isfinite(float(best[c])):  # cheapest fits in bytes but not once rounded to cells
+        raise LowbitError(f"--bpw {bpw} leaves no room above the cheapest candidates; raise it a little.")
+    out: dict[str, Candidate] = {}
+    for t, pick in zip(reversed(tensors), reversed(picks)):
+        cand = t.candidates[int(pick[c])]
+        out[t.name] = cand
+        c -= math.ceil(cand.nbytes / unit)
+    return dict(sorted(out.items()))
+
+
+def plan_table(tensors: list[TensorChoices], chosen: dict[str, Candidate], bpw: float) -> str:
+    """format -> tensors, weights, bytes, bits per weight; then the total against the budget."""
+    sizes = {t.name: t.weights for t in tensors}
+    rows: dict[str, list[int]] = {}
+    for name, c in chosen.items():
+        r = rows.setdefault(c.format, [0, 0, 0])
+        r[0], r[1], r[2] = r[0] + 1, r[1] + sizes[name], r[2] + c.nbytes
+    lines = [f"{'format':<10} {'tensors':>7} {'weights':>12} {'bytes':>12} {'bpw':>7}"]
+    for f, (n, w, b) in sorted(rows.items(), key=lambda kv: 8 * kv[1][2] / kv[1][1]):
+        lines.append(f"{f:<10} {n:>7} {w:>12,} {b:>12,} {8 * b / w:>7.3f}")
+    w, b = sum(sizes.values()), sum(c.nbytes for c in chosen.values())
+    lines.append(f"{'total':<10} {len(chosen):>7} {w:>12,} {b:>12,} {8 * b / w:>7.3f}  (budget {bpw})")
+    return "\n".join(lines)
+
+
+def plan_record(tensors: list[TensorChoices], chosen: dict[str, Candidate], bpw: float,
+                formats: list[Format], proxy: str) -> dict:
+    """What lowbit.json keeps under "allocation"."""
+    sizes = {t.name: t.weights for t in tensors}
+    w, b = sum(sizes.values()), sum(c.nbytes for c in chosen.values())
+    return {"bpw_budget": bpw, "bits_per_weight": round(8 * b / w, 6), "weights": w, "bytes": b,
+            "formats": [f.name for f in formats], "proxy": proxy,
+            "tensors": {n: {"format": c.format, "bits": round(8 * c.nbytes / sizes[n], 6),
+                            "bytes": c.nbytes, "proxy_error": c.error} for n, c in chosen.items()}}
+
+
+def round_weight(fmt: Format, w: Tensor, h: Tensor | None, damp: float) -> QuantizedTensor:
+    """GPTQ rounding on h for the scalar formats, nearest rounding otherwise."""
+    if h is not None and isinstance(fmt, ScalarFormat):
+        return gptq_quantize(fmt, w, h, damp)
+    return fmt.quantize(w)
+
+
+def tensor_choices(model: nn.Module, formats: list[Format], sums: HessianSums | None,
+                   damp: float, quantize_lm_head: bool = False) -> tuple[list[TensorChoices], dict[str, str]]:
+    """Every tensor some candidate format takes, rounded in each one that takes it; and the
+    dense reasons of the tensors none takes."""
+    plans = [plan_quantization(model, f.name, quantize_lm_head) for f in formats]
+    out: list[TensorChoices] = []
+    for pname, (mod, attr) in swappable(model).items():
+        fmts = [f for f, p in zip(formats, plans) if pname in p.quantized]
+        if not fmts:
+            continue
+        w = getattr(mod, attr).data
+        h = sums.mean(pname).to(w.device) if sums is not None and sums.seen(pname) else None
+        share = sums.output_weight(pname) if h is not None else None
+        t = TensorChoices(pname, w.numel())
+        for f in fmts:
+            qt = round_weight(f, w, h, damp)
+            t.candidates.append(Candidate(f.name, qt.nbytes, proxy_error(w, qt, h, share)))
+        out.append(t)
+    taken = {t.name for t in out}
+    dense = {n: r for p in plans for n, r in p.dense.items() if n not in taken}
+    return out, dense
