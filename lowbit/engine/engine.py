@@ -175,20 +175,14 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         max_tokens = self.check_request(prompt_token_ids, params)
-        req = Request(request_id, list(prompt_token_ids), params, max_tokens, self._generator(params),
-                      self._detokenizer(params), prompt)
+        req = Request(request_id, list(prompt_token_ids), params, max_tokens,
+                      detokenizer=self._detokenizer(params), prompt=prompt)
         if req.wants_prompt_logprobs:
             req.prompt_logprobs = [None]  # the first prompt token has no context to score it
         self.scheduler.add(req)
         self.requests[request_id] = req
         self.stats.prompt_tokens_total += req.num_prompt_tokens
         return req
-
-    def _generator(self, params: SamplingParams) -> torch.Generator | None:
-        if params.greedy:
-            return None
-        seed = params.seed if params.seed is not None else torch.seed()
-        return torch.Generator(device=self.device).manual_seed(seed)
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:

@@ -10,8 +10,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from lowbit.engine.detokenizer import IncrementalDetokenizer
 from lowbit.engine.sampling import SamplingParams
 from lowbit.errors import LowbitError
@@ -46,7 +44,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     prompt: str | None = None
     token_ids: list[int] = field(default_factory=list)  # prompt + output

@@ -7,8 +7,9 @@ the host.
 
 SamplingState holds each running request's parameters in device tensors (one row per
 request, written once by `assign`), so that lowbit.kernels.sample_op.sample_rows, and a
-decode CUDA graph around it, read nothing from the host. `sample` / `penalize` are the
-older per-step sampler (parameters uploaded every step, torch.Generator noise).
+decode CUDA graph around it, read nothing from the host. `penalize` builds the same
+penalties from host-side token lists every call: the independent twin the tests compare
+the device counts against.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from lowbit.errors import LowbitError
 from lowbit.kernels.sample_op import SampleMode, apply_penalties, filter_logits
 
 __all__ = ["SamplingParams", "SamplingState", "SampleMode", "apply_penalties", "filter_logits",
-           "sample", "penalize", "token_logprobs"]
+           "penalize", "token_logprobs"]
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -215,23 +216,6 @@ def _pick_seed(seed: int | None, greedy: bool) -> int:
 def _int64(v: int) -> int:
     """v modulo 2^64 as a signed 64-bit value (seeds may be given in 0..2^64 - 1)."""
     return (v + (1 << 63)) % (1 << 64) - (1 << 63)
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] int64, on the logits' device."""
-    dev = logits.device
-    greedy = logits.argmax(-1)
-    if all(p.greedy for p in params):
-        return greedy
-    t = torch.tensor([p.temperature for p in params], device=dev)
-    tk = torch.tensor([p.top_k for p in params], device=dev)
-    tp = torch.tensor([p.top_p for p in params], device=dev)
-    mp = torch.tensor([p.min_p for p in params], device=dev)
-    probs = filter_logits(logits, t, tk, tp, mp)
-    noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=g) for g in generators])
-    drawn = (probs / noise).argmax(-1)
-    return torch.where(t == 0, greedy, drawn)
 
 
 def penalize(logits: torch.Tensor, params: list[SamplingParams],
