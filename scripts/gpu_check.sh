@@ -3,7 +3,9 @@
 #   STAGES="tests tune kernels attention engine" bash scripts/gpu_check.sh   (repo root, CUDA machine)
 # Stages (each under its own time cap, a failing stage does not stop the next):
 #   tests      pytest tests/gpu (kernels vs torch twins at real sizes, graph replay)
-#   tune       gemv launch-config sweep (scripts/tune_kernels.py), fed to the benchmark
+#   tune       gemv / gemm / MoE-gemv launch-config sweep and the gemv-or-gemm choice per
+#              shape and M (scripts/tune_kernels.py -> $OUT/tuned.json), merged into
+#              lowbit/kernels/configs/<device>.json for the stages after it
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
 #   attention  python -m lowbit.bench.attention: paged decode attention vs SDPA
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
@@ -20,9 +22,12 @@ unset TRITON_INTERPRET
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export LOWBIT_COMMIT=${LOWBIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 STAGES=${STAGES:-tests tune kernels attention engine}
-T_TESTS=${T_TESTS:-200} T_TUNE=${T_TUNE:-150} T_BENCH=${T_BENCH:-330} T_ATT=${T_ATT:-60}
+T_TESTS=${T_TESTS:-200} T_TUNE=${T_TUNE:-330} T_BENCH=${T_BENCH:-330} T_ATT=${T_ATT:-60}
 T_ENGINE_BF16=${T_ENGINE_BF16:-240} T_ENGINE_Q=${T_ENGINE_Q:-240}  # engine stage: a cap per format
 TESTS=${TESTS:-tests/gpu}
+TUNE_FORMATS=${TUNE_FORMATS:-nvfp4,int4_g128}
+TUNE_SHAPES=${TUNE_SHAPES:-4096x14336,14336x4096,2048x6144,5120x2048,2048x4096}
+TUNE_M=${TUNE_M:-1,2,4,8,16,32,64,512} TUNE_JOBS=${TUNE_JOBS:-12}
 QUANT=${QUANT:-nvfp4}
 CONFIG=${CONFIG:-lowbit/model_configs/Qwen__Qwen3-30B-A3B.json}
 CELLS=${CELLS:--p 512 -n 64 -b 1,8,32,64 -r 2}
@@ -36,17 +41,18 @@ if has tests; then
 fi
 
 if has tune; then
-  echo "== gemv config sweep"
-  timeout "$T_TUNE" python3 scripts/tune_kernels.py --out "$RES/tuned_gemv.json" --formats int4_g128,nvfp4 --m 1,4 \
-    2>&1 | tee "$RES/tune.log" | tail -5
-  if [ -s "$RES/tuned_gemv.json" ]; then  # the benchmark below uses what the sweep found
-    python3 - "$RES/tuned_gemv.json" <<'PY'
+  echo "== gemv / gemm / MoE gemv config sweep"
+  timeout "$T_TUNE" python3 scripts/tune_kernels.py --out "$OUT/tuned.json" --formats "$TUNE_FORMATS" \
+    --shapes "$TUNE_SHAPES" --m "$TUNE_M" --jobs "$TUNE_JOBS" 2>&1 | tee "$OUT/tune.log" | grep -v "^  " | tail -60
+  if [ -s "$OUT/tuned.json" ]; then  # the stages below use what the sweep found
+    python3 - "$OUT/tuned.json" <<'PY'
 import json, sys
 from lowbit.kernels import launch
 tuned = json.load(open(sys.argv[1]))
 path = launch.CONFIG_DIR / f"{launch.slug(tuned['device'])}.json"
 cur = json.loads(path.read_text()) if path.exists() else {"device": tuned["device"]}
-cur.setdefault("gemv", {}).update(tuned["gemv"])
+for table in ("gemv", "gemm", "choice", "moe_gemv"):
+    cur.setdefault(table, {}).update(tuned.get(table, {}))
 path.write_text(json.dumps(cur, indent=1))
 print("configs ->", path)
 PY

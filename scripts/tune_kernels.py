@@ -6,9 +6,13 @@
       instructions per weight of the main loop (from the SASS). Catches compile errors
       before any device time is spent.
   python scripts/tune_kernels.py --out configs.json [--shapes 14336x4096,...] [--formats ...]
-      On a GPU: times candidate gemv configs (do_bench median, L2 flushed) for each shape,
-      format and M, and writes the best per (shape, M bucket) in the format of
-      lowbit/kernels/configs/<device>.json (merge it into that file to ship it).
+                                  [--m 1,2,4,8,16,32,64,512] [--jobs 12]
+      On a GPU: times candidate gemv and gemm configs (CUDA-graph replay over weight copies
+      past L2, as lowbit.bench.kernels) for each shape, format and M, against torch bf16 in
+      the same run; writes the best per (shape, M bucket), the faster kernel per bucket
+      ("choice", read by the linear routes) and the MoE per-slot gemv configs, in the format
+      of lowbit/kernels/configs/<device>.json (copy it there to ship it), plus a .rows.json
+      of every timing. --jobs N compiles every candidate first in N processes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import io
 import json
 import os
@@ -148,10 +153,9 @@ def static(arch: int, only: list[str]) -> None:
             ids = torch.randint(0, e, (t, 8), dtype=torch.int32)
             jobs.append((f"moe {mode} {fmt}", lambda w13=w13, w2=w2, mode=mode, ids=ids, t=t, h=h: fused_moe(
                 torch.randn(t, h).bfloat16(), ids, torch.rand(t, 8), w13, w2, mode=mode)))
-        if fmt != "dense":
-            ids = torch.randint(0, e, (4, 8), dtype=torch.int32)
-            jobs.append((f"moe gemv {fmt}", lambda w13=w13, w2=w2, ids=ids, h=h: fused_moe_gemv(
-                torch.randn(4, h).bfloat16(), ids, torch.rand(4, 8), w13, w2)))
+        ids = torch.randint(0, e, (4, 8), dtype=torch.int32)
+        jobs.append((f"moe gemv {fmt}", lambda w13=w13, w2=w2, ids=ids, h=h: fused_moe_gemv(
+            torch.randn(4, h).bfloat16(), ids, torch.rand(4, 8), w13, w2)))
     for label, fn in jobs:
         if only and not any(o in label for o in only):
             continue
@@ -168,32 +172,184 @@ def static(arch: int, only: list[str]) -> None:
                   f"loop {st['loop']:4d} {st['ops']}")
 
 
-def tune(out: str, shapes, formats, ms) -> None:
-    from lowbit.bench.kernels import copies_for, payload_bytes, timed
-    from lowbit.kernels.dequant_gemm import fmt_key, lut_gemv
+GEMM_SMALL = [dict(BN=bn, BK=bk, num_warps=w, num_stages=st, SPLIT_K=sk)
+              for bn, bk, w, st, sk in ((32, 64, 4, 3, 0), (64, 64, 4, 3, 0), (64, 128, 4, 3, 0),
+                                        (128, 64, 4, 3, 0), (128, 128, 8, 3, 0), (64, 64, 4, 4, 0),
+                                        (64, 64, 4, 3, 1), (128, 64, 4, 3, 1))]
+GEMM_LARGE = [dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st, SPLIT_K=0)
+              for bm, bn, bk, w, st in ((128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+                                        (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4))]
+GEMV_TUNE = GEMV_CANDIDATES + [dict(BN=16, G=64, SPLIT_K=0, num_warps=4),
+                               dict(BN=64, G=64, SPLIT_K=0, num_warps=8),
+                               dict(BN=32, G=32, SPLIT_K=0, num_warps=4, PREFETCH=False),
+                               dict(BN=32, G=32, SPLIT_K=1, num_warps=4),
+                               dict(BN=32, G=32, SPLIT_K=8, num_warps=4)]
+MOE_TUNE = [dict(BN=bn, G=g, SPLIT_K=sk, num_warps=w) for bn, g, sk, w in
+            ((16, 32, 0, 4), (32, 32, 0, 4), (64, 32, 0, 4), (16, 64, 0, 4), (32, 64, 0, 8),
+             (32, 32, 1, 4))]
+# Qwen3-30B-A3B's quantized linears at serving time: merged QKV and o_proj
+ENGINE_SHAPES = ((5120, 2048), (2048, 4096))
+MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768)}  # E, top-k, H, I
 
-    table: dict = {}
+
+def gemm_candidates(m: int) -> list[dict]:
+    if m >= 256:
+        return GEMM_LARGE
+    bm = max(16, triton.next_power_of_2(m))
+    return [dict(c, BM=bm) for c in GEMM_SMALL]
+
+
+def _jobs(shapes, formats, ms):
+    """(label, key, bucket, kernel, config, make_fn) for every timing of the linear sweep."""
+    from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv
+
     for n, k in shapes:
+        for fmt in formats:
+            for m in ms:
+                if m <= 16:
+                    for cfg in GEMV_TUNE:
+                        yield (n, k, fmt, m, "gemv", cfg, lut_gemv)
+                for cfg in gemm_candidates(m):
+                    yield (n, k, fmt, m, "gemm", cfg, lut_gemm)
+
+
+def _rotating(fn, x, ws):
+    """cfg -> one call of fn per weight copy (timed() rotates through them)."""
+    def fns_for(cfg):
+        return [functools.partial(fn, x, w, config=cfg) for w in ws]
+    return fns_for
+
+
+def _moe_calls(batches, w13, w2):
+    """MoE per-slot gemv calls over the routings, for a {fc1, fc2} config."""
+    from lowbit.kernels.moe import fused_moe_gemv
+
+    def fns_for(cfg):
+        return [functools.partial(fused_moe_gemv, *b, w13, w2, config=cfg) for b in batches]
+    return fns_for
+
+
+def _time_best(fns_for, cands) -> tuple[float, dict] | None:
+    from lowbit.bench.kernels import timed
+
+    best = None
+    for cfg in cands:
+        try:
+            t = timed(fns_for(cfg))["us"]
+        except Exception as exc:  # a config the compiler or the shared memory rejects
+            print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return best
+
+
+def tune(out: str, shapes, formats, ms, part: tuple[int, int] | None = None) -> None:
+    """Time every candidate; write the fastest per (format, shape, M bucket) for the gemv and
+    the gemm, the faster of the two as "choice" (read by the linear routes), and the MoE
+    per-slot gemv's FC1 / FC2 configs. part=(i, n): only compile every n-th job (a warm-up
+    worker filling Triton's disk cache in parallel; no timing, nothing written)."""
+    from lowbit.bench.kernels import copies_for, payload_bytes, timed
+    from lowbit.kernels.dequant_gemm import fmt_key
+
+    if part is not None:
+        weights = {}
+        for i, (n, k, fmt, m, kind, cfg, fn) in enumerate(_jobs(shapes, formats, ms)):
+            if i % part[1] != part[0]:
+                continue
+            w = weights.setdefault((n, k, fmt), make_weight(fmt, n, k, "cuda"))
+            try:
+                fn(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w, config=dict(cfg))
+            except Exception as exc:
+                print(f"  compile skip {kind} {cfg}: {type(exc).__name__}", flush=True)
+        torch.cuda.synchronize()
+        return
+    from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv
+
+    table: dict = {"gemv": {}, "gemm": {}, "choice": {}}
+    rows = []
+    for n, k in shapes:
+        bf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
         for fmt in formats:
             w = make_weight(fmt, n, k, "cuda")
             ws = [w] + [make_weight(fmt, n, k, "cuda") for _ in range(copies_for(payload_bytes(w)) - 1)]
+            key = f"{fmt_key(w)}:{n}x{k}"
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                best = None
-                for cfg in GEMV_CANDIDATES:
-                    try:
-                        t = timed([lambda cfg=cfg, x=x, w=w: lut_gemv(x, w, config=cfg) for w in ws])["us"] / 1e3
-                    except Exception as exc:  # a config the compiler rejects is skipped
-                        print(f"skip {cfg}: {exc}")
-                        continue
-                    if best is None or t < best[0]:
-                        best = (t, cfg)
-                key = f"{fmt_key(w)}:{n}x{k}"
-                table.setdefault(key, {})[str(triton.next_power_of_2(m))] = best[1]
-                print(f"{fmt} {n}x{k} M={m}: {best[0] * 1e3:.1f} us with {best[1]}")
+                bucket = str(triton.next_power_of_2(m))
+                base = timed([lambda x=x, b=b: torch.nn.functional.linear(x, b) for b in bf])["us"]
+                gv = _time_best(_rotating(lut_gemv, x, ws), GEMV_TUNE) if m <= 16 else None
+                gm = _time_best(_rotating(lut_gemm, x, ws), gemm_candidates(m))
+                if gv:
+                    table["gemv"].setdefault(key, {})[bucket] = gv[1]
+                if gm:
+                    table["gemm"].setdefault(key, {})[bucket] = gm[1]
+                pick = "gemv" if gv and (not gm or gv[0] <= gm[0]) else "gemm"
+                table["choice"].setdefault(key, {})[bucket] = pick
+                best = min(t for t in (gv and gv[0], gm and gm[0]) if t)
+                rows.append(dict(fmt=fmt, shape=f"{n}x{k}", m=m, bf16_us=base, gemv_us=gv and gv[0],
+                                 gemm_us=gm and gm[0], pick=pick, vs_bf16=base / best,
+                                 tbps=payload_bytes(w) / best / 1e6, gemv_cfg=gv and gv[1],
+                                 gemm_cfg=gm and gm[1]))
+                r = rows[-1]
+                print(f"{fmt:10s} {n}x{k} M={m:3d}: bf16 {base:7.1f}  gemv "
+                      f"{'-' if gv is None else f'{gv[0]:7.1f}'}  gemm "
+                      f"{'-' if gm is None else f'{gm[0]:7.1f}'} us -> {pick} "
+                      f"({r['vs_bf16']:.2f}x bf16, {r['tbps']:.2f} TB/s)", flush=True)
+            del ws
+        del bf
+        torch.cuda.empty_cache()
+    table["moe_gemv"], moe_rows = tune_moe()
     name = torch.cuda.get_device_name()
-    Path(out).write_text(json.dumps({"device": name, "gemv": table}, indent=1))
+    Path(out).write_text(json.dumps({"device": name, **table}, indent=1))
+    Path(out).with_suffix(".rows.json").write_text(json.dumps(rows + moe_rows, indent=1))
     print(f"wrote {out} for {name} ({launch.slug(name)}.json)")
+
+
+def tune_moe() -> tuple[dict, list]:
+    """FC1, then FC2 configs of the per-slot MoE gemv at T = 1, 2, 4, 8 tokens, for nvfp4
+    and bf16 experts, over 8 routings (graph replay), against the tensor-core tile route."""
+    from lowbit.bench.kernels import timed
+    from lowbit.kernels.moe import fused_moe
+
+    table: dict = {}
+    rows = []
+    for model, (e, top, h, inter) in MOE_SHAPES.items():
+        for fmt in ("nvfp4", "dense"):
+            if fmt == "dense":
+                w13 = resolve(torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * 0.02)
+                w2 = resolve(torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * 0.02)
+                key = f"dense:{e}x{h}"
+            else:
+                w13, w2 = make_weight(fmt, 2 * inter, h, "cuda", (e,)), make_weight(fmt, h, inter, "cuda", (e,))
+                key = f"lut4:{e}x{h}"
+            for t in (1, 2, 4, 8):
+                g = torch.Generator(device="cuda").manual_seed(t)
+                batches = [(torch.randn(t, h, device="cuda", dtype=torch.bfloat16),
+                            torch.rand(t, e, device="cuda", generator=g).topk(top, -1).indices.to(torch.int32),
+                            torch.rand(t, top, device="cuda", generator=g)) for _ in range(8)]
+
+                fns = _moe_calls(batches, w13, w2)
+                d2 = dict(GEMV_CANDIDATES[0])
+                fc1 = _time_best(lambda c, fns=fns, d2=d2: fns(dict(fc1=c, fc2=d2)), MOE_TUNE)
+                fc2 = _time_best(lambda c, fns=fns, f1=fc1[1]: fns(dict(fc1=f1, fc2=c)), MOE_TUNE)
+                tc = timed([functools.partial(fused_moe, *b, w13, w2, mode="decode") for b in batches])["us"]
+                table.setdefault(key, {})[str(t)] = dict(fc1=fc1[1], fc2=fc2[1])
+                rows.append(dict(fmt=fmt, shape=model, m=t, gemv_us=fc2[0], tc_us=tc,
+                                 fc1=fc1[1], fc2=fc2[1]))
+                print(f"moe {model} {fmt} T={t}: gemv {fc2[0]:.1f} us (fc1 {fc1[1]}, fc2 {fc2[1]}), "
+                      f"tiles {tc:.1f} us", flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+    return table, rows
+
+
+def warm_compile(args: list[str], jobs: int) -> None:
+    """Fill Triton's disk cache with `jobs` worker processes (compiles run in parallel)."""
+    procs = [subprocess.Popen([sys.executable, __file__, *args, "--part", f"{i}/{jobs}"])
+             for i in range(jobs)]
+    for p in procs:
+        p.wait()
 
 
 def main() -> None:
@@ -202,8 +358,10 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--out", default="configs.json")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
-    ap.add_argument("--formats", default="int4,nvfp4")
-    ap.add_argument("--m", default="1,4,16")
+    ap.add_argument("--formats", default="int4_g128,nvfp4")
+    ap.add_argument("--m", default="1,2,4,8,16,32,64,512")
+    ap.add_argument("--jobs", type=int, default=0, help="parallel compile workers before timing")
+    ap.add_argument("--part", default="", help=argparse.SUPPRESS)
     ap.add_argument("--only", default="", help="--static: comma-separated label filters")
     a = ap.parse_args()
     if a.static:
@@ -211,7 +369,14 @@ def main() -> None:
         static(a.arch, [o for o in a.only.split(",") if o])
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    tune(a.out, shapes, a.formats.split(","), [int(m) for m in a.m.split(",")])
+    ms = [int(m) for m in a.m.split(",")]
+    if a.part:
+        i, n = (int(v) for v in a.part.split("/"))
+        tune(a.out, shapes, a.formats.split(","), ms, part=(i, n))
+        return
+    if a.jobs > 1:
+        warm_compile(sys.argv[1:], a.jobs)
+    tune(a.out, shapes, a.formats.split(","), ms)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@
 4. Mixed layouts (moe_mixed): Qwen3-30B-A3B with 16 hot experts nvfp4 and 112 cold nf3 in
    one launch pair; DeepSeek-V3 with its shared expert fused as a slot of weight 1, against
    the routed launch plus the shared MLP as three gemvs.
+5. Router (router): the gate GEMM + top-k at T = 1, 4, 16 for Qwen3-30B-A3B and DeepSeek-V3,
+   two launches (cuBLAS float32 GEMM after the activation's float32 copy, then
+   triton_topk) against one (triton_gate_topk).
 Times: CUDA-graph replays of back-to-back calls that rotate through weight copies (linear)
 or routings (MoE) holding more bytes than L2, three repeats: median, min and max (GPU
 time, no host launch overhead; the torch expert loop reads ids on the host, so it is timed
@@ -27,6 +30,7 @@ Writes DIR/kernels.json and DIR/kernels.md after every section.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -36,18 +40,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lowbit.kernels import router_op
 from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv, reference_linear
 from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8
 from lowbit.kernels.moe import fused_moe, fused_moe_gemv, reference_moe, torch_act
 from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid
 from lowbit.kernels.moe_layout import hybrid_experts, make_group, shared_group, with_shared_slots
 from lowbit.kernels.moe_op import MoeActivation
+from lowbit.kernels.router_op import RouterSpec, gate_logits, reference_route
 from lowbit.kernels.runtime import triton
 from lowbit.kernels.samples import BENCH_LUT_FORMATS, BENCH_SHAPES, random_fp8_view, random_lut_view
 from lowbit.kernels.weights import DenseWeight, Fp8View, resolve
 
 SHAPES = BENCH_SHAPES
-MS = (1, 4, 16)
+MS = (1, 4, 8, 16)
 LUT_FORMATS = BENCH_LUT_FORMATS
 MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336),
               "deepseek-v3": (256, 8, 7168, 2048), "gpt-oss-20b": (32, 4, 2880, 2880)}
@@ -201,7 +207,7 @@ def linear_section(copy_tbps: float, quick: bool) -> list[dict]:
                 rows.append(_row("linear", f"{n}x{k}", m, name, t, nbytes, copy_tbps, None, base))
                 print(_fmt(rows[-1]), flush=True)
             for name, (ws, route, fn) in ours.items():
-                if route == "gemm" and m != 16:
+                if route == "gemm" and m < 4:
                     continue
                 try:
                     w = ws[0]
@@ -271,7 +277,7 @@ def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
                              int(active * (3 * inter * h * 2 + bias_bytes)), copy_tbps, None, base))
             print(_fmt(rows[-1]), flush=True)
             for fmt, (w13, w2) in weights.items():
-                impls = [("tc", fused_moe)] if fmt == "bf16" else [("gemv", fused_moe_gemv), ("tc", fused_moe)]
+                impls = [("gemv", fused_moe_gemv), ("tc", fused_moe)]
                 for impl, fn in impls:
                     call = (lambda b, fn=fn, w13=w13, w2=w2, kw=extras: fn(*b, w13, w2, **kw)) \
                         if impl == "gemv" else \
@@ -366,6 +372,36 @@ def moe_mixed_section(copy_tbps: float, quick: bool) -> list[dict]:
     return rows
 
 
+ROUTERS = {"qwen3-30b-a3b": (128, 2048, RouterSpec(8)),
+           "deepseek-v3": (256, 7168, RouterSpec(8, "sigmoid", True, 8, 4, "top2sum", 2.5))}
+
+
+def router_section(copy_tbps: float, quick: bool) -> list[dict]:
+    """The router op at T = 1, 4, 16 tokens: the float32 gate GEMM (cuBLAS, after the
+    activation's float32 copy) + triton_topk, against triton_gate_topk (one launch); weights
+    rotate through 8 copies (one per layer, as in a decode step)."""
+    rows = []
+    models = {"tiny": (16, 64, RouterSpec(2))} if SMOKE else ROUTERS
+    for model, (e, d, spec) in models.items():
+        gates = [torch.randn(e, d, device=DEV) * 0.02 for _ in range(1 if SMOKE else 8)]
+        bias = torch.rand(e, device=DEV) * 0.1 if spec.scoring == "sigmoid" else None
+        for t in (1, 4, 16):
+            x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
+            ref = reference_route(gate_logits(x, gates[0]), spec, bias)
+            base = None
+            for impl, fn in (("gate GEMM + triton_topk", router_op._run_triton),
+                             ("triton_gate_topk", router_op._run_fused)):
+                calls = [functools.partial(fn, router_op.RouterCall(None, spec, bias, x=x, gate_w=g))
+                         for g in gates]
+                ids, w = calls[0]()
+                err = (w - ref[1]).abs().max().item() + float(not torch.equal(ids, ref[0]))
+                tm = timed(calls)
+                base = base or tm["us"]
+                rows.append(_row("router", model, t, impl, tm, e * d * 4, copy_tbps, err, base))
+                print(_fmt(rows[-1]), flush=True)
+    return rows
+
+
 def _row(kind, shape, m, impl, t, nbytes, copy_tbps, err, base) -> dict:
     tbps = nbytes / t["us"] / 1e6
     return {"kind": kind, "shape": shape, "M": m, "impl": impl, **t, "bytes": nbytes,
@@ -402,7 +438,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="one linear shape, one MoE model")
-    ap.add_argument("--sections", default="linear,moe,moe_mixed")
+    ap.add_argument("--sections", default="linear,moe,moe_mixed,router")
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     a = ap.parse_args()
     if a.smoke:
@@ -421,7 +457,8 @@ def main() -> None:
     print(f"ceilings: {result['ceilings']['copy_TBps']:.2f} TB/s copy, "
           f"{result['ceilings']['bf16_TFLOPs']:.0f} TFLOP/s bf16", flush=True)
     copy = result["ceilings"]["copy_TBps"]
-    sections = {"linear": linear_section, "moe": moe_section, "moe_mixed": moe_mixed_section}
+    sections = {"linear": linear_section, "moe": moe_section, "moe_mixed": moe_mixed_section,
+                "router": router_section}
     for name in a.sections.split(","):
         result["rows"] += sections[name](copy, a.quick)
         (out / "kernels.json").write_text(json.dumps(result, indent=1))

@@ -35,7 +35,7 @@ from lowbit.distributed.parallel_state import ParallelLayout
 from lowbit.distributed.slicing import ShardSpec, Split
 from lowbit.distributed.tensor_parallel import reshard, shard_mlp
 from lowbit.errors import LowbitError
-from lowbit.kernels.router_op import gate_logits, route_topk
+from lowbit.kernels.router_op import route
 from lowbit.layers.moe import Experts, SparseMoE
 
 ALL_TO_ALL_MIN_TOKENS = int(os.environ.get("LOWBIT_EP_ALL_TO_ALL_MIN_TOKENS", "4096"))
@@ -89,9 +89,8 @@ class ParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D], the same on every rank
         gate = self.gate
-        logits = gate_logits(x, gate.weight.float(), None if gate.bias is None else gate.bias.float())  # [T, E]
-        ids, w = route_topk(logits, self.spec, self.e_score_correction_bias,
-                            layer=f"{self.experts.prefix}.router")  # [T, A]
+        ids, w = route(x, gate.weight.float(), None if gate.bias is None else gate.bias.float(),
+                       self.spec, self.e_score_correction_bias, layer=f"{self.experts.prefix}.router")  # [T, A]
         if self._use_all_to_all(x.shape[0]):
             return self._all_to_all(x, ids, w)
         y = local_experts(self.experts, x, self.expert_map[ids.long()], w)  # [T, D] partial

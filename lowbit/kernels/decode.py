@@ -7,7 +7,8 @@ Memory layout read (canonical, lowbit.formats.codes; one row = `stride_cn` bytes
   4-bit: byte j holds code 2j (low nibble) and 2j+1 (high nibble);
   3-bit: code k sits at bits 3k .. 3k+2 of the row read as a little-endian bit stream
          (bytes 3g..3g+2 hold codes 8g..8g+7), so a code spans at most two bytes;
-  fp8:   one float8_e4m3fn per code; dense: one bf16/fp16/fp32 per weight.
+  fp8:   one float8_e4m3fn per code; dense: one bf16/fp16/fp32 per weight (the gemv reads
+         bf16 only, as 32-bit words of two weights: the low half is column 2j).
 Scales [.., N / SROWS, NB] with one scale per B codes along K (SROWS = 128 for fp8-block).
 Invariant: B is a power of two and either B >= BK (one scale column per tile, BK | B) or
 B < BK (BK / B whole blocks per tile); tiles start at multiples of BK.
@@ -160,6 +161,11 @@ def lane_value(w, LANE: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr, 
     elif DECODE == 3:
         b = ((w >> (8 * LANE)) & 0xFF).to(tl.uint8)
         v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif DECODE == 4:  # dense bf16: weight LANE in the low (0) or high (1) half of the word
+        if LANE == 0:
+            v = (w << 16).to(tl.float32, bitcast=True)
+        else:
+            v = (w & -65536).to(tl.float32, bitcast=True)
     else:
         c = (w >> (BITS * LANE)) & MASK
         p = table_ptr + tb + c
@@ -195,9 +201,18 @@ def e2m1_pair(w, LANE: tl.constexpr):
 
 @triton.jit
 def split_lanes(x, CPW: tl.constexpr):
-    """x [G, CPW] -> CPW tensors [G] (column i = lane i); CPW is 4 or 8 (x4..x7 = x0 for 4)."""
+    """x [G, CPW] -> CPW tensors [G] (column i = lane i); CPW is 2, 4 or 8 (the lanes past
+    CPW repeat x0)."""
     G: tl.constexpr = x.shape[0]
-    if CPW == 8:
+    if CPW == 2:
+        x0, x1 = tl.split(x)
+        x2 = x0
+        x3 = x0
+        x4 = x0
+        x5 = x0
+        x6 = x0
+        x7 = x0
+    elif CPW == 8:
         e, o = tl.split(tl.reshape(x, (G, 2, 2, 2)))
         e0, e1 = tl.split(e)
         o0, o1 = tl.split(o)

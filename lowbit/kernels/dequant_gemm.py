@@ -74,8 +74,11 @@ def _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_row_ptr, xoff, kmask, rb, half,
         up = tl.load(x_row_ptr + half + xoff, mask=kmask, other=0).to(tl.float32)
         x = gated_act(x, up, SWIGLU, LIMIT, ALPHA)
     x0, x1, x2, x3, x4, x5, x6, x7 = split_lanes(x, CPW)
-    p = v0 * x0[:, None] + v1 * x1[:, None] + v2 * x2[:, None] + v3 * x3[:, None]
-    xs = x0 + x1 + x2 + x3
+    p = v0 * x0[:, None] + v1 * x1[:, None]
+    xs = x0 + x1
+    if CPW >= 4:
+        p += v2 * x2[:, None] + v3 * x3[:, None]
+        xs += x2 + x3
     if CPW == 8:
         p += v4 * x4[:, None] + v5 * x5[:, None] + v6 * x6[:, None] + v7 * x7[:, None]
         xs += x4 + x5 + x6 + x7
@@ -96,6 +99,17 @@ def _bias_col(bias_ptr, e, rows, rmask, N, tw_ptr, pid_m, MOE: tl.constexpr):
         if MOE == 2:
             b = b * tl.load(tw_ptr + pid_m)
     return b[:, None]
+
+
+@triton.jit
+def _word_scales(scales_ptr, wi, srow_off, m2, CPW: tl.constexpr, B: tl.constexpr,
+                 SCALE_KIND: tl.constexpr, DECODE: tl.constexpr):
+    """float32 [G, BN] scale of each word's block; dense weights have none (1.0)."""
+    if DECODE == 4:
+        s = 1.0
+    else:
+        s = load_scales(scales_ptr, (wi * CPW) // B, srow_off, m2, SCALE_KIND)
+    return s
 
 
 @triton.jit
@@ -130,7 +144,8 @@ def _gemv_kernel(
     # HAS_BIAS in MOE modes: bias is the expert stack [E, N] (contiguous), row ids[s] added
     # before the routing weight. Outputs are per slot: y [S, N].
     # y[m, n] = g * alpha_n * sum_w s[w, n] * (p[w, n] + beta_n / alpha_n * xs[w]) + sum_w o * xs
-    CPW: tl.constexpr = 4 if BITS == 8 else 8  # codes per 32-bit word (3-bit: per 24-bit group)
+    # codes per 32-bit word (3-bit: per 24-bit group; dense bf16: 2 weights per word)
+    CPW: tl.constexpr = 2 if BITS == 16 else (4 if BITS == 8 else 8)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -172,13 +187,13 @@ def _gemv_kernel(
     wi = pid_k * w_split + gl  # [G] word index along the row
     m2 = (wi < KW)[:, None] & rmask[None, :]
     w = _load_words(codes_ptr, row_off, wi, m2, BITS)
-    s = load_scales(scales_ptr, (wi * CPW) // B, srow_off, m2, SCALE_KIND)  # [G, BN]
+    s = _word_scales(scales_ptr, wi, srow_off, m2, CPW, B, SCALE_KIND, DECODE)  # [G, BN]
     for _kw in range(0, w_split, G):
         if PREFETCH:  # the next tile's loads are in flight while this one is decoded
             wi_n = wi + G
             m2_n = (wi_n < KW)[:, None] & rmask[None, :]
             w_n = _load_words(codes_ptr, row_off, wi_n, m2_n, BITS)
-            s_n = load_scales(scales_ptr, (wi_n * CPW) // B, srow_off, m2_n, SCALE_KIND)
+            s_n = _word_scales(scales_ptr, wi_n, srow_off, m2_n, CPW, B, SCALE_KIND, DECODE)
         if DECODE == 2:  # E2M1: lanes L and L + 4 decoded together
             v0, v4 = e2m1_pair(w, 0)
             v1, v5 = e2m1_pair(w, 1)
@@ -187,8 +202,12 @@ def _gemv_kernel(
         else:
             v0 = lane_value(w, 0, BITS, DECODE, table_ptr, tb, one_bits, ASM)
             v1 = lane_value(w, 1, BITS, DECODE, table_ptr, tb, one_bits, ASM)
-            v2 = lane_value(w, 2, BITS, DECODE, table_ptr, tb, one_bits, ASM)
-            v3 = lane_value(w, 3, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+            if CPW >= 4:
+                v2 = lane_value(w, 2, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+                v3 = lane_value(w, 3, BITS, DECODE, table_ptr, tb, one_bits, ASM)
+            else:
+                v2 = v0
+                v3 = v0
         if DECODE == 2:
             pass
         elif CPW == 8:
@@ -240,7 +259,7 @@ def _gemv_kernel(
             wi = wi + G
             m2 = (wi < KW)[:, None] & rmask[None, :]
             w = _load_words(codes_ptr, row_off, wi, m2, BITS)
-            s = load_scales(scales_ptr, (wi * CPW) // B, srow_off, m2, SCALE_KIND)
+            s = _word_scales(scales_ptr, wi, srow_off, m2, CPW, B, SCALE_KIND, DECODE)
     # [BN, BM]: column i is activation row m0 + i
     if BM == 1:
         y = tl.sum(acc0, 0)[:, None]
@@ -286,15 +305,18 @@ def _gemv_kernel(
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, y_ptr, bias_ptr,
+    x_ptr, y_ptr, bias_ptr, ws_ptr, sem_ptr,
     codes_ptr, table_ptr, tidx_ptr, ab_ptr, scales_ptr, offs_ptr,
-    M, N, K, KC, stride_xm, stride_ym, stride_cn, stride_sn, stride_on, g,
+    M, N, K, KC, k_split, stride_xm, stride_ym, stride_cn, stride_sn, stride_on, g, SPLIT_K,
     BITS: tl.constexpr, DECODE: tl.constexpr, SCALE_KIND: tl.constexpr, B: tl.constexpr,
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_F32: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    # program axis 1 is a K split: columns pid_k * k_split .. + k_split (k_split % BK == 0);
+    # SPLIT: partials through the workspace and the last-arriving split sums them (as the gemv)
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     in_group = GROUP_M * num_n
@@ -320,7 +342,9 @@ def _gemm_kernel(
         alpha = tl.full([BN], 1.0, tl.float32)
         beta = tl.zeros([BN], tl.float32)
     acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
+    k_start = pid_k * k_split
+    k_end = tl.minimum(k_start + k_split, K)
+    for k0 in range(k_start, k_end, BK):
         kk = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + ms.to(tl.int64)[:, None] * stride_xm + kk[None, :],
                      mask=mmask[:, None] & (kk < K)[None, :], other=0)
@@ -332,10 +356,26 @@ def _gemm_kernel(
             acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, wt, acc)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[None, :]
-    tl.store(y_ptr + ms.to(tl.int64)[:, None] * stride_ym + rows[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
+    ymask = mmask[:, None] & rmask[None, :]
+    yoff = ms.to(tl.int64)[:, None] * stride_ym + rows[None, :]
+    if not SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[None, :]
+        tl.store(y_ptr + yoff, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+    else:
+        part = ms.to(tl.int64)[:, None] * N + rows[None, :]
+        tl.store(ws_ptr + pid_k * M * N + part, acc, mask=ymask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(sem_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tot = tl.zeros([BM, BN], tl.float32)
+            for sk in range(SPLIT_K):
+                tot += tl.load(ws_ptr + sk * M * N + part, mask=ymask, other=0,
+                               cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[None, :]
+            tl.store(y_ptr + yoff, tot.to(y_ptr.dtype.element_ty), mask=ymask)
+            tl.atomic_xchg(sem_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
 def fmt_key(w: LutWeight | Fp8View) -> str:
@@ -376,11 +416,15 @@ def _check(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None) -
     assert codes.dtype == (torch.uint8 if isinstance(w, LutWeight) else torch.float8_e4m3fn)
 
 
-def _gemv_codes(w: LutWeight | Fp8View) -> tuple[torch.Tensor, int, int]:
+def _gemv_codes(w: LutWeight | Fp8View | DenseWeight) -> tuple[torch.Tensor, int, int]:
     """The codes as the gemv reads them: (tensor, row stride, words per row).
 
-    4-bit and fp8: int32 words (8 or 4 codes each); 3-bit: bytes, read as 24-bit groups.
+    4-bit and fp8: int32 words (8 or 4 codes each); 3-bit: bytes, read as 24-bit groups;
+    dense bf16: int32 words of two weights.
     """
+    if isinstance(w, DenseWeight):
+        words = w.w.view(torch.int32)
+        return words, words.stride(-2), words.shape[-1]
     codes = w.view.codes if isinstance(w, LutWeight) else w.codes
     bits = w.view.bits if isinstance(w, LutWeight) else 8
     if bits == 3:
@@ -402,8 +446,29 @@ def split_plan(cfg: dict, kw: int, tiles: int) -> tuple[int, int]:
     return triton.cdiv(kw, w_split), w_split
 
 
-def gemv_refusal(x: torch.Tensor, w: LutWeight | Fp8View) -> str | None:
-    """Why lut_gemv cannot take this call, or None."""
+def gemm_split_plan(cfg: dict, k: int, tiles: int) -> tuple[int, int]:
+    """(splits, columns per split) along K for the tensor-core gemm. SPLIT_K = 0 (the
+    default): enough splits for about two programs per SM when the output tiles alone leave
+    SMs idle (decode-sized M), at most 16 and at least 4 BK steps per split."""
+    bk = cfg["BK"]
+    split = cfg.get("SPLIT_K", 0)
+    steps = triton.cdiv(k, bk)
+    if split == 0:
+        split = min(16, (2 * sm_count()) // max(tiles, 1), steps // 4)
+    split = max(1, min(split, steps))
+    k_split = triton.cdiv(steps, split) * bk
+    return triton.cdiv(k, k_split), k_split
+
+
+def gemv_refusal(x: torch.Tensor, w: LutWeight | Fp8View | DenseWeight) -> str | None:
+    """Why the gemv (lut_gemv, the MoE per-slot gemv) cannot take this call, or None."""
+    if isinstance(w, DenseWeight):
+        t = w.w
+        if t.dtype != torch.bfloat16:
+            return f"the gemv reads dense weights in bf16, got {t.dtype}"
+        if t.shape[-1] % 2 or t.stride(-2) % 2 or t.storage_offset() % 2 or t.stride(-1) != 1:
+            return "dense rows are not whole 32-bit words (two bf16 weights)"
+        return f"gemv takes M <= 16 activation rows, got {x.shape[0]}" if x.shape[0] > 16 else None
     codes = w.view.codes if isinstance(w, LutWeight) else w.codes
     bits = w.view.bits if isinstance(w, LutWeight) else 8
     if x.shape[0] > 16:
@@ -458,14 +523,19 @@ def lut_gemm(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
     cfg = config or launch.lookup("gemm", fmt_key(w), n, k, m)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     y = _out(out, m, n, x)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    launch.run(_gemm_kernel, grid,
-        x, y, x if bias is None else bias,
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split, k_split = gemm_split_plan(cfg, k, tiles)
+    ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
+    sem = _semaphore(x.device, tiles)
+    launch.run(_gemm_kernel, (tiles, split),
+        x, y, x if bias is None else bias, ws, sem,
         a.codes, a.table, a.tidx, a.ab, a.scales, a.offs,
-        m, n, k, a.kc, x.stride(0), y.stride(0), a.stride_cn, a.stride_sn, a.stride_on, a.g,
+        m, n, k, a.kc, k_split, x.stride(0), y.stride(0), a.stride_cn, a.stride_sn, a.stride_on,
+        a.g, split,
         BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block, SROWS=a.srows,
         HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs, HAS_BIAS=bias is not None,
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=interpreting(),
+        SPLIT=split > 1,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     return y

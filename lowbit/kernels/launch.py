@@ -5,6 +5,8 @@ for any device and shape):
   {"device": "NVIDIA H200",
    "<kernel>": {"<fmt>:<N>x<K>": {"<M bucket>": {config}}, "default": {"<M bucket>": {config}}}}
 M buckets are powers of two; a call takes the smallest bucket >= M (else the largest).
+A device file may also hold "choice": {"<fmt>:<N>x<K>": {"<M bucket>": "gemv" | "gemm"}},
+the faster of the two linear kernels as `scripts/tune_kernels.py` measured it.
 Lookup order: device file exact shape, device default, default.json exact shape,
 default.json default. `scripts/tune_kernels.py` writes device files.
 """
@@ -54,6 +56,17 @@ def lookup(kernel: str, fmt: str, n: int, k: int, m: int, device: str | None = N
                 if cfg is not None:
                     return cfg
     raise AssertionError(f"configs/default.json has no default for kernel {kernel}")
+
+
+def choice(fmt: str, n: int, k: int, m: int, device: str | None = None) -> str | None:
+    """"gemv" or "gemm": the kernel measured faster for a weight [n, k] in fmt at m rows
+    (the device file's "choice" table, exact shapes only, M buckets as for configs), or
+    None where this device and shape were not measured."""
+    buckets = _file(slug(device or device_name())).get("choice", {}).get(f"{fmt}:{n}x{k}")
+    if not buckets:
+        return None
+    keys = sorted(int(b) for b in buckets)
+    return buckets[str(next((b for b in keys if b >= m), keys[-1]))]
 
 
 def clear_cache() -> None:

@@ -3,7 +3,9 @@
 Shape legend: x [..., K] flattened to [M, K]; W [N, K] (dense, LUT view or fp8); y [..., N].
 Routes, in selection order (see lowbit.kernels.routes; status and record in docs/ROUTES.md):
   dense              bf16 / fp16 / fp32 weights: F.linear (cuBLAS on CUDA)
-  triton_lut_gemv    CUDA-core dequantizing GEMV of LUT weights, M <= 4 (M <= 16 when forced)
+  triton_lut_gemv    CUDA-core dequantizing GEMV of LUT weights, M <= 16 where the device's
+                     tuned configs measured it faster than the gemm, else M <= 4 (M <= 16
+                     when forced)
   triton_lut_gemm    tensor-core tiles with in-register decode, bf16/fp16 activations
   triton_fp8_w8a16   the gemv (M <= 4; forced: gemv to 16, gemm above) on fp8 weights
   triton_fp8_w8a8    fp8 x fp8 tensor-core GEMM with per-token activation scales (sm_89+)
@@ -17,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from lowbit.kernels import routes
-from lowbit.kernels.dequant_gemm import gemv_refusal, lut_gemm, lut_gemv, reference_linear
+from lowbit.kernels import launch, routes
+from lowbit.kernels.dequant_gemm import fmt_key, gemv_refusal, lut_gemm, lut_gemv, reference_linear
 from lowbit.kernels.fp8_gemm import fp8_w8a8, w8a8_refusal
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
 from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, resolve
@@ -57,11 +59,26 @@ def _common_refusal(call: LinearCall, kinds: tuple[type, ...]) -> str | None:
 AUTO_GEMV_MAX_M = 4  # measured faster than the torch route up to here (docs/ROUTES.md)
 
 
+def _measured_refusal(call: LinearCall) -> str | None:
+    """Unforced: the device's measured choice between gemv and gemm at this shape and M
+    (lowbit/kernels/configs/<device>.json), else gemv up to AUTO_GEMV_MAX_M rows."""
+    if call.forced:
+        return None
+    w = call.weight
+    pick = launch.choice(fmt_key(w), w.n, w.kp, call.m)
+    if pick == "gemm":
+        return f"M = {call.m}: the gemm was measured faster at {w.n}x{w.kp} on this device"
+    if pick is None and call.m > AUTO_GEMV_MAX_M:
+        return f"M = {call.m} > {AUTO_GEMV_MAX_M}: not measured faster unless forced"
+    return None
+
+
 def _admit_gemv(kinds: tuple[type, ...]):
     def admit(call: LinearCall) -> str | None:
-        if not call.forced and call.m > AUTO_GEMV_MAX_M:
-            return f"M = {call.m} > {AUTO_GEMV_MAX_M}: not measured faster unless forced"
-        return _common_refusal(call, kinds) or gemv_refusal(call.x, call.weight)
+        if not isinstance(call.weight, kinds):
+            return _common_refusal(call, kinds)
+        return (_measured_refusal(call) or _common_refusal(call, kinds)
+                or gemv_refusal(call.x, call.weight))
 
     return admit
 

@@ -413,11 +413,10 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
                    out: torch.Tensor | None = None, *, b13: torch.Tensor | None = None,
                    b2: torch.Tensor | None = None,
                    activation: MoeActivation | None = None) -> torch.Tensor:
-    """Decode as per-slot GEMVs (LUT or fp8 experts): FC1 (+ b13) [S, 2I], FC2 with the
+    """Decode as per-slot GEMVs (LUT, fp8 or bf16 experts): FC1 (+ b13) [S, 2I], FC2 with the
     activation made on load, + b2, times the routing weight [S, H], then the ordered top-k
     sum. Three launches, no host read; an expert used by several tokens is read once per
     token (from L2 when they coincide)."""
-    assert not isinstance(w13, DenseWeight) and not isinstance(w2, DenseWeight)
     assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
     assert bias_refusal(x, w13, w2, b13, b2) is None, bias_refusal(x, w13, w2, b13, b2)
     _check_routing(x, ids, weights)
@@ -425,7 +424,7 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     a_top = ids.shape[1]
     s = t * a_top
     inter = w13.n // 2
-    fmt = "fp8" if isinstance(w13, Fp8View) else f"lut{w13.view.bits}"
+    fmt = {DenseWeight: "dense", Fp8View: "fp8"}.get(type(w13)) or f"lut{w13.view.bits}"
     cfg = config or launch.lookup("moe_gemv", fmt, w13.lead[0], h, t)
     ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
     tw = weights.reshape(-1).to(torch.float32).contiguous()

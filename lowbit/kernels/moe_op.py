@@ -5,11 +5,11 @@ expert_e(x) = W2_e act(W13_e x + b13_e) + b2_e: the biases b13 [E, 2I] and b2 [E
 optional, act is a MoeActivation (SiLU-gate, or gpt-oss's clamped SwiGLU); every route
 below takes them, except the hybrid layouts (refused: see moe_experts).
 Routes, in selection order (status and record in docs/ROUTES.md):
-  triton_fused_moe_decode   T <= 16 tokens, T * A <= 256 slots: LUT / fp8 experts as per-slot
-                            GEMVs (expert id read on the device) while slots < 2 E (fewer than
-                            two tokens per expert on average); otherwise, and for dense experts,
-                            tensor-core tiles per expert found in-kernel (crossover measured:
-                            docs/BENCHMARKS.md#kernels)
+  triton_fused_moe_decode   T <= 16 tokens, T * A <= 256 slots: LUT / fp8 / bf16 experts as
+                            per-slot GEMVs (expert id read on the device) while slots < 2 E
+                            (fewer than two tokens per expert on average); otherwise, and for
+                            fp16 / fp32 experts, tensor-core tiles per expert found in-kernel
+                            (crossover measured: docs/BENCHMARKS.md#kernels)
   triton_moe_grouped        device sort by expert, grouped GEMM with decode in the main loop
   torch                     reference: loop over the experts used (host read), float32
 A hybrid layout (lowbit.kernels.moe_hybrid.HybridExperts: two formats and / or shared
@@ -84,13 +84,20 @@ def _admit_decode(call: MoeCall) -> str | None:
     return reason
 
 
+def _gemv_fits(call: MoeCall) -> bool:
+    """Whether both expert stacks take the per-slot gemv (LUT / fp8 always, once admitted;
+    dense only in bf16 with whole 32-bit words)."""
+    x1 = call.x[:1]
+    return gemv_refusal(x1, call.w13) is None and gemv_refusal(x1, call.w2) is None
+
+
 def _run(mode: str):
     def run(call: MoeCall) -> torch.Tensor:
         if isinstance(call.w13, HybridExperts):
             return fused_moe_hybrid(call.x, call.ids, call.weights, call.w13, mode=mode)
         t, a = call.ids.shape
         extra = dict(b13=call.b13, b2=call.b2, activation=call.activation)
-        if mode == "decode" and not isinstance(call.w13, DenseWeight) and t * a < 2 * call.w13.lead[0]:
+        if mode == "decode" and t * a < 2 * call.w13.lead[0] and _gemv_fits(call):
             return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2, **extra)
         return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode, **extra)
 

@@ -2,8 +2,10 @@
 
 Shape legend: T tokens, D hidden, E experts, A active experts per token (top_k),
 G expert groups (n_group), GS = E / G experts per group.
-  logits = gate_logits(x, w, b)            # [T, E] float32 (one cuBLAS GEMM)
-  ids, w = route_topk(logits, spec, bias)  # [T, A] int32, [T, A] float32
+  ids, w = route(x, gate_w, gate_b, spec, bias)  # [T, A] int32, [T, A] float32
+  logits = gate_logits(x, gate_w, gate_b)        # [T, E] float32, what the routes rank
+  ids, w = route_topk(logits, spec, bias)        # the same op on logits already made
+The gate weight [E, D] (and bias [E]) is float32, converted once at load.
 scores = softmax(logits) or sigmoid(logits); the choice ranks scores + bias (DeepSeek-V3's
 score correction, which picks experts but does not weight them); with G > 1 only the
 topk_group best groups (group score: top-2 sum or max of the choice) stay eligible. The
@@ -11,6 +13,10 @@ weights are the chosen experts' scores, optionally renormalized to sum 1, times 
 ids come in descending choice order.
 
 Routes, in selection order:
+  triton_gate_topk  T <= 16 tokens: the gate GEMV and the top-k in one launch. Programs
+                own (token, block of BE experts) and write that block's logits to a
+                workspace; the program that arrives last for a token (a per-token counter,
+                reset after use) ranks the whole row as triton_topk does. No host read.
   triton_topk   one program per token row: scores over E, group mask, top-k by repeated
                 argmax (ties to the lowest index), renormalize, scale; no host read
                 (graph-safe). Refuses E > 1024, top_k > 16, non-float32 logits.
@@ -25,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.kernels import routes
+from lowbit.kernels.dequant_gemm import _semaphore
 from lowbit.kernels.runtime import tl, triton, triton_refusal
 
 RECORD = "docs/BENCHMARKS.md#decode-graph"
@@ -47,10 +54,27 @@ class RouterSpec:
 
 @dataclass
 class RouterCall:
-    logits: torch.Tensor  # [T, E]
+    logits: torch.Tensor | None  # [T, E] float32, or None: the route makes them from x
     spec: RouterSpec
     bias: torch.Tensor | None  # [E] score correction, or None
     forced: bool = False
+    x: torch.Tensor | None = None  # [T, D]
+    gate_w: torch.Tensor | None = None  # [E, D] float32
+    gate_b: torch.Tensor | None = None  # [E] float32
+
+    def rows(self) -> torch.Tensor:
+        """The float32 logits [T, E] (made from x by one GEMM when not given)."""
+        if self.logits is None:
+            self.logits = gate_logits(self.x, self.gate_w, self.gate_b)
+        return self.logits
+
+    @property
+    def num_experts(self) -> int:
+        return self.logits.shape[1] if self.logits is not None else self.gate_w.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return (self.logits if self.logits is not None else self.x).device
 
 
 def gate_logits(x: torch.Tensor, weight_f32: torch.Tensor,
@@ -111,19 +135,70 @@ def _group_mask(choice, g, j, G: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP2: t
 
 
 @triton.jit
+def _row_block(G: tl.constexpr, GS: tl.constexpr, BG: tl.constexpr, BGS: tl.constexpr):
+    """A logits row as a [BG, BGS] block: expert e = g * GS + j, and which of them exist."""
+    g = tl.arange(0, BG)[:, None]
+    j = tl.arange(0, BGS)[None, :]
+    return g, j, g * GS + j, (g < G) & (j < GS)
+
+
+@triton.jit
 def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_t, scaling,
                    G: tl.constexpr, GS: tl.constexpr, BG: tl.constexpr, BGS: tl.constexpr,
                    A: tl.constexpr, BA: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                    TOP2: tl.constexpr):
     """Row t of logits [T, E] (row stride stride_t, unit column stride) -> ids [T, A] int32,
-    w [T, A] float32 (contiguous). The row sits in a [BG, BGS] block: expert g * GS + j."""
+    w [T, A] float32 (contiguous)."""
     t = tl.program_id(0).to(tl.int64)
-    g = tl.arange(0, BG)[:, None]
-    j = tl.arange(0, BGS)[None, :]
-    e = g * GS + j  # [BG, BGS]
-    valid = (g < G) & (j < GS)
+    g, j, e, valid = _row_block(G, GS, BG, BGS)
     x = tl.load(logits_ptr + t * stride_t + e, mask=valid, other=float("-inf"))
+    _rank_row(x, t, g, j, e, valid, bias_ptr, ids_ptr, w_ptr, scaling, G, BG, BGS, A, BA,
+              TOPK_GROUP, SIGMOID, HAS_BIAS, NORM, TOP2)
+
+
+@triton.jit
+def _gate_topk_kernel(x_ptr, gw_ptr, gb_ptr, ws_ptr, sem_ptr, bias_ptr, ids_ptr, w_ptr,
+                      D, E, NB, stride_x, scaling,
+                      BE: tl.constexpr, BD: tl.constexpr, HAS_GB: tl.constexpr,
+                      G: tl.constexpr, GS: tl.constexpr, BG: tl.constexpr, BGS: tl.constexpr,
+                      A: tl.constexpr, BA: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                      SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                      TOP2: tl.constexpr):
+    """Program (t, b): logits of token t for experts b * BE .. + BE (x read in its own dtype,
+    products and sums in float32, D in steps of BD) into ws [T, E]; the NB-th program of
+    token t to arrive ranks ws[t] (same rule as _router_kernel) and resets its counter."""
+    t = tl.program_id(0).to(tl.int64)
+    es = tl.program_id(1) * BE + tl.arange(0, BE)
+    emask = es < E
+    acc = tl.zeros([BE, BD], tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        dm = d < D
+        xv = tl.load(x_ptr + t * stride_x + d, mask=dm, other=0).to(tl.float32)
+        wv = tl.load(gw_ptr + es.to(tl.int64)[:, None] * D + d[None, :],
+                     mask=emask[:, None] & dm[None, :], other=0)
+        acc += wv * xv[None, :]
+    lg = tl.sum(acc, 1)
+    if HAS_GB:
+        lg += tl.load(gb_ptr + es, mask=emask, other=0)
+    tl.store(ws_ptr + t * E + es, lg, mask=emask)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(sem_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == NB - 1:
+        g, j, e, valid = _row_block(G, GS, BG, BGS)
+        x = tl.load(ws_ptr + t * E + e, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        _rank_row(x, t, g, j, e, valid, bias_ptr, ids_ptr, w_ptr, scaling, G, BG, BGS, A, BA,
+                  TOPK_GROUP, SIGMOID, HAS_BIAS, NORM, TOP2)
+        tl.atomic_xchg(sem_ptr + t, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _rank_row(x, t, g, j, e, valid, bias_ptr, ids_ptr, w_ptr, scaling, G: tl.constexpr,
+              BG: tl.constexpr, BGS: tl.constexpr, A: tl.constexpr, BA: tl.constexpr,
+              TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+              NORM: tl.constexpr, TOP2: tl.constexpr):
+    """Scores, group mask and top-k of one logits row x [BG, BGS] -> row t of ids and w."""
     if SIGMOID:
         scores = tl.sigmoid(x)
     else:
@@ -152,19 +227,19 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_t, scaling,
 
 def _refusal(call: RouterCall) -> str | None:
     logits, spec, bias = call.logits, call.spec, call.bias
-    reason = triton_refusal(logits, call.forced)
+    reason = triton_refusal(logits if logits is not None else call.x, call.forced)
     if reason is not None:
         return reason
-    if logits.dtype != torch.float32 or logits.dim() != 2:
+    if logits is not None and (logits.dtype != torch.float32 or logits.dim() != 2):
         return f"logits are {logits.dtype} of {logits.dim()} dims (the kernel reads [T, E] float32)"
-    E = logits.shape[1]
+    E = call.num_experts
     if E > MAX_EXPERTS:
         return f"{E} experts > {MAX_EXPERTS} (one row per program)"
     if not 1 <= spec.top_k <= min(MAX_TOP_K, E):
         return f"top_k {spec.top_k} is outside 1..{min(MAX_TOP_K, E)}"
     if spec.scoring not in SCORINGS:
         return f"scoring {spec.scoring!r} is not one of {', '.join(SCORINGS)}"
-    if bias is not None and (bias.shape != (E,) or bias.device != logits.device):
+    if bias is not None and (bias.shape != (E,) or bias.device != call.device):
         return f"score bias of shape {tuple(bias.shape)} on {bias.device} does not match [{E}] logits"
     if spec.n_group > 1:
         return _group_refusal(spec, E)
@@ -182,38 +257,95 @@ def _group_refusal(spec: RouterSpec, E: int) -> str | None:
     return None
 
 
+def _rank_consts(spec: RouterSpec, E: int, has_bias: bool) -> dict:
+    G = max(spec.n_group, 1)
+    GS = E // G
+    return dict(G=G, GS=GS, BG=triton.next_power_of_2(G), BGS=triton.next_power_of_2(GS),
+                A=spec.top_k, BA=triton.next_power_of_2(spec.top_k),
+                TOPK_GROUP=spec.topk_group if G > 1 else 1, SIGMOID=spec.scoring == "sigmoid",
+                HAS_BIAS=has_bias, NORM=bool(spec.norm_topk), TOP2=spec.group_score == "top2sum")
+
+
+def _outputs(T: int, A: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(T, A, dtype=torch.int32, device=device),
+            torch.empty(T, A, dtype=torch.float32, device=device))
+
+
 def _run_triton(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
-    logits, spec = call.logits, call.spec
+    logits, spec = call.rows(), call.spec
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     T, E = logits.shape
-    A = spec.top_k
-    ids = torch.empty(T, A, dtype=torch.int32, device=logits.device)
-    w = torch.empty(T, A, dtype=torch.float32, device=logits.device)
+    ids, w = _outputs(T, spec.top_k, logits.device)
     if T == 0:
         return ids, w
-    G = max(spec.n_group, 1)
-    GS = E // G
     bias = logits if call.bias is None else call.bias.float().contiguous()
-    BGS = triton.next_power_of_2(GS)
+    consts = _rank_consts(spec, E, call.bias is not None)
     _router_kernel[(T,)](
-        logits, bias, ids, w, logits.stride(0), float(spec.scaling),
-        G=G, GS=GS, BG=triton.next_power_of_2(G), BGS=BGS, A=A, BA=triton.next_power_of_2(A),
-        TOPK_GROUP=spec.topk_group if G > 1 else 1, SIGMOID=spec.scoring == "sigmoid",
-        HAS_BIAS=call.bias is not None, NORM=bool(spec.norm_topk), TOP2=spec.group_score == "top2sum",
-        num_warps=4 if G * BGS >= 512 else 1)
+        logits, bias, ids, w, logits.stride(0), float(spec.scaling), **consts,
+        num_warps=4 if consts["G"] * consts["BGS"] >= 512 else 1)
+    return ids, w
+
+
+FUSED_MAX_TOKENS = 16
+
+
+def _admit_fused(call: RouterCall) -> str | None:
+    if call.x is None:
+        return "logits were made by the caller (the fused route makes them from x)"
+    if call.x.shape[0] > FUSED_MAX_TOKENS:
+        return f"{call.x.shape[0]} tokens > {FUSED_MAX_TOKENS}: one cuBLAS GEMM, then triton_topk"
+    reason = _refusal(call)
+    if reason is not None:
+        return reason
+    x, gw = call.x, call.gate_w
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.stride(-1) != 1:
+        return f"x is {x.dtype} with column stride {x.stride(-1)} (the kernel reads unit-stride rows)"
+    if gw.dtype != torch.float32 or not gw.is_contiguous() or gw.shape[1] != x.shape[1]:
+        return f"gate weight {gw.dtype} {tuple(gw.shape)} is not a contiguous float32 [E, {x.shape[1]}]"
+    if call.gate_b is not None and (call.gate_b.dtype != torch.float32 or not call.gate_b.is_contiguous()):
+        return "gate bias is not a contiguous float32 [E]"
+    return None
+
+
+def _run_fused(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
+    x, gw, spec = call.x, call.gate_w, call.spec
+    T, D = x.shape
+    E = gw.shape[0]
+    ids, w = _outputs(T, spec.top_k, x.device)
+    if T == 0:
+        return ids, w
+    be = min(16, triton.next_power_of_2(triton.cdiv(E, 32)))  # about 32 programs per token
+    nb = triton.cdiv(E, be)
+    ws = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    bias = ws if call.bias is None else call.bias.float().contiguous()
+    _gate_topk_kernel[(T, nb)](
+        x, gw, gw if call.gate_b is None else call.gate_b, ws, _semaphore(x.device, T), bias,
+        ids, w, D, E, nb, x.stride(0), float(spec.scaling), BE=be, BD=max(64, 2048 // be),
+        HAS_GB=call.gate_b is not None, **_rank_consts(spec, E, call.bias is not None),
+        num_warps=4)
     return ids, w
 
 
 def _run_torch(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference_route(call.logits, call.spec, call.bias)
+    return reference_route(call.rows(), call.spec, call.bias)
 
 
+routes.register("router", routes.Route(
+    "triton_gate_topk", routes.OPT_IN, "no record yet: the next H200 campaign measures it "
+    "against gate GEMV + triton_topk (docs/BENCHMARKS.md#decode-graph)", _admit_fused, _run_fused))
 routes.register("router", routes.Route(
     "triton_topk", routes.DEFAULT, RECORD, _refusal, _run_triton))
 routes.register("router", routes.Route(
     "torch", routes.DEFAULT, "reference (admits every call; torch.topk, graph-safe)",
     lambda call: None, _run_torch), reference=True)
+
+
+def route(x: torch.Tensor, gate_w: torch.Tensor, gate_b: torch.Tensor | None, spec: RouterSpec,
+          bias: torch.Tensor | None = None, *, layer: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D], the float32 gate weight [E, D] and bias [E] -> (ids [T, A] int32, weights
+    [T, A] float32): the gate and the top-k by the routes the registry picks."""
+    return routes.dispatch("router", RouterCall(None, spec, bias, x=x, gate_w=gate_w, gate_b=gate_b), layer)
 
 
 def route_topk(logits: torch.Tensor, spec: RouterSpec, bias: torch.Tensor | None = None, *,

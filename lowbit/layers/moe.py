@@ -15,7 +15,7 @@ from torch import nn
 from lowbit.formats.base import QuantizedTensor
 from lowbit.kernels.moe_layout import HybridTensor, shared_layout, with_shared_slots
 from lowbit.kernels.moe_op import MoeActivation, moe_experts
-from lowbit.kernels.router_op import RouterSpec, gate_logits, route_topk
+from lowbit.kernels.router_op import RouterSpec, route
 from lowbit.kernels.routes import forced_name
 from lowbit.layers.linear import Linear, set_quantized
 from lowbit.layers.loading import expert_loader
@@ -93,6 +93,8 @@ class SparseMoE(nn.Module):
         )
         self.experts = Experts(E, D, inter, f"{prefix}.experts", expert_bias, activation, limit)
         self.shared_experts = GatedMLP(D, shared_inter, f"{prefix}.shared_experts") if shared_inter else None
+        # set by the engine: expert offload / routing record (lowbit.engine.expert_cache)
+        self.expert_hook = None
 
     def _fused_shared(self, x: torch.Tensor):
         """The routed + shared layout when the fused kernels would run it (CUDA, or a forced
@@ -122,8 +124,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D]
         g = self.gate
         w32, b32 = getattr(self, "_gate32", None) or (g.weight.float(), None if g.bias is None else g.bias.float())
-        logits = gate_logits(x, w32, b32)  # [T, E] float32
-        ids, w = route_topk(logits, self.spec, self.e_score_correction_bias, layer=f"{self.experts.prefix}.router")
+        ids, w = route(x, w32, b32, self.spec, self.e_score_correction_bias, layer=f"{self.experts.prefix}.router")
+        if self.expert_hook is not None:  # routed experts read through the device slot table
+            y = self.expert_hook(self, x, ids, w)
+            return y if self.shared_experts is None else y + self.shared_experts(x)
         layout = self._fused_shared(x)
         if layout is not None:  # shared experts as extra slots of weight 1 in the routed launch
             n_exp = self.experts.w13.shape[0]

@@ -141,3 +141,69 @@ def test_cuda_graph_replay_of_decode_routes(monkeypatch):
         torch.cuda.synchronize()
         assert rel_err(y, reference_linear(x, w)) < 1e-2
         assert rel_err(ym, reference_moe(xm, ids, wts, w13, w2, dot_dtype=torch.bfloat16)) < 1e-2
+
+
+@pytest.mark.parametrize("case", ["nvfp4_two_tables", "int4_g32_offsets", "nf3"])
+def test_gemm_split_k_real_size(case):
+    """Decode-sized M through the tensor-core gemm with K split (auto and 5 splits, the
+    latter not dividing K's 112 BK steps evenly): the twin's rounding, the bias once, and
+    the same bits on a repeat (deterministic split sum, counters reset)."""
+    from lowbit.kernels.dequant_gemm import lut_gemm, reference_linear
+
+    n, k = 4096, 14336
+    w = make_weight(case, n, k, seed=11, device=DEV)
+    bias = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    for m, cfg in ((8, dict(BM=16, BN=64, BK=128)), (5, dict(BM=16, BN=64, BK=128, SPLIT_K=5)),
+                   (33, dict(BM=64, BN=64, BK=64))):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        outs = []
+        for _ in range(2):
+            out = poisoned(m, n, dtype=torch.float32, device=DEV)
+            lut_gemm(x, w, bias, config=cfg, out=out)
+            outs.append(out)
+        ref = reference_linear(x.float(), w, bias.float(), dot_dtype=torch.bfloat16)
+        assert rel_err(outs[0], ref) < 1e-3, (case, m)
+        assert torch.equal(outs[0], outs[1]), (case, m)
+
+
+def test_dense_moe_gemv_real_size():
+    """bf16 experts through the per-slot gemv at the Qwen3-30B-A3B shape (float32 math on
+    exact bf16 weights: rel 1e-5 against the float32 twin)."""
+    from lowbit.kernels.moe import fused_moe_gemv, reference_moe
+    from lowbit.kernels.weights import resolve
+
+    e, top, h, inter = 128, 8, 2048, 768
+    w13 = resolve(torch.randn(e, 2 * inter, h, device=DEV, dtype=torch.bfloat16) * 0.02)
+    w2 = resolve(torch.randn(e, h, inter, device=DEV, dtype=torch.bfloat16) * 0.02)
+    for t in (1, 4, 15):
+        ids = torch.rand(t, e, device=DEV).topk(top, -1).indices.to(torch.int32)
+        wts = torch.rand(t, top, device=DEV)
+        x = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+        out = poisoned(t, h, dtype=torch.float32, device=DEV)
+        fused_moe_gemv(x, ids, wts, w13, w2, out=out)
+        assert rel_err(out, reference_moe(x.float(), ids, wts, w13, w2)) < 1e-5, t
+
+
+def test_fused_router_in_a_graph(monkeypatch):
+    """triton_gate_topk at real sizes (Qwen3 softmax top-8; DeepSeek-V3 grouped sigmoid),
+    captured once and replayed on fresh activations: ids equal the reference's."""
+    from lowbit.kernels.router_op import RouterSpec, gate_logits, reference_route, route
+
+    monkeypatch.setenv("LOWBIT_ROUTE_ROUTER", "triton_gate_topk")
+    for e, d, spec in ((128, 2048, RouterSpec(8)),
+                       (256, 7168, RouterSpec(8, "sigmoid", True, 8, 4, "top2sum", 2.5))):
+        gw = torch.randn(e, d, device=DEV) * 0.05
+        bias = torch.rand(e, device=DEV) * 0.1 if spec.scoring == "sigmoid" else None
+        for t in (1, 16):
+            x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
+            route(x, gw, None, spec, bias)  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ids, w = route(x, gw, None, spec, bias)
+            for _ in range(2):
+                x.copy_(torch.randn_like(x))
+                graph.replay()
+                want_ids, want_w = reference_route(gate_logits(x, gw), spec, bias)
+                assert torch.equal(ids, want_ids), (e, t)
+                torch.testing.assert_close(w, want_w, rtol=0, atol=1e-5)

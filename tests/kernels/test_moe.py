@@ -71,11 +71,11 @@ def test_grouped_tiles_span_one_expert():
 
 
 @pytest.mark.parametrize("case", ["int4_g32_offsets", "nvfp4_two_tables", "mxfp4", "nf3",
-                                  "lut3_offsets", "fp8_block"])
+                                  "lut3_offsets", "fp8_block", "dense"])
 def test_fused_moe_gemv_matches_twin(case):
-    """Per-slot GEMV decode: float32 throughout, so the twin needs no rounding (rel 1e-5)."""
-    w13 = make_weight(case, 2 * I, H, lead=(E,), seed=1)
-    w2 = make_weight(case, H, I, lead=(E,), seed=2)
+    """Per-slot GEMV decode: float32 throughout, so the twin needs no rounding (rel 1e-5);
+    dense bf16 experts are read as words of two weights."""
+    w13, w2 = _oss_weights(case)
     cfg = dict(BN=16, G=8, SPLIT_K=2)
     for t, a in ((1, 2), (5, 3)):
         ids, wts = _routing(t, a, seed=t + 10)
@@ -162,7 +162,7 @@ def test_fused_moe_gpt_oss_matches_twin(case, mode):
 
 
 @pytest.mark.parametrize("case", ["int4_g32_offsets", "nvfp4_two_tables", "mxfp4", "nf3",
-                                  "fp8_block"])
+                                  "fp8_block", "dense"])
 def test_fused_moe_gemv_gpt_oss_matches_twin(case):
     """Per-slot GEMVs with b13 (FC1 epilogue), the clamp made on FC2's load and b2 before the
     routing weight, split-K on (the bias goes in after the ordered split sum): rel 1e-5."""

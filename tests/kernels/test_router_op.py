@@ -156,3 +156,40 @@ def test_gate_logits_is_the_float32_gemm():
     assert out.dtype == torch.float32 and out.shape == (5, 16)
     assert torch.equal(out, torch.nn.functional.linear(x.float(), w, b))
     assert torch.equal(gate_logits(x, w), torch.nn.functional.linear(x.float(), w))
+
+
+@pytest.mark.parametrize("T,E,D,xdtype", [(1, 8, 200, torch.float32), (5, 60, 96, torch.bfloat16),
+                                          (2, 128, 64, torch.float32)])
+def test_fused_gate_topk_matches_reference(monkeypatch, T, E, D, xdtype):
+    """One launch for the gate GEMV and the top-k: ids equal the reference's (random logits
+    are far from ties) and weights agree to 1e-5 (float32 sums in another order)."""
+    monkeypatch.setenv("LOWBIT_ROUTE_ROUTER", "triton_gate_topk")
+    g = torch.Generator().manual_seed(T * 100 + E + D)
+    x = torch.randn(T, D, generator=g).to(xdtype)
+    gw, gb = torch.randn(E, D, generator=g) * 0.3, torch.randn(E, generator=g)
+    for spec, bias in ((RouterSpec(min(8, E // 2)), None),
+                       (RouterSpec(2, "sigmoid", True, 4, 2, "top2sum", 2.5), torch.randn(E, generator=g) * 0.1)):
+        if spec.n_group > 1 and E % 4:
+            continue
+        for _ in range(2):  # a counter left non-zero would skip the second call's ranking
+            ids, w = router_op.route(x, gw, gb, spec, bias)
+            want_ids, want_w = reference_route(gate_logits(x, gw, gb), spec, bias)
+            assert torch.equal(ids, want_ids), (spec, ids, want_ids)
+            torch.testing.assert_close(w, want_w, rtol=0, atol=1e-5)
+
+
+def test_fused_gate_topk_admission():
+    fused = routes.ops()["router"].get("triton_gate_topk")
+    gw = torch.randn(16, 32)
+
+    def reason(x, w=gw, logits=None, forced=True):
+        call = router_op.RouterCall(logits, RouterSpec(2), None, forced, x=x, gate_w=w)
+        return fused.admit(call)
+
+    x = torch.randn(3, 32)
+    assert reason(x) is None
+    assert "TRITON_INTERPRET=1 and a forced route" in reason(x, forced=False)
+    assert "17 tokens > 16" in reason(torch.randn(17, 32))
+    assert "contiguous float32" in reason(x, gw.bfloat16())
+    assert "contiguous float32" in reason(x, gw.t().contiguous().t())
+    assert "made by the caller" in reason(None, logits=torch.randn(3, 16))

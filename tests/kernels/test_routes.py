@@ -102,7 +102,7 @@ def test_route_table_rows(op):
 def test_every_real_route_cites_a_record():
     names = {op: [r.name for r in o.routes] for op, o in routes.ops().items()}
     assert names["linear"] == ["dense", "triton_lut_gemv", "triton_lut_gemm", "triton_fp8_w8a16",
-                               "triton_fp8_w8a8", "torch"]
+                               "triton_fp8_w8a8", "triton_vq_gemv", "torch"]
     assert names["moe"] == ["triton_fused_moe_decode", "triton_moe_grouped", "torch"]
     for row in routes.route_table():
         if row["op"] in ("linear", "moe") and row["status"] == DEFAULT and row["route"] != "torch":
@@ -153,6 +153,27 @@ def test_auto_gemv_limited_to_measured_m(monkeypatch):
     assert _admit_lut_gemv(call) is None  # the interpreter runs it when forced
     call.forced, call.x = False, torch.randn(2, 64)
     assert "cpu" in _admit_lut_gemv(call)  # auto selection keeps the torch route on a CPU
+
+
+def test_measured_choice_between_gemv_and_gemm(monkeypatch):
+    """A device file's "choice" table decides gemv or gemm per shape and M bucket; shapes it
+    does not list keep the M <= 4 rule."""
+    from lowbit.kernels import launch
+    from lowbit.kernels.dequant_gemm import fmt_key
+    from lowbit.kernels.linear_op import LinearCall, _admit_lut_gemv
+    from lowbit.kernels.samples import random_lut_view
+    from lowbit.kernels.weights import resolve
+
+    w = resolve(random_lut_view(16, 64))
+    key = f"{fmt_key(w)}:16x64"
+    table = {"choice": {key: {"1": "gemv", "4": "gemm", "16": "gemv"}}}
+    monkeypatch.setattr(launch, "_file", lambda name: table if name == "cpu" else {})
+    assert launch.choice(fmt_key(w), 16, 64, 3) == "gemm" and launch.choice(fmt_key(w), 16, 64, 99) == "gemv"
+    assert launch.choice(fmt_key(w), 32, 64, 1) is None
+    call = LinearCall(torch.randn(3, 64), w, None, (3, 16), forced=False)
+    assert "gemm was measured faster at 16x64" in _admit_lut_gemv(call)
+    call.x = torch.randn(9, 64)  # bucket 16 says gemv: the M <= 4 rule does not apply
+    assert "not measured faster" not in (_admit_lut_gemv(call) or "")
 
 
 def test_fp8_decode_is_refused_below_sm89(monkeypatch):
