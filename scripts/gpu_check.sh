@@ -28,6 +28,7 @@ TESTS=${TESTS:-tests/gpu}
 TUNE_FORMATS=${TUNE_FORMATS:-nvfp4,int4_g128}
 TUNE_SHAPES=${TUNE_SHAPES:-4096x14336,14336x4096,2048x6144,5120x2048,2048x4096}
 TUNE_M=${TUNE_M:-1,2,4,8,16,32,64,512} TUNE_JOBS=${TUNE_JOBS:-12}
+KERNEL_SECTIONS=${KERNEL_SECTIONS:-linear,moe,moe_mixed,router}
 QUANT=${QUANT:-nvfp4}
 CONFIG=${CONFIG:-lowbit/model_configs/Qwen__Qwen3-30B-A3B.json}
 CELLS=${CELLS:--p 512 -n 64 -b 1,8,32,64 -r 2}
@@ -61,7 +62,7 @@ fi
 
 if has kernels; then
   echo "== kernel benchmark"
-  timeout "$T_BENCH" python3 -m lowbit.bench.kernels --out "$RES" 2>&1 | tee "$OUT/bench.log" | tail -80
+  timeout "$T_BENCH" python3 -m lowbit.bench.kernels --out "$RES" --sections "$KERNEL_SECTIONS" 2>&1 | tee "$OUT/bench.log" | tail -80
 fi
 
 if has attention; then

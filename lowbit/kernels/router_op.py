@@ -332,8 +332,8 @@ def _run_torch(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 routes.register("router", routes.Route(
-    "triton_gate_topk", routes.OPT_IN, "no record yet: the next H200 campaign measures it "
-    "against gate GEMV + triton_topk (docs/BENCHMARKS.md#decode-graph)", _admit_fused, _run_fused))
+    "triton_gate_topk", routes.DEFAULT, "docs/BENCHMARKS.md#kernels (router rows: one launch "
+    "against the float32 copy + cuBLAS GEMV + triton_topk)", _admit_fused, _run_fused))
 routes.register("router", routes.Route(
     "triton_topk", routes.DEFAULT, RECORD, _refusal, _run_triton))
 routes.register("router", routes.Route(
