@@ -15,7 +15,8 @@
 # ("-p 512 -n 128 -d 0,32768"), CONCURRENCY (1,2,4,8,16,32), LONG_CONTEXT (32768),
 # INPUT_LEN (128), OUTPUT_LEN (32), DEVICE (empty: cuda when present), DTYPE (auto: bf16 on a GPU).
 # LONG_CONTEXT=0 skips the long-context serving level; the server's --max-num-seqs is the
-# largest CONCURRENCY level.
+# largest CONCURRENCY level. LATENCY=0 skips both Qwen3 latency stages; MODELS="stem:format
+# ..." adds latency cells (MODEL_CELLS, default "-p 512 -n 64 -b 1,8") for other configs.
 # `lowbit serve` needs fastapi and uvicorn; where they are missing (the GPU image has
 # httpx but no fastapi/uvicorn/pydantic/starlette) carry their wheels in .whl/
 # (`bash scripts/fetch_wheels.sh` downloads them) and this script installs them to
@@ -76,7 +77,9 @@ COMMON=(--random-weights --config "$CONFIG" ${DEVICE:+--device "$DEVICE"} ${DTYP
 REC=(--records "$WORK/records" --append-md "$MD")
 
 # 1. latency, bf16 (bench latency sizes the KV pool for its cells).
-stage latency-bf16 170 "${LB[@]}" bench latency x "${COMMON[@]}" "${CELLS[@]}" -r "$REPEATS" "${REC[@]}"
+if [[ "${LATENCY:-1}" != 0 ]]; then
+    stage latency-bf16 170 "${LB[@]}" bench latency x "${COMMON[@]}" "${CELLS[@]}" -r "$REPEATS" "${REC[@]}"
+fi
 
 # 2. serving: one server, two context levels, each with its own time limit.
 if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
@@ -107,9 +110,22 @@ else
 fi
 
 # 3. latency with 4-bit weights, when load-time quantization exists.
-if "${LB[@]}" bench latency --help 2>/dev/null | grep -q -- "--quantization"; then
+if [[ "${LATENCY:-1}" == 0 ]]; then
+    say "skip 4-bit latency: LATENCY=0"
+elif "${LB[@]}" bench latency --help 2>/dev/null | grep -q -- "--quantization"; then
     stage "latency-$QUANT" 170 "${LB[@]}" bench latency x "${COMMON[@]}" --quantization "$QUANT" \
         "${CELLS[@]}" -r "$REPEATS" "${REC[@]}"
 else
     say "skip 4-bit latency: this CLI has no --quantization"
 fi
+
+# 4. other architectures (MODELS="stem:format ...", stem a file of lowbit/model_configs,
+#    format bf16 or a --quantization name), latency only, MODEL_CELLS each.
+read -r -a MODEL_CELLS <<< "${MODEL_CELLS:--p 512 -n 64 -b 1,8}"
+for spec in ${MODELS:-}; do
+    stem=${spec%%:*} fmt=${spec#*:}
+    q=(); [[ "$fmt" != bf16 ]] && q=(--quantization "$fmt")
+    stage "latency-$stem-$fmt" 150 "${LB[@]}" bench latency x --random-weights \
+        --config "lowbit/model_configs/$stem.json" ${DEVICE:+--device "$DEVICE"} "${q[@]}" \
+        "${MODEL_CELLS[@]}" -r 2 "${REC[@]}"
+done

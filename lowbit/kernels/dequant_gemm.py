@@ -135,12 +135,14 @@ def _gemv_kernel(
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, MOE: tl.constexpr,
-    SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, COMBINE: tl.constexpr = False,
 ):
     # MOE = 1 (expert FC1) / 2 (expert FC2): program axis 2 is a routed slot s (BM = 1);
     # the weight is expert ids[s] of a stack, the activation row is x[s // A] (FC1) or
     # gated_act(h[s, :K], h[s, K:]) (FC2, h = the FC1 output, rows of 2K; SWIGLU, LIMIT,
     # ALPHA pick the activation), and FC2 scales its output by the routing weight tw[s].
+    # COMBINE (MOE 2): y is [T, N] and row t the ordered sum of its A slots (the program
+    # that arrives last among the token's A x SPLIT_K sums them), so no combine launch.
     # HAS_BIAS in MOE modes: bias is the expert stack [E, N] (contiguous), row ids[s] added
     # before the routing weight. Outputs are per slot: y [S, N].
     # y[m, n] = g * alpha_n * sum_w s[w, n] * (p[w, n] + beta_n / alpha_n * xs[w]) + sum_w o * xs
@@ -282,10 +284,32 @@ def _gemv_kernel(
     ms = m0 + tl.arange(0, BM)
     ymask = rmask[:, None] & (ms < M)[None, :]
     yoff = ms[None, :] * stride_ym + rows[:, None]
-    if not SPLIT:
+    if not SPLIT and not COMBINE:
         if HAS_BIAS:
             y += _bias_col(bias_ptr, e, rows, rmask, N, tw_ptr, pid_m, MOE)
         tl.store(y_ptr + yoff, y.to(y_ptr.dtype.element_ty), mask=ymask)
+    elif COMBINE:  # MOE 2: the token's A slots x SPLIT_K partials meet in the workspace
+        part = ms[None, :] * N + rows[:, None]
+        tl.store(ws_ptr + pid_k * M * N + part, y, mask=ymask)
+        tl.debug_barrier()
+        tok = pid_m // A
+        tile = tok * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K * A - 1:  # the last one sums slot by slot, splits in order
+            tot = tl.zeros([BN, 1], tl.float32)
+            for slot in range(A):
+                sj = tok * A + slot
+                sl = tl.zeros([BN, 1], tl.float32)
+                for sk in range(SPLIT_K):
+                    sl += tl.load(ws_ptr + sk * M * N + sj * N + rows[:, None],
+                                  mask=rmask[:, None], other=0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    ej = tl.load(ids_ptr + sj).to(tl.int64)
+                    sl += _bias_col(bias_ptr, ej, rows, rmask, N, tw_ptr, sj, MOE)
+                tot += sl
+            tl.store(y_ptr + tok * stride_ym + rows[:, None], tot.to(y_ptr.dtype.element_ty),
+                     mask=rmask[:, None])
+            tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         part = ms[None, :] * N + rows[:, None]
         tl.store(ws_ptr + pid_k * M * N + part, y, mask=ymask)

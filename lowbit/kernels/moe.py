@@ -385,15 +385,19 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
 def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
              ids_flat: torch.Tensor, tw: torch.Tensor, a_top: int, cfg: dict,
              bias: torch.Tensor | None, act: dict) -> None:
-    """One expert layer as per-slot GEMVs: y [S, N] (float32) from rows of x (see
-    dequant_gemm._gemv_kernel, MOE modes 1 and 2); bias [E, N] or None."""
+    """One expert layer as per-slot GEMVs from rows of x (see dequant_gemm._gemv_kernel,
+    MOE modes 1 and 2); bias [E, N] or None. FC1 (moe 1): y [S, N] float32; FC2 (moe 2):
+    y [T, N], each token's A slots summed in order (COMBINE)."""
     a = weight_args(w)
     codes, stride_cw, kw = _gemv_codes(w)
-    s, n = y.shape
+    s = ids_flat.numel()
+    n = y.shape[1]
+    combine = moe == 2
     bn = min(cfg["BN"], 16) if a.has_offs else cfg["BN"]
     grid_n = triton.cdiv(n, bn)
     split, w_split = split_plan(cfg, kw, grid_n * s)
-    ws = torch.empty(split if split > 1 else 1, s, n, dtype=torch.float32, device=x.device)
+    parts = split if split > 1 or combine else 1
+    ws = torch.empty(parts, s, n, dtype=torch.float32, device=x.device)
     sem = _semaphore(x.device, grid_n * s)
     launch.run(
         _gemv_kernel, (grid_n, split, s),
@@ -403,7 +407,7 @@ def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
         a.stride_oe, split, BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
         SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
         HAS_BIAS=bias is not None, BM=1, BN=bn, G=cfg["G"], SPLIT=split > 1,
-        ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=moe, **act,
+        ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=moe, COMBINE=combine, **act,
         num_warps=cfg.get("num_warps", 4), num_stages=1,
     )
 
@@ -414,9 +418,9 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
                    b2: torch.Tensor | None = None,
                    activation: MoeActivation | None = None) -> torch.Tensor:
     """Decode as per-slot GEMVs (LUT, fp8 or bf16 experts): FC1 (+ b13) [S, 2I], FC2 with the
-    activation made on load, + b2, times the routing weight [S, H], then the ordered top-k
-    sum. Three launches, no host read; an expert used by several tokens is read once per
-    token (from L2 when they coincide)."""
+    activation made on load, + b2, times the routing weight, each token's slots summed in
+    order by FC2's last-arriving program. Two launches, no host read; an expert used by
+    several tokens is read once per token (from L2 when they coincide)."""
     assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
     assert bias_refusal(x, w13, w2, b13, b2) is None, bias_refusal(x, w13, w2, b13, b2)
     _check_routing(x, ids, weights)
@@ -430,11 +434,12 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     tw = weights.reshape(-1).to(torch.float32).contiguous()
     x = x if x.stride(1) == 1 else x.contiguous()
     h1 = torch.empty(s, 2 * inter, dtype=torch.float32, device=x.device)
-    ys = torch.empty(s, h, dtype=torch.float32, device=x.device)
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
     act = act_consts(activation)
     _gemv_fc(x, w13, h, h1, 1, ids_flat, tw, a_top, cfg.get("fc1", cfg), b13, act)
-    _gemv_fc(h1, w2, inter, ys, 2, ids_flat, tw, a_top, cfg.get("fc2", cfg), b2, act)
-    return combine_slots(ys, x, a_top, out)
+    _gemv_fc(h1, w2, inter, y, 2, ids_flat, tw, a_top, cfg.get("fc2", cfg), b2, act)
+    return y
 
 
 def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Resolved,
