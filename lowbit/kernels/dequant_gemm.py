@@ -413,10 +413,19 @@ def fmt_key(w: LutWeight | Fp8View) -> str:
             + ("+offs" if v.offsets is not None else ""))
 
 
+_OUTGROWN: list[torch.Tensor] = []  # counters replaced by larger ones, kept alive (below)
+
+
 def _semaphore(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 split-K counters on device, all zero between launches (each launch
+    resets the ones it used). A larger request gets a new tensor; the old one stays alive,
+    because CUDA graphs captured earlier keep its address and would otherwise replay into
+    freed memory."""
     sem = _SEMAPHORES.get(device)
     if sem is None or sem.numel() < n:
-        sem = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        if sem is not None:
+            _OUTGROWN.append(sem)
+        sem = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
         _SEMAPHORES[device] = sem
     return sem
 

@@ -84,11 +84,18 @@ def _admit_decode(call: MoeCall) -> str | None:
     return reason
 
 
+DENSE_GEMV_MAX_WEIGHTS = 1 << 24  # per expert FC1 (2I x H); measured crossover below
+
+
 def _gemv_fits(call: MoeCall) -> bool:
-    """Whether both expert stacks take the per-slot gemv (LUT / fp8 always, once admitted;
-    dense only in bf16 with whole 32-bit words)."""
-    x1 = call.x[:1]
-    return gemv_refusal(x1, call.w13) is None and gemv_refusal(x1, call.w2) is None
+    """Whether both expert stacks take the per-slot gemv: LUT / fp8 always (once admitted);
+    bf16 experts with whole 32-bit words and at most 2**24 FC1 weights per expert. H200
+    (docs/BENCHMARKS.md#kernels): Qwen3-30B-A3B (3.1 M) gemv 27.7 against tiles 35.1 us at
+    C1; DeepSeek-V3 (29 M) even; Mixtral (117 M) 246 against 204 us: the tiles keep it."""
+    x1, w13 = call.x[:1], call.w13
+    if isinstance(w13, DenseWeight) and w13.n * w13.kp > DENSE_GEMV_MAX_WEIGHTS:
+        return False
+    return gemv_refusal(x1, w13) is None and gemv_refusal(x1, call.w2) is None
 
 
 def _run(mode: str):

@@ -13,7 +13,8 @@ weights are the chosen experts' scores, optionally renormalized to sum 1, times 
 ids come in descending choice order.
 
 Routes, in selection order:
-  triton_gate_topk  T <= 16 tokens: the gate GEMV and the top-k in one launch. Programs
+  triton_gate_topk  (MEASURED_NEGATIVE: 3-7x slower than the two launches below on the
+                H200) T <= 16 tokens: the gate GEMV and the top-k in one launch. Programs
                 own (token, block of BE experts) and write that block's logits to a
                 workspace; the program that arrives last for a token (a per-token counter,
                 reset after use) ranks the whole row as triton_topk does. No host read.
@@ -332,8 +333,9 @@ def _run_torch(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 routes.register("router", routes.Route(
-    "triton_gate_topk", routes.DEFAULT, "docs/BENCHMARKS.md#kernels (router rows: one launch "
-    "against the float32 copy + cuBLAS GEMV + triton_topk)", _admit_fused, _run_fused))
+    "triton_gate_topk", routes.MEASURED_NEGATIVE, "docs/BENCHMARKS.md#kernels (router rows, "
+    "H200, graph replay: 7.0-8.1 us at Qwen3-30B-A3B T = 1-16 and 27-28 us at DeepSeek-V3, "
+    "against 2.3-2.5 and 3.7 us for the float32 GEMM + triton_topk)", _admit_fused, _run_fused))
 routes.register("router", routes.Route(
     "triton_topk", routes.DEFAULT, RECORD, _refusal, _run_triton))
 routes.register("router", routes.Route(
