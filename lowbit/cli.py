@@ -72,6 +72,14 @@ def generate(args: argparse.Namespace) -> int:
         f"device {llm.device} | finish {out.outputs[0].finish_reason}]",
         file=sys.stderr,
     )
+    cache = llm.engine.expert_cache
+    if cache is not None and cache.offload:
+        print(f"[{cache.summary(m['output_tokens'])}]", file=sys.stderr)
+    spec = llm.engine.spec
+    if spec is not None:
+        st = spec.stats
+        print(f"[speculative {spec.method} k={spec.k}: accepted length {st.mean_accepted_length:.2f}, accept rate "
+              f"per position {' '.join(f'{a:.2f}' for a in st.accept_rate_per_position) or '-'}]", file=sys.stderr)
     return 0
 
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from lowbit.errors import LowbitError
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+MAX_NUM_SPECULATIVE_TOKENS = 16
 
 
 def _opt(default, help: str, **kw):
@@ -47,6 +50,24 @@ class EngineConfig:
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
     cpu_threads: int = _opt(0, "CPU device: intra-op threads; 0 = auto (1 for models whose layer "
                                "matmuls are under 2**20 multiply-adds per token, else torch's default)")
+    # speculative decoding (docs/SERVING.md, Speculative decoding)
+    speculative_method: str | None = _opt(
+        None, "draft tokens with: ngram (prompt lookup, no model), draft (--speculative-model), "
+              "mtp (the checkpoint's MTP layer); every step verifies them losslessly",
+        choices=list(SPECULATIVE_METHODS))
+    num_speculative_tokens: int | None = _opt(None, "draft tokens per step (default 3 with a method)")
+    speculative_model: str | None = _opt(None, "draft model (same tokenizer) for --speculative-method draft")
+    # expert offload (docs/SERVING.md, Expert offload)
+    expert_offload: bool = _opt(False, "keep MoE experts in host memory and a cache of them on the device")
+    expert_cache_slots: int | None = _opt(None, "with --expert-offload: device slots per MoE layer (default: "
+                                                "from --expert-cache-gib, else from --gpu-memory-utilization)")
+    expert_cache_gib: float | None = _opt(None, "with --expert-offload: device GiB for expert slots, all MoE layers")
+    expert_cache_policy: str = _opt("hot-lru", "with --expert-offload: eviction policy",
+                                    choices=["hot-lru", "lru", "lfu"])
+    expert_prefetch: bool = _opt(True, "with --expert-offload: copy the next layer's likely experts early "
+                                       "(its router applied to this layer's input)")
+    record_routing: str | None = _opt(None, "write each step's routed expert ids to FILE (JSON lines) for "
+                                            "`lowbit bench expert-cache`; steps run eagerly")
     # parallelism across the GPUs of a host (docs/DISTRIBUTED.md); processes = lcm(TP, EP)
     tensor_parallel_size: int = _opt(1, "GPUs that split attention heads, dense MLPs and the vocabulary")
     expert_parallel_size: int = _opt(1, "parts the experts are split into, one per group of GPUs")
@@ -92,6 +113,47 @@ class EngineConfig:
             raise LowbitError(f"--cpu-threads must be 0 (auto) or a positive integer, got {self.cpu_threads}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise LowbitError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self._validate_speculative()
+        self._validate_expert_cache()
+
+    def _validate_expert_cache(self) -> None:
+        slots, gib = self.expert_cache_slots, self.expert_cache_gib
+        if (slots is not None or gib is not None) and not self.expert_offload:
+            raise LowbitError("--expert-cache-slots and --expert-cache-gib size the cache of --expert-offload; "
+                              "add --expert-offload")
+        if slots is not None and (not isinstance(slots, int) or slots < 1):
+            raise LowbitError(f"--expert-cache-slots must be a positive integer, got {slots}")
+        if gib is not None and not gib > 0:
+            raise LowbitError(f"--expert-cache-gib must be a positive number of GiB, got {gib}")
+        if slots is not None and gib is not None:
+            raise LowbitError("give --expert-cache-slots or --expert-cache-gib, not both")
+        if self.expert_offload and getattr(self, "speculative_method", None) is not None:
+            raise LowbitError("--expert-offload does not run with --speculative-method yet (the verify "
+                              "step does not check expert cache misses); drop one of them")
+        if self.expert_offload and self.parallel:
+            raise LowbitError("--expert-offload runs on one GPU; drop --tensor-parallel-size / "
+                              "--expert-parallel-size")
+
+    def _validate_speculative(self) -> None:
+        method, k = self.speculative_method, self.num_speculative_tokens
+        if method is None:
+            if k is not None or self.speculative_model is not None:
+                raise LowbitError("--num-speculative-tokens and --speculative-model need "
+                                  "--speculative-method (ngram, draft or mtp)")
+            return
+        if method not in SPECULATIVE_METHODS:
+            raise LowbitError(f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+        if k is not None and (not isinstance(k, int) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS):
+            raise LowbitError(f"--num-speculative-tokens must be in 1..{MAX_NUM_SPECULATIVE_TOKENS}, got {k}")
+        if (method == "draft") != (self.speculative_model is not None):
+            raise LowbitError("--speculative-method draft takes --speculative-model DIR (and only it does)")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens per step: 0 without speculative decoding."""
+        if self.speculative_method is None:
+            return 0
+        return self.num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
 
     @property
     def parallel(self) -> bool:

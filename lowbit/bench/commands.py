@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from lowbit.bench import ab, kernels, latency
+from lowbit.bench import ab, expert_cache, kernels, latency, spec
 from lowbit.bench import fingerprint as fp
 from lowbit.bench.record import append_md, csv_text, environment, md_table, write_record
 from lowbit.bench.report import make_report
@@ -54,6 +54,8 @@ def _emit(fmt: str, headers: list[str], rows: list[list], md: str, rec: dict) ->
 
 def cmd_latency(args: argparse.Namespace) -> int:
     cfg = EngineConfig.from_cli(args)
+    if args.spec or cfg.speculative_method:
+        return cmd_latency_spec(args, cfg)
     depths = args.depth if args.depth is not None else [0, 32768]
     rec = latency.measure(cfg, args.prompt, args.gen, depths, args.repeats, fit_depths=args.depth is None,
                           batches=tuple(args.batch))
@@ -62,6 +64,19 @@ def cmd_latency(args: argparse.Namespace) -> int:
     _emit(args.output, latency.HEADERS, latency.table_rows(rec), md, rec)
     _save(rec, args, f"bench latency: {latency.table_rows(rec)[0][0]} {rec['weight_format']}", md,
           f"{rec['device']}")
+    return 0
+
+
+def cmd_latency_spec(args: argparse.Namespace, cfg: EngineConfig) -> int:
+    """tg cells with and without speculative decoding (lowbit.bench.spec)."""
+    cfg.speculative_method = args.spec or cfg.speculative_method
+    cfg.validate()
+    rec = spec.measure(cfg, args.gen, args.repeats)
+    rec["env"] = environment(rec["device"])
+    md = spec.summary_md(rec)
+    _emit(args.output, spec.HEADERS, spec.table_rows(rec), md, rec)
+    _save(rec, args, f"bench latency --spec {rec['method']}: {spec.table_rows(rec)[0][0]} {rec['weight_format']}",
+          md, f"{rec['device']}")
     return 0
 
 
@@ -157,6 +172,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-b", "--batch", type=int_list, default=[1],
                    help="tg cells at depth 0: sequences decoding together (aggregate tok/s)")
     p.add_argument("-r", "--repeats", type=int, default=5)
+    p.add_argument("--spec", choices=("ngram", "draft", "mtp"), default=None,
+                   help="tg cells with this speculative method against the same run without it "
+                        "(with --num-speculative-tokens, --speculative-model)")
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
     _record_args(p)
     p.set_defaults(func=cmd_latency)
@@ -205,6 +223,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--timeout", type=float, default=None, help="seconds per command run")
     _record_args(a)
     a.set_defaults(func=cmd_ab)
+
+    x = sub.add_parser("expert-cache", help="replay a routing trace through expert cache policies (no GPU)")
+    expert_cache.add_args(x)
+    x.set_defaults(func=expert_cache.main)
 
     r = sub.add_parser("report", help="PNG plots from bench records")
     r.add_argument("--records", default="bench/records")

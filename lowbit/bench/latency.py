@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from lowbit import LLM, SamplingParams
+from lowbit.bench.expert_cache import h2d_bandwidth
 from lowbit.bench.record import md_table
 from lowbit.bench.stats import mean_sd
 from lowbit.bench.step_profile import format_profile, profile_decode
@@ -306,7 +307,19 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "kv_cache_tokens": cfg.kv_cache_tokens, "repeats": repeats, "time_to_ready_s": s.time_to_ready_s,
             "memory_after_load": mem_loaded, "memory": mem, "copy_bandwidth_Bps": bw,
             "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw),
-            "graphs": graph_status(s.llm.engine), "routes": route_summary(), "step_profiles": profiles}
+            "graphs": graph_status(s.llm.engine), "routes": route_summary(), "step_profiles": profiles,
+            "expert_cache": expert_cache_summary(s.llm.engine)}
+
+
+def expert_cache_summary(engine) -> dict | None:
+    """With --expert-offload: slots, totals over the whole run, and each MoE layer's hit rate."""
+    cache = getattr(engine, "expert_cache", None)
+    if cache is None or not cache.offload:
+        return None
+    first = cache.layers[0]
+    return {"slots": first.num_slots, "num_experts": first.num_experts, "expert_bytes": first.expert_bytes,
+            **cache.totals(), "layer_hit_rates": cache.layer_hit_rates(),
+            "h2d_bandwidth_Bps": h2d_bandwidth(str(engine.device))}
 
 
 HEADERS = ["model", "format", "dtype", "device", "test", "t/s", "ms/tok", "GB/s", "MBU"]
@@ -332,6 +345,13 @@ def summary_md(rec: dict) -> str:
             f"{rec['copy_bandwidth_Bps'] / 1e9:.1f} GB/s; active weight bytes per token "
             f"{rec['weight_bytes']['active'] / 2**20:.1f} MiB; {rec['repeats']} repeats, mean ± sd")
     lines = [foot, rec.get("graphs", "")]
+    ec = rec.get("expert_cache")
+    if ec:
+        h2d = ec.get("h2d_bandwidth_Bps")
+        lines.append(f"expert cache {ec['slots']}/{ec['num_experts']} slots per layer: hits {ec['hits']}, "
+                     f"misses {ec['misses']}, {ec['bytes_copied'] / 2**20:.1f} MiB copied"
+                     + (f" (pinned H2D {h2d / 1e9:.1f} GB/s)" if h2d else "") + "; per-layer hit rates "
+                     + " ".join(f"{r:.2f}" for r in ec["layer_hit_rates"]))
     lines += [format_profile(p).splitlines()[0] for p in rec.get("step_profiles", [])]
     fallbacks = rec.get("routes", {}).get("fallbacks", [])
     lines += [f"WARNING reference route on CUDA: {f}" for f in fallbacks]

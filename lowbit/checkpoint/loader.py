@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from lowbit.models.config import ArchConfig, load_config
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+EXPERT_STACK = re.compile(r"\.experts\.(w13|w2|b13|b2)$")  # routed expert stacks (lowbit.layers.moe)
 
 
 class Partition(Protocol):
@@ -140,24 +142,33 @@ class DeviceFiller:
     """The sink of CausalLM.load_weights: materialises dense parameters on the device,
     assembles and encodes the ones the plan quantizes, keeps third-party payloads."""
 
-    def __init__(self, model: nn.Module, device: str | torch.device, plan: QuantPlan | None = None) -> None:
+    def __init__(self, model: nn.Module, device: str | torch.device, plan: QuantPlan | None = None,
+                 experts_on_host: bool = False) -> None:
         self.model, self.device, self.plan = model, torch.device(device), plan
+        self.experts_on_host = experts_on_host  # expert offload: expert stacks stay in host memory
         self.targets = swappable(model)
         self.stats = LoadStats()
         self._dense: dict[str, nn.Parameter] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._pieces: dict[str, dict] = {}
 
+    def device_of(self, pname: str) -> torch.device:
+        if self.experts_on_host and EXPERT_STACK.search(pname):
+            return torch.device("cpu")
+        return self.device
+
     def dense(self, pname: str, meta: nn.Parameter) -> nn.Parameter:
         """The device parameter for `pname`, materialised on first use."""
         if pname not in self._dense:
             mod_name, _, attr = pname.rpartition(".")
-            p = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=self.device),
+            device = self.device_of(pname)
+            p = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device),
                              requires_grad=False)
             p.__dict__.update(meta.__dict__)
             setattr(self.model.get_submodule(mod_name), attr, p)
             self._dense[pname] = p
-            self.stats.add(p.numel() * p.element_size())
+            if device == self.device:
+                self.stats.add(p.numel() * p.element_size())
         return self._dense[pname]
 
     def swap(self, pname: str, qt: QuantizedTensor, transient: int = 0) -> None:
@@ -165,9 +176,10 @@ class DeviceFiller:
         if pname not in self.targets:
             raise AssertionError(f"{pname} cannot hold a QuantizedTensor")
         mod, attr = self.targets[pname]
-        qt = qt.to(self.device)
+        device = self.device_of(pname)
+        qt = qt.to(device)
         set_quantized(mod, attr, qt)
-        self.stats.add(qt.nbytes, transient)
+        self.stats.add(qt.nbytes if device == self.device else 0, transient)
 
     def __call__(self, pname: str, meta: nn.Parameter, tensor, shard, name: str, complete: bool) -> None:
         loader = getattr(meta, "weight_loader", default_loader)
@@ -242,7 +254,13 @@ def _fill_random(model: nn.Module, filler: DeviceFiller, seed: int) -> None:
     for name, meta in list(model.named_parameters()):
         fmt = filler.plan.format_of(name) if filler.plan is not None else None
         if fmt is None:
-            _random_(name, filler.dense(name, meta), g)
+            p = filler.dense(name, meta)
+            if p.device == filler.device:
+                _random_(name, p, g)
+            else:  # an expert stack kept in host memory: the same values, drawn on the device
+                w = torch.empty(meta.shape, dtype=meta.dtype, device=filler.device)
+                _random_(name, w, g)
+                p.data.copy_(w)
             continue
         w = torch.empty(meta.shape, dtype=meta.dtype, device=filler.device)
         _random_(name, w, g)
@@ -254,18 +272,21 @@ def _fill_random(model: nn.Module, filler: DeviceFiller, seed: int) -> None:
 def load_model(model: str | Path, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
                random_weights: bool = False, config: str | Path | None = None,
                seed: int = 0, quantization: str | None = None,
-               quantize_lm_head: bool = False, partition: Partition | None = None) -> LoadedModel:
+               quantize_lm_head: bool = False, partition: Partition | None = None,
+               experts_on_host: bool = False) -> LoadedModel:
     """`model` is a built-in name, an HF directory or a lowbit artifact; with random_weights,
     `config` (a config.json) alone decides the shape and no checkpoint is read.
     `quantization` (a format name) encodes every eligible weight while loading.
-    `partition`: load only that part of the model (see the module docstring)."""
+    `partition`: load only that part of the model (see the module docstring).
+    `experts_on_host`: routed expert stacks go to host memory, never to `device` (expert
+    offload: lowbit.engine.expert_cache takes them from there)."""
     dt = parse_dtype(dtype)
     if random_weights:
         if config is None:
             raise LowbitError("--random-weights needs --config FILE (a model's config.json)")
         cfg = load_config(config)
         m = allocate_empty(cfg, dt, device, partition)
-        filler = DeviceFiller(m, device, _plan(m, quantization, quantize_lm_head))
+        filler = DeviceFiller(m, device, _plan(m, quantization, quantize_lm_head), experts_on_host)
         _fill_random(m, filler, seed)
         return _loaded(m, cfg, None, {}, f"{SHORT[dt]} (random)", filler)
     path = resolve_model_dir(model)
@@ -277,11 +298,11 @@ def load_model(model: str | Path, *, dtype: str | torch.dtype = "bfloat16", devi
                               "or quantize its bf16 source instead")
         if partition is not None:
             raise LowbitError("lowbit artifacts do not load sharded yet; run them on one GPU, or load the HF checkpoint")
-        filler = DeviceFiller(m, device)
+        filler = DeviceFiller(m, device, experts_on_host=experts_on_host)
         load_artifact(path, m, filler)
         return _loaded(m, cfg, path, read_generation_config(path), SHORT[dt], filler)
     reader = CheckpointReader(path)
-    filler = DeviceFiller(m, device, _plan(m, quantization, quantize_lm_head))
+    filler = DeviceFiller(m, device, _plan(m, quantization, quantize_lm_head), experts_on_host)
     tensors = _checkpoint_tensors(reader, cfg, path)
     m.load_weights(tensors if partition is None else partition.stream(m, tensors), sink=filler)
     return _loaded(m, cfg, path, read_generation_config(path), reader.storage_format(), filler)

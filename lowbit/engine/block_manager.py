@@ -104,6 +104,17 @@ class BlockManager:
         while len(req.block_table) < self.blocks_for(num_tokens):
             req.block_table.append(self._pop_free())
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back the blocks past those that hold `num_tokens` tokens: the slots of
+        rejected draft tokens. They were never full of computed tokens, so never cached."""
+        keep = self.blocks_for(num_tokens)
+        while len(req.block_table) > keep:
+            block = self.blocks[req.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None, "a trimmed block is owned and uncached"
+            block.ref_count = 0
+            self.free_ids[block.block_id] = None
+            self.free_ids.move_to_end(block.block_id, last=False)
+
     def cache_full_blocks(self, req: Request) -> None:
         """Register the blocks that the last step filled with computed tokens."""
         bs = self.block_size

@@ -11,7 +11,9 @@
    the model allows it), and samples a token for every request that caught up.
 4. `update_from_output` advances each request's computed tokens, registers full blocks in
    the prefix cache, appends the sampled tokens, detokenizes, checks stop conditions,
-   and returns one RequestDelta per request that produced something. Finished or
+   and returns one RequestDelta per request that produced something. With speculative
+   decoding (lowbit.engine.speculative) a step starts by planning draft slots, and its
+   update appends the accepted drafts too and rolls back the rejected ones. Finished or
    aborted requests give their blocks back in the same step: FINISHED.
 """
 
@@ -29,6 +31,7 @@ from lowbit.config import EngineConfig
 from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.block_manager import BlockManager
 from lowbit.engine.detokenizer import IncrementalDetokenizer
+from lowbit.engine.expert_cache import ExpertCache, RoutingRecorder, free_device_bytes, plan_slots
 from lowbit.engine.metrics import EngineStats
 from lowbit.engine.output import append_token, take_delta
 from lowbit.engine.paged_cache import PagedKVCache, kv_bytes_per_token, parse_kv_dtype, pool_tokens
@@ -36,6 +39,7 @@ from lowbit.engine.request import Request, RequestDelta, RequestRejected
 from lowbit.engine.runner import ModelRunner, RunnerOutput
 from lowbit.engine.sampling import SamplingParams
 from lowbit.engine.scheduler import Scheduler, SchedulerOutput
+from lowbit.engine.speculative import SpecDecoder, make_spec_decoder
 from lowbit.errors import LowbitError
 from lowbit.kernels.routes import check_env
 
@@ -76,7 +80,8 @@ class LLMEngine:
             config.check_loads_alone()
         self.loaded = loaded or load_model(config.model, dtype=dtype, device=str(self.device),
                                            random_weights=config.random_weights, config=config.config,
-                                           quantization=config.quantization)
+                                           quantization=config.quantization,
+                                           experts_on_host=config.expert_offload)
         self.model, self.arch = self.loaded.model, self.loaded.config
         self.model.prepare_for_serving()
         if self.device.type == "cpu":
@@ -86,13 +91,23 @@ class LLMEngine:
         self.config = config.resolved(self.arch.max_position_embeddings)
         self.max_model_len = self.config.max_model_len
         self.eos_ids = self._eos_ids()
+        self.expert_cache = self._attach_expert_cache(next(self.model.parameters()).dtype)
         self._build_cache(next(self.model.parameters()).dtype)
+        if self.expert_cache is not None:
+            self.expert_cache.reset_stats()
         self._warn_if_pool_is_short()
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.max_num_seqs,
-                                  self.max_model_len, self.config.enforce_eager,
+                                  self.max_model_len, self.config.enforce_eager or bool(self.config.record_routing),
                                   self.config.max_num_batched_tokens)
+        if self.expert_cache is not None:
+            self.runner.graph_check = self.expert_cache.graph_check
+            self.runner.before_forward.append(self.expert_cache.before_forward)
+        self.spec: SpecDecoder | None = make_spec_decoder(
+            self.config, self.model, self.kv_cache, self.device,
+            lambda path: load_model(path, dtype=dtype, device=str(self.device)).model)
+        self.runner.spec = self.spec
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._pending: list[RequestDelta] = []  # deltas of requests aborted between steps
@@ -103,6 +118,24 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.token_id(self.tokenizer.eos_token) is not None:
             ids.add(self.tokenizer.token_id(self.tokenizer.eos_token))
         return ids
+
+    def _attach_expert_cache(self, model_dtype: torch.dtype) -> ExpertCache | None:
+        """--expert-offload: experts to host memory, slots on the device, sized before the
+        KV pool takes the rest; --record-routing: the trace recorder (docs/SERVING.md)."""
+        cfg = self.config
+        if not (cfg.expert_offload or cfg.record_routing):
+            return None
+        recorder = RoutingRecorder(cfg.record_routing) if cfg.record_routing else None
+        cache = ExpertCache(self.model, self.device, cfg.expert_offload, cfg.expert_prefetch, recorder)
+        if cache.offload:
+            kv_dtype = parse_kv_dtype(cfg.kv_cache_dtype, model_dtype)
+            layers = getattr(self.model, "num_cache_layers", self.arch.num_layers)
+            kv_reserve = kv_bytes_per_token(self.arch, kv_dtype, layers) * (cfg.kv_cache_tokens or self.max_model_len)
+            first = cache.layers[0]
+            slots = plan_slots(cfg, len(cache.layers), first.num_experts, first.expert_bytes,
+                               free_device_bytes(cfg, self.device, kv_reserve))
+            cache.allocate(slots, cfg.expert_cache_policy)
+        return cache
 
     def _build_cache(self, model_dtype: torch.dtype) -> None:
         cfg = self.config
@@ -204,6 +237,8 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        if self.spec is not None:
+            self.spec.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         return self.update_from_output(sched, result)
@@ -213,21 +248,37 @@ class LLMEngine:
         now = time.monotonic()
         self.stats.num_preemptions_total += len(sched.preempted)
         for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-            self.blocks.cache_full_blocks(req)
+            req.num_computed_tokens += n - len(req.draft_token_ids)  # a draft counts once accepted
+            req.draft_token_ids = []
             req.prompt_logprobs.extend(result.prompt_logprobs.get(req.request_id, []))
             token = result.sampled.get(req.request_id)
             if token is None:
+                self.blocks.cache_full_blocks(req)
                 continue  # a prefill chunk short of the prompt's end
-            self.stats.on_token(req.arrival_time, req.last_token_time, now)
-            req.first_token_time = req.first_token_time or now
-            req.last_token_time = now
-            reason = append_token(req, token, result.logprobs.get(req.request_id), self.eos_ids,
-                                  self.max_model_len)
+            reason = None
+            for tok, logprob, drafted in self._emitted(req, token, result):
+                self.stats.on_token(req.arrival_time, req.last_token_time, now)
+                req.first_token_time = req.first_token_time or now
+                req.last_token_time = now
+                reason = append_token(req, tok, logprob, self.eos_ids, self.max_model_len)
+                req.num_computed_tokens += drafted  # an accepted draft's K/V is in the cache
+                if reason is not None:
+                    break
+            self.blocks.cache_full_blocks(req)
             if reason is not None:
                 self._finish(req, reason, now)
+            elif self.spec is not None:
+                self.blocks.trim(req, req.num_tokens)  # rejected drafts' slots go back
             deltas.append(take_delta(req, reason))
         return deltas
+
+    @staticmethod
+    def _emitted(req: Request, token: int, result: RunnerOutput) -> list[tuple[int, object, int]]:
+        """(token, logprob, 1 if an accepted draft) for each token the step gave `req`."""
+        rid = req.request_id
+        accepted = result.accepted.get(rid, [])
+        logprobs = result.accepted_logprobs.get(rid, [None] * len(accepted))
+        return [(t, lp, 1) for t, lp in zip(accepted, logprobs)] + [(token, result.logprobs.get(rid), 0)]
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         self.scheduler.finish(req, reason)

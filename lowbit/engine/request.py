@@ -49,6 +49,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at the last admission
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed, not yet verified
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     status: RequestStatus = RequestStatus.WAITING
@@ -83,8 +84,21 @@ class Request:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens plus draft tokens: what the scheduler's computed tokens catch up with."""
+        return self.num_tokens + len(self.draft_token_ids)
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_known_tokens - self.num_computed_tokens
+
+    def known_tokens(self, start: int, n: int) -> list[int]:
+        """Known tokens start..start+n: the real ones, then the drafts after them."""
+        ids = self.token_ids[start:start + n]
+        if len(ids) < n:
+            at = max(0, start - self.num_tokens)
+            ids += self.draft_token_ids[at:at + n - len(ids)]
+        return ids
 
     @property
     def is_finished(self) -> bool:

@@ -13,8 +13,10 @@ Each running request owns a row of the SamplingState (its parameters, seed and t
 counts its penalties read) from its first scheduled step to its end or preemption.
 
 Seams: `before_forward` hooks see each batch and its token ids before the model runs
-(an expert cache can prefetch the experts the step will route to; a speculative step can
-run its drafter over the same batch).
+(an expert cache can prefetch the experts the step will route to). With speculative
+decoding (lowbit.engine.speculative) the drafter fills the step's draft tokens before
+`prepare`, and a step with drafts (or an MTP drafter, which reads the hidden states) runs
+eagerly through the acceptance rule (`_execute_spec`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    accepted: dict[str, list[int]] = field(default_factory=dict)  # draft tokens kept, before `sampled`
+    accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class LazySlots(Sequence):
@@ -69,7 +73,10 @@ class ModelRunner:
                  max_num_batched_tokens: int | None = None) -> None:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.before_forward: list[Callable[[ForwardBatch, torch.Tensor], None]] = []
+        # after a graph replay: False sends the step to run again eagerly (an expert cache miss)
+        self.graph_check: Callable[[], bool] | None = None
         self.sampling = SamplingState(max_num_seqs, model.config.vocab_size, device)
+        self.spec = None  # lowbit.engine.speculative.SpecDecoder, set by the engine
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         max_blocks = -(-max_model_len // kv_cache.block_size)
@@ -101,6 +108,8 @@ class ModelRunner:
         if row is not None:
             self.sampling.release(row)
             self.free_rows.append(row)
+        if self.spec is not None:
+            self.spec.release(request_id)
 
     # -- the step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -109,13 +118,18 @@ class ModelRunner:
             self.release(req.request_id)
         if sched.is_empty:
             return RunnerOutput()
+        if self.spec is not None:
+            self._propose(sched.scheduled)
         input_ids, batch = self.prepare(sched.scheduled)
         for hook in self.before_forward:
             hook(batch, input_ids)
-        reqs = [r for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        reqs = [r for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_known_tokens]
         mode = self.sampling.mode_for([r.params for r in reqs])
-        if reqs and self._graph_ready(batch, len(reqs), mode):
-            tokens, logits = self.graphs.run(batch.num_seqs, mode)
+        if self.spec is not None and (self.spec.needs_hidden or any(r.draft_token_ids for r in reqs)):
+            return self._execute_spec(sched.scheduled, input_ids, batch, reqs, mode)
+        replayed = self._replay(batch, mode) if reqs and self._graph_ready(batch, len(reqs), mode) else None
+        if replayed is not None:
+            tokens, logits = replayed
             out = RunnerOutput()
         else:
             hidden = self.model(input_ids, batch)
@@ -124,6 +138,16 @@ class ModelRunner:
                 return out
             tokens, logits = self._sample_eager(sched.scheduled, batch, hidden, mode)
         return self._collect(reqs, tokens, logits, out)
+
+    def _replay(self, batch: ForwardBatch, mode) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Replay the decode graph; None when `graph_check` rejects it: the sampler's counts
+        go back to before the replay and the step runs eagerly (it rewrites the same KV slots)."""
+        counts = self.sampling.snapshot() if self.graph_check is not None else None
+        tokens, logits = self.graphs.run(batch.num_seqs, mode)
+        if self.graph_check is None or self.graph_check():
+            return tokens, logits
+        self.sampling.restore(counts)
+        return None
 
     def _graph_ready(self, batch: ForwardBatch, num_sampled: int, mode) -> bool:
         return (self.graphs is not None and batch.mode.is_decode and num_sampled == batch.num_seqs
@@ -136,7 +160,7 @@ class ModelRunner:
         starts, context = [0], []
         for req, n in scheduled:
             start = req.num_computed_tokens
-            vals["input_ids"] += req.token_ids[start:start + n]
+            vals["input_ids"] += req.known_tokens(start, n)
             vals["positions"] += range(start, start + n)
             vals["slot_mapping"] += [req.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             vals["seq_lens"].append(start + n)
@@ -163,7 +187,7 @@ class ModelRunner:
 
     def _sample_eager(self, scheduled: list[tuple[Request, int]], batch: ForwardBatch,
                       hidden: torch.Tensor, mode) -> tuple[torch.Tensor, torch.Tensor]:
-        picks = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n == r.num_tokens]
+        picks = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n == r.num_known_tokens]
         rows = [batch.query_start[i + 1] - 1 for i in picks]
         if len(rows) == batch.num_tokens:
             last = hidden
@@ -174,6 +198,37 @@ class ModelRunner:
         sel = torch.as_tensor(picks).to(self.device, non_blocking=True)
         tokens = sample_rows(logits, self.sampling, seq["rows"][sel], seq["steps"][sel], mode)
         return tokens, logits
+
+    # -- speculative decoding (lowbit.engine.speculative) ----------------------------------
+    def _propose(self, scheduled: list[tuple[Request, int]]) -> None:
+        rows = torch.as_tensor([self._seat(r) for r, _ in scheduled]).to(self.device)
+        self.spec.propose(scheduled, self.sampling, rows, self.sampling.mode_for([r.params for r, _ in scheduled]))
+
+    def _execute_spec(self, scheduled: list[tuple[Request, int]], input_ids: torch.Tensor,
+                      batch: ForwardBatch, reqs: list[Request], mode) -> RunnerOutput:
+        """A verify step: the target over every window, the acceptance rule over the requests
+        that caught up, then the drafter's follow-up over the positions made real."""
+        hidden = self.model(input_ids, batch)
+        out = self._prompt_logprobs_all(scheduled, batch, hidden)
+        emitted: dict[str, list[int]] = {}
+        if reqs:
+            seq = self.inputs.seqs()
+            picks, tokens, logits = self.spec.verify(scheduled, batch.query_start, hidden, self.model,
+                                                     self.sampling, seq["rows"], seq["steps"], mode)
+            for b, (i, toks) in enumerate(zip(picks, tokens)):
+                req = scheduled[i][0]
+                emitted[req.request_id] = toks
+                out.sampled[req.request_id], out.accepted[req.request_id] = toks[-1], toks[:-1]
+                if req.params.logprobs is not None:
+                    self._spec_logprobs(req, logits[b], toks, out)
+        self.spec.follow(scheduled, batch, hidden, emitted)
+        return out
+
+    def _spec_logprobs(self, req: Request, logits: torch.Tensor, tokens: list[int], out: RunnerOutput) -> None:
+        k = req.params.logprobs
+        chosen, top_ids, top_lp = token_logprobs(logits[:len(tokens)], torch.as_tensor(tokens, device=self.device), k)
+        entries = [_entry(t, chosen[j], top_ids[j], top_lp[j], k) for j, t in enumerate(tokens)]
+        out.accepted_logprobs[req.request_id], out.logprobs[req.request_id] = entries[:-1], entries[-1]
 
     def _collect(self, reqs: list[Request], tokens: torch.Tensor, logits: torch.Tensor,
                  out: RunnerOutput) -> RunnerOutput:

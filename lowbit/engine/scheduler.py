@@ -4,8 +4,9 @@ One rule: every running request's computed tokens catch up toward its known toke
 within `max_num_batched_tokens` per step and `max_num_seqs` running requests. A fresh
 request's known tokens are its prompt, so its first steps are prefill chunks; after that
 it knows one token more than it has computed (the last sampled one), so it decodes. A
-speculative step fits the same rule: draft tokens appended to `token_ids` are known but
-uncomputed, the step verifies them, and rejected ones are cut off again.
+speculative step fits the same rule: draft tokens (`draft_token_ids`) are known but
+uncomputed, the step verifies them, and rejected ones are cut off again (their slots given
+back: BlockManager.trim).
 
 Order is FIFO. Running requests go first, oldest first; when the pool runs out of blocks
 the newest running request is preempted by recompute (its blocks freed, its tokens kept,
@@ -78,6 +79,7 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         self.blocks.free(req)
+        req.draft_token_ids = []
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
 
     def schedule(self) -> SchedulerOutput:
@@ -123,6 +125,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.blocks.free(req)
+        req.draft_token_ids = []
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         out.preempted.append(req)

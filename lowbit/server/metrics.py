@@ -46,7 +46,9 @@ def render(engine: LLMEngine | None, model_name: str, startup: StartupReport | N
     vllm, own = Exposition(model_name, "vllm", engine="0"), Exposition(model_name, "lowbit")
     if engine is not None:
         _vllm_metrics(vllm, engine)
+        _spec_metrics(vllm, engine)
         _block_metrics(own, engine)
+        _expert_cache_metrics(own, engine)
     if startup is not None:
         _startup_metrics(own, startup)
     _route_metrics(own)
@@ -81,12 +83,41 @@ def _vllm_metrics(out: Exposition, engine: LLMEngine) -> None:
                   s.e2e_request_latency)
 
 
+def _spec_metrics(out: Exposition, engine: LLMEngine) -> None:
+    spec = getattr(engine, "spec", None)
+    if spec is None:
+        return
+    s = spec.stats
+    out.metric("spec_decode_num_drafts_total", "counter", "Verify steps of a sequence with drafts.",
+               [({}, s.num_steps)])
+    out.metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", [({}, s.num_drafts)])
+    out.metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+               [({}, s.num_accepted)])
+    out.metric("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Draft tokens accepted per position.",
+               [({"position": str(j)}, a) for j, a in enumerate(s.accepted_at)])
+
+
 def _block_metrics(out: Exposition, engine: LLMEngine) -> None:
     blocks = engine.blocks
     out.metric("kv_cache_free_blocks", "gauge", "KV cache blocks free (all of them at idle).",
                [({}, blocks.num_free_blocks)])
     out.metric("kv_cache_blocks", "gauge", "KV cache blocks in the pool.", [({}, blocks.num_total_blocks)])
     out.metric("kv_cache_tokens", "gauge", "Tokens the KV cache pool holds.", [({}, engine.kv_cache.num_tokens)])
+
+
+def _expert_cache_metrics(out: Exposition, engine: LLMEngine) -> None:
+    cache = getattr(engine, "expert_cache", None)
+    if cache is None or not cache.offload:
+        return
+    t = cache.totals()
+    out.metric("expert_cache_hits_total", "counter", "Routed experts a step found resident (per layer and step).",
+               [({}, t["hits"])])
+    out.metric("expert_cache_misses_total", "counter", "Routed experts a step had to copy to the device first.",
+               [({}, t["misses"])])
+    out.metric("expert_cache_bytes_copied_total", "counter", "Expert bytes copied host to device (misses and prefetch).",
+               [({}, t["bytes_copied"])])
+    out.metric("expert_cache_prefetched_total", "counter", "Experts copied ahead by pre-gating.",
+               [({}, t["prefetched"])])
 
 
 def _startup_metrics(out: Exposition, r: StartupReport) -> None:

@@ -1,0 +1,123 @@
+"""`lowbit bench expert-cache`: replay a routing trace through the eviction policies.
+
+The trace comes from `--record-routing FILE` (the engine's real routing), or is drawn
+(`--zipf S`): each step, each layer and each token picks top-k distinct experts with
+probability proportional to 1 / rank**S, over a per-layer random ranking of the experts
+(seeded), so that every layer has its own hot set. Each policy is reported beside Belady's
+offline optimum at the same slot count, and with --prefetch, the gain of admitting the
+experts the previous layer's pre-gating predicted (recorded traces only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+from lowbit.bench.record import md_table
+from lowbit.engine.expert_policy import SIM_POLICIES, RoutingTrace, load_trace, simulate
+from lowbit.errors import LowbitError
+
+
+def zipf_trace(num_experts: int, top_k: int, num_layers: int, steps: int, s: float,
+               tokens: int = 1, seed: int = 0) -> RoutingTrace:
+    """Synthetic decode routing with Zipf(s) expert popularity per layer."""
+    if not 1 <= top_k <= num_experts:
+        raise LowbitError(f"--top-k must be in 1..{num_experts}, got {top_k}")
+    rng = random.Random(seed)
+    ranks = [rng.sample(range(num_experts), num_experts) for _ in range(num_layers)]
+    weights = [1.0 / (r + 1) ** s for r in range(num_experts)]
+    trace = RoutingTrace(num_experts, top_k, list(range(num_layers)))
+    for _ in range(steps):
+        step = []
+        for layer in range(num_layers):
+            toks = []
+            for _ in range(tokens):
+                picked: list[int] = []
+                while len(picked) < top_k:
+                    e = ranks[layer][rng.choices(range(num_experts), weights)[0]]
+                    if e not in picked:
+                        picked.append(e)
+                toks.append(picked)
+            step.append(toks)
+        trace.steps.append(step)
+        trace.preds.append(None)
+    return trace
+
+
+def compare(trace: RoutingTrace, slots: list[int], policies: list[str], prefetch: bool) -> list[dict]:
+    """One row per (slots, policy): hit rate, and its share of Belady's at those slots."""
+    rows = []
+    for n in slots:
+        best = simulate(trace, n, "belady").hit_rate
+        for p in policies:
+            r = simulate(trace, n, p, prefetch=prefetch and p != "belady")
+            rows.append({"slots": n, "policy": p, "hit_rate": round(r.hit_rate, 4),
+                         "of_belady": round(r.hit_rate / best, 4) if best else None,
+                         "misses_per_step": round(r.misses / max(1, len(trace.steps)), 3),
+                         "copies_per_step": round((r.misses + r.prefetched) / max(1, len(trace.steps)), 3),
+                         "prefetch_hits": r.prefetch_hits})
+    return rows
+
+
+def h2d_bandwidth(device: str, nbytes: int = 256 << 20, repeats: int = 5) -> float | None:
+    """Pinned host -> device copy bandwidth in bytes/s (the best of `repeats`), what a miss
+    pays per byte; None off CUDA."""
+    if not str(device).startswith("cuda"):
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return nbytes / best
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default=None, help="routing trace written by --record-routing FILE")
+    p.add_argument("--zipf", type=float, default=None, metavar="S",
+                   help="instead of --trace: draw a trace with Zipf(S) expert popularity")
+    p.add_argument("--experts", type=int, default=128, help="--zipf: experts per layer")
+    p.add_argument("--top-k", type=int, default=8, help="--zipf: experts per token")
+    p.add_argument("--layers", type=int, default=48, help="--zipf: MoE layers")
+    p.add_argument("--steps", type=int, default=256, help="--zipf: decode steps")
+    p.add_argument("--slots", default="", help="slots per layer, comma-separated (default: 25%% and 50%% of the experts)")
+    p.add_argument("--policy", default=",".join(SIM_POLICIES),
+                   help=f"policies, comma-separated, of {', '.join(SIM_POLICIES)}")
+    p.add_argument("--prefetch", action="store_true", help="admit the recorded pre-gating guesses first")
+    p.add_argument("--json", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    if (args.trace is None) == (args.zipf is None):
+        raise LowbitError("give --trace FILE (from --record-routing) or --zipf S")
+    trace = load_trace(args.trace) if args.trace else zipf_trace(
+        args.experts, args.top_k, args.layers, args.steps, args.zipf)
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    bad = [p for p in policies if p not in SIM_POLICIES]
+    if bad:
+        raise LowbitError(f"unknown policy {bad[0]!r}; use {', '.join(SIM_POLICIES)}")
+    try:
+        slots = [int(s) for s in args.slots.split(",") if s.strip()]
+    except ValueError:
+        raise LowbitError(f"--slots takes comma-separated integers, got {args.slots!r}") from None
+    slots = slots or [max(1, trace.num_experts // 4), max(1, trace.num_experts // 2)]
+    if any(n < 1 for n in slots):
+        raise LowbitError(f"--slots must be positive integers, got {args.slots!r}")
+    rows = compare(trace, slots, policies, args.prefetch)
+    if args.json:
+        print(json.dumps({"kind": "expert-cache", "trace": args.trace or f"zipf {args.zipf}",
+                          "num_experts": trace.num_experts, "steps": len(trace.steps), "rows": rows}, indent=1))
+        return 0
+    headers = ["slots", "policy", "hit rate", "of Belady", "misses/step", "copies/step", "prefetch hits"]
+    print(md_table(headers, [[r["slots"], r["policy"], f"{r['hit_rate']:.1%}",
+                              "-" if r["of_belady"] is None else f"{r['of_belady']:.1%}",
+                              r["misses_per_step"], r["copies_per_step"], r["prefetch_hits"]] for r in rows]))
+    return 0

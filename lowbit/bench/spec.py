@@ -1,0 +1,168 @@
+"""`lowbit bench latency --spec METHOD`: speculative decoding against the same run without it.
+
+Two engines share one loaded model: the plain one, and one with the speculative flags
+(--spec / --speculative-method, --num-speculative-tokens, --speculative-model). Each tgN
+cell decodes N tokens greedily after a fixed text prompt (random token ids when the model
+has no tokenizer: then only a draft that is the model itself is accepted), one sequence, the
+two engines interleaved repeat by repeat so drift hits both alike. Reported: tok/s of each,
+the speedup (ratio of means), the mean accepted length (tokens per verify step: accepted
+drafts + 1), the accept rate per draft position, and whether the greedy tokens were the
+same (speculation is lossless; a difference is a bug, or a near-tie broken differently by
+the verify step's batch shape).
+Verify cost (the cost model's input): the target's forward and logits over T = 1, 2, 4, 8
+new tokens of one sequence after the prompt, eagerly, median of the repeats, and its ratio
+to T = 1 (a plain decode step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+import time
+
+import torch
+
+from lowbit import LLM, SamplingParams
+from lowbit.bench.latency import _sync, graph_status, progress
+from lowbit.bench.record import md_table
+from lowbit.bench.stats import mean_sd
+from lowbit.config import EngineConfig
+from lowbit.distributed import engine_model
+from lowbit.engine.speculative import SpecStats, choose_draft_length, expected_rates, flat_batch
+
+VERIFY_TOKENS = (1, 2, 4, 8)  # T of the verify-cost cells (B = 1): T - 1 drafts
+
+PROMPT = ("The history of the printing press begins with the carved wooden blocks that monks and "
+          "merchants used to stamp patterns on cloth and paper. A printer would ink the block, press "
+          "a sheet against it, and lift the sheet away with the image transferred. The press itself "
+          "came later, when a screw press of the kind used for olives and grapes was turned to the "
+          "work of pressing paper against type. The type was cast in metal, one letter to a piece, ")
+
+
+def _decode(llm: LLM, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=n + 1, ignore_eos=True)
+    out = llm.generate([prompt], sp)[0]
+    return out.metrics["decode_s"], out.outputs[0].token_ids
+
+
+def _prompt(llm: LLM, text: str, room: int) -> list[int]:
+    """The text's tokens (random ids without a tokenizer), cut to leave `room` tokens."""
+    if llm.prompts is not None:
+        ids = llm.prompts.encode(text)
+    else:
+        rng = random.Random(0)
+        ids = [rng.randrange(llm.config.vocab_size) for _ in range(64)]
+    return ids[:max(1, llm.max_model_len - room)]
+
+
+def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT) -> dict:
+    """Time tgN cells with and without speculation; return the record."""
+    if not (cfg.kv_cache_tokens or cfg.num_gpu_blocks_override):
+        cfg = dataclasses.replace(cfg, kv_cache_tokens=4096 + 2 * max(gen))
+    plain_cfg = dataclasses.replace(cfg, speculative_method=None, num_speculative_tokens=None,
+                                    speculative_model=None)
+    t0 = time.perf_counter()
+    progress(f"loading {cfg.config if cfg.random_weights else cfg.model} ...")
+    plain = LLM(**plain_cfg.llm_kwargs(), loaded=engine_model(plain_cfg))
+    spec = LLM(**cfg.llm_kwargs(), loaded=plain.loaded)
+    _sync(plain.device)
+    progress(f"ready; {graph_status(plain.engine)}", t0)
+    prompt = _prompt(plain, text, max(max(gen) + 2 + cfg.num_draft_tokens, max(VERIFY_TOKENS) + 2))
+    for llm in (plain, spec):  # warm-up: first calls allocate, compile, capture graphs
+        _decode(llm, prompt, 4)
+    cells = []
+    for n in gen:
+        spec.engine.spec.stats = SpecStats()
+        times: dict[str, list[float]] = {"plain": [], "spec": []}
+        same = True
+        for r in range(repeats):
+            t_plain, want = _decode(plain, prompt, n)
+            t_spec, got = _decode(spec, prompt, n)
+            times["plain"].append(t_plain)
+            times["spec"].append(t_spec)
+            same &= got == want
+            progress(f"tg{n} repeat {r + 1}/{repeats}: {n / t_plain:.1f} tok/s plain, {n / t_spec:.1f} spec")
+        cells.append(_cell(n, times, same, spec.engine.spec.stats))
+    verify = verify_costs(plain, prompt, repeats)
+    for c in cells:
+        c["cost_model"] = cost_model(c, verify, cfg.speculative_method)
+    return {"verify": verify, "kind": "latency_spec", "model": cfg.config if cfg.random_weights else cfg.model,
+            "weight_format": plain.loaded.weight_format, "device": plain.device,
+            "method": cfg.speculative_method, "num_speculative_tokens": cfg.num_draft_tokens,
+            "speculative_model": cfg.speculative_model, "prompt_tokens": len(prompt),
+            "repeats": repeats, "graphs": graph_status(plain.engine), "cells": cells}
+
+
+@torch.inference_mode()
+def verify_costs(llm: LLM, prompt: list[int], repeats: int) -> list[dict]:
+    """Seconds of the target's forward + logits over T new tokens after `prompt` (B = 1)."""
+    eng, most = llm.engine, max(VERIFY_TOKENS)
+    req = eng.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=most + 1, ignore_eos=True))
+    while not req.num_output_tokens:
+        eng.step()
+    eng.blocks.append_slot(req, req.num_tokens + most)  # the slots T tokens write (freed with the request)
+    rows = []
+    for t in VERIFY_TOKENS:
+        ids = torch.as_tensor(req.token_ids[-1:] * t, device=eng.device)
+        batch = flat_batch([(req.block_table, req.num_tokens - 1, t)], eng.kv_cache, eng.device)
+        samples = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            _sync(llm.device)
+            t0 = time.perf_counter()
+            eng.model.compute_logits(eng.model(ids, batch))
+            _sync(llm.device)
+            samples.append(time.perf_counter() - t0)
+        rows.append({"T": t, "s": statistics.median(samples[1:]), "samples_s": samples[1:]})
+    eng.abort(req.request_id)
+    eng.step()  # hands out the abort's delta; the pool is idle again
+    for r in rows:
+        r["ratio"] = r["s"] / rows[0]["s"]
+    return rows
+
+
+def cost_model(cell: dict, verify: list[dict], method: str) -> dict:
+    """What the cost model picks from this run's measurements: the draft time per token is 0
+    for ngram, else estimated as the spec arm's time per verify step beyond the verify itself."""
+    verify_s = {r["T"]: r["s"] for r in verify}
+    k = len(cell["accept_rate_per_position"])
+    draft_s = 0.0
+    if method != "ngram" and k and cell["verify_steps"]:
+        per_step = sum(cell["samples_s"]["spec"]) / cell["verify_steps"]
+        draft_s = max(0.0, per_step - verify_s.get(k + 1, max(verify_s.values()))) / k
+    rates = expected_rates(cell["accept_rate_per_position"], verify_s, draft_s)
+    return {"draft_s_per_token": draft_s, "expected_tok_s": rates,
+            "k": choose_draft_length(cell["accept_rate_per_position"], verify_s, draft_s)}
+
+
+def _cell(n: int, times: dict[str, list[float]], same: bool, stats: SpecStats) -> dict:
+    rates = {arm: mean_sd([n / t for t in ts]) for arm, ts in times.items()}
+    return {"test": f"tg{n}", "n": n, "tok_s_plain": rates["plain"], "tok_s_spec": rates["spec"],
+            "speedup": rates["spec"][0] / rates["plain"][0], "same_tokens": same,
+            "samples_s": times, **stats.as_dict()}
+
+
+HEADERS = ["model", "method", "k", "test", "plain t/s", "spec t/s", "speedup", "accepted len",
+           "accept rate per position", "same tokens"]
+
+
+def table_rows(rec: dict) -> list[list[str]]:
+    model = str(rec["model"]).rstrip("/").split("/")[-1].removesuffix(".json")
+    rows = []
+    for c in rec["cells"]:
+        per_pos = " ".join(f"{a:.2f}" for a in c["accept_rate_per_position"])
+        rows.append([model, rec["method"], rec["num_speculative_tokens"], c["test"],
+                     f"{c['tok_s_plain'][0]:.2f} ± {c['tok_s_plain'][1]:.2f}",
+                     f"{c['tok_s_spec'][0]:.2f} ± {c['tok_s_spec'][1]:.2f}", f"{c['speedup']:.2f}x",
+                     f"{c['mean_accepted_length']:.2f}", per_pos or "-", "yes" if c["same_tokens"] else "NO"])
+    return rows
+
+
+def summary_md(rec: dict) -> str:
+    foot = (f"{rec['device']}, {rec['weight_format']}, {rec['prompt_tokens']}-token prompt, batch 1, "
+            f"greedy; {rec['repeats']} interleaved repeats, mean ± sd; {rec['graphs']}")
+    verify = md_table(["T (verify tokens, B = 1)", "ms", "x decode step"],
+                      [[r["T"], f"{1e3 * r['s']:.2f}", f"{r['ratio']:.2f}"] for r in rec.get("verify", [])])
+    picks = "; ".join(f"{c['test']}: k = {c['cost_model']['k']}" for c in rec["cells"] if "cost_model" in c)
+    foot += f"  \ncost model's choice from these measurements (not applied by the engine yet): {picks}"
+    return md_table(HEADERS, table_rows(rec)) + "\n\n" + verify + "\n\n" + foot

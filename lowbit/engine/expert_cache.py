@@ -1,0 +1,466 @@
+"""Expert offload: every MoE layer's experts live in host memory (pinned on CUDA) and a
+cache of S slots per layer holds a working set on the device.
+
+Shape legend: T tokens, A top-k, E experts, S slots per MoE layer.
+Per MoE layer:
+  host[k]     [E, ...]  each per-expert tensor of the layer's stacks (w13 and w2 payloads:
+                        codes, scales, table index, offsets; or dense rows; expert biases)
+  slots[k]    [S, ...]  the same tensors for the resident experts, on the device
+  slot_table  [E] int32 expert id -> slot, -1 when not resident (on the device)
+The MoE op never sees the host stacks: the layer's routed ids [T, A] are remapped through
+the slot table (a device gather) and the op reads slot stacks built once over `slots`
+(lowbit.kernels.weights' DenseWeight / LutWeight / Fp8View with S leading rows). A LUT
+stack's tables (and the decode factors derived from them) are small and stay whole on the
+device; the slot copy of an expert's table index keeps pointing into them.
+
+Two ways through a layer:
+  fetch      (eager steps) the layer reads its routed ids on the host, admits the missing
+             experts through the eviction policy (lowbit.engine.expert_policy), copies them
+             into the evicted slots (on CUDA: non_blocking copies from pinned memory on a
+             side stream, which the compute stream waits for just before the experts run),
+             then runs the experts. With prefetch on, the next MoE layer's router is applied
+             to this layer's input (pre-gating) and its likely experts are copied while this
+             layer's experts compute. A step needing more experts than slots (prefill) runs
+             them in groups of S.
+  speculate  (inside a CUDA graph capture or its warm-up) no host read: a miss is counted
+             in a device counter and served by slot 0; expert uses are counted per expert.
+             The runner reads both after the replay (`graph_check`): a step with a miss is
+             rerun eagerly in fetch mode, a step without one updates the policy's recency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from lowbit.engine.expert_policy import (
+    DEFAULT_POLICY,
+    SlotMap,
+    make_policy,
+    write_header,
+    write_step,
+)
+from lowbit.errors import LowbitError
+from lowbit.formats.base import LutView, QuantizedTensor
+from lowbit.kernels.moe_layout import HybridTensor
+from lowbit.kernels.moe_op import MoeActivation, moe_experts
+from lowbit.kernels.router_op import gate_logits
+from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, resolve
+from lowbit.layers.moe import SparseMoE
+
+log = logging.getLogger("lowbit")
+
+
+def _stack_pieces(w) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], object]:
+    """A stacked weight [E, N, K] as per-expert tensors (each [E, ...]), the tensors every
+    slot shares, and the kind of kernel-side view to rebuild over slots."""
+    r = resolve(w)
+    if isinstance(r, DenseWeight):
+        return {"w": r.w}, {}, r
+    if isinstance(r, Fp8View):
+        return {"codes": r.codes, "scales": r.scales}, {}, r
+    v = r.view
+    pieces = {"codes": v.codes, "scales": v.scales}
+    for name in ("table_index", "offsets"):
+        if getattr(v, name) is not None:
+            pieces[name] = getattr(v, name)
+    shared = {"table": v.table}
+    if r.alpha_beta is not None:
+        shared["alpha_beta"] = r.alpha_beta
+    return pieces, shared, r
+
+
+def _slot_view(kind, t: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]):
+    """The kernel-side stack [S, N, K] over the slot tensors `t`."""
+    if isinstance(kind, DenseWeight):
+        return DenseWeight(t["w"])
+    if isinstance(kind, Fp8View):
+        return Fp8View(t["codes"], t["scales"], kind.scale_kind, kind.block_rows, kind.block_cols)
+    v = kind.view
+    view = LutView(t["codes"], v.bits, v.block_size, shared["table"], t.get("table_index"), t["scales"],
+                   v.scale_kind, v.global_scale, t.get("offsets"))
+    return LutWeight(view, kind.decode, shared.get("alpha_beta"))
+
+
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    t = t.detach().to("cpu")
+    return t.pin_memory() if pin and not t.is_pinned() else t
+
+
+def _stacks_to_host(ex, pin: bool) -> None:
+    """The model's expert stacks move to host memory (pinned on CUDA) once; the cache's host
+    pieces are views of them, so host memory holds each expert once."""
+    for name in ("w13", "w2", "b13", "b2"):
+        w = getattr(ex, name)
+        if isinstance(w, QuantizedTensor):
+            payload = {k: _to_host(t, pin) for k, t in w.payload.items()}
+            setattr(ex, name, QuantizedTensor(w.format, w.shape, payload))
+        elif w is not None:
+            setattr(ex, name, torch.nn.Parameter(_to_host(w, pin), requires_grad=False))
+
+
+def distinct_slots(sid: torch.Tensor, real: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """sid [T, A] with every entry where `real` is False moved to a slot no other entry of its
+    row reads: the fused decode kernel takes at most one slot per expert and token (top-k ids
+    are distinct), so a masked or missing entry must not repeat one. Needs num_slots >= A."""
+    T, A = sid.shape
+    taken = torch.zeros(T, num_slots, dtype=torch.int32, device=sid.device)
+    taken.scatter_add_(1, sid.clamp(min=0).long(), real.int())  # [T, S] real entries per slot
+    free_rank = torch.cumsum((taken == 0).int(), dim=1)  # [T, S] free slots up to s
+    k = torch.cumsum((~real).int(), dim=1)  # [T, A] 1-based rank among the row's other entries
+    fill = torch.searchsorted(free_rank, k).clamp(max=num_slots - 1)  # the k-th free slot
+    return torch.where(real, sid, fill.to(sid.dtype))
+
+
+@dataclass
+class LayerStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_copied: int = 0
+    prefetched: int = 0  # experts copied ahead by pre-gating
+    prefetch_hits: int = 0  # of those, ones the layer then used before evicting them
+
+
+class LayerCache:
+    """One MoE layer's host stacks, device slots and slot table."""
+
+    def __init__(self, moe: SparseMoE, index: int, device: torch.device) -> None:
+        ex = moe.experts
+        if isinstance(ex.w13, HybridTensor):
+            raise LowbitError(f"{ex.prefix}: --expert-offload does not take hybrid expert stacks "
+                              "(two formats in one layer); quantize the experts to one format")
+        self.moe, self.index, self.device = moe, index, device
+        self.num_experts = ex.w13.shape[0]
+        self.pin = device.type == "cuda"
+        _stacks_to_host(ex, self.pin)
+        self.host: dict[str, torch.Tensor] = {}
+        self._kinds: dict[str, tuple] = {}
+        for name in ("w13", "w2"):
+            pieces, shared, kind = _stack_pieces(getattr(ex, name))
+            self.host |= {f"{name}.{k}": _to_host(t, self.pin) for k, t in pieces.items()}
+            self._kinds[name] = (kind, list(pieces), {k: t.to(device) for k, t in shared.items()})
+        for name in ("b13", "b2"):
+            if getattr(ex, name) is not None:
+                self.host[name] = _to_host(getattr(ex, name), self.pin)
+        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host.values())
+        self.stats = LayerStats()
+        self.pending: set[int] = set()  # prefetched experts not used yet
+        self.stream = None
+        self.ready = torch.cuda.Event() if self.pin else None
+
+    def allocate(self, num_slots: int, policy: str, stream) -> None:
+        """S = min(num_slots, E) empty slots on the device, the slot table all -1."""
+        E, device = self.num_experts, self.device
+        self.num_slots = S = min(num_slots, E)
+        # at least top-k physical slots, so that a row's masked entries find distinct ones
+        P = max(S, self.moe.spec.top_k)
+        self.slots = {k: torch.zeros(P, *t.shape[1:], dtype=t.dtype, device=device) for k, t in self.host.items()}
+        self.views = {name: _slot_view(kind, {k: self.slots[f"{name}.{k}"] for k in keys}, shared)
+                      for name, (kind, keys, shared) in self._kinds.items()}
+        self.num_physical = P
+        self.map = SlotMap(S, make_policy(policy, S, E))
+        self.owner = [-1] * S
+        self.slot_table = torch.full((E,), -1, dtype=torch.int32, device=device)
+        self.misses_dev = torch.zeros((), dtype=torch.int64, device=device)  # views of the
+        self.uses_dev = torch.zeros(E, dtype=torch.int64, device=device)  # cache's counters, set by it
+        self.stream = stream
+
+    # -- copies ---------------------------------------------------------------------------
+    def admit(self, experts: list[int], count: bool = True) -> list[tuple[int, int]]:
+        """Make `experts` resident (evicting through the policy); copies start on the side
+        stream and the slot table follows. Returns the (expert, slot) copies made."""
+        copies = self.map.admit(experts, count)
+        if not copies:
+            return copies
+        if self.stream is not None:  # an evicted slot may still be read by queued work (a group)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            for e, s in copies:  # device-side writes: no host buffer a later admit could race
+                old = self.owner[s]
+                if old >= 0:
+                    self.slot_table[old] = -1
+                    self.pending.discard(old)
+                self.slot_table[e], self.owner[s] = s, e
+                for k, t in self.host.items():
+                    self.slots[k][s].copy_(t[e], non_blocking=self.stream is not None)
+            if self.ready is not None:
+                self.ready.record()
+        self.stats.bytes_copied += len(copies) * self.expert_bytes
+        return copies
+
+    def wait_copies(self) -> None:
+        if self.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+
+    def prefetch(self, experts: list[int]) -> None:
+        """Pre-gating: copy likely experts now (most likely first), uncounted; at most half
+        the slots, so that a wrong guess cannot flush the cache."""
+        copies = self.admit(experts[:max(1, self.num_slots // 2)], count=False)
+        self.stats.prefetched += len(copies)
+        self.pending |= {e for e, _ in copies}
+
+    # -- the experts through the slots ----------------------------------------------------
+    def run(self, x: torch.Tensor, slot_ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ex = self.moe.experts
+        v13, v2 = self.views["w13"], self.views["w2"]
+        if ex.b13 is None and ex.b2 is None and ex.activation == "silu":
+            return moe_experts(x, slot_ids, w, v13, v2, layer=ex.prefix)
+        return moe_experts(x, slot_ids, w, v13, v2, b13=self.slots.get("b13"), b2=self.slots.get("b2"),
+                           activation=MoeActivation(ex.activation, ex.limit or 0.0), layer=ex.prefix)
+
+    def slot_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.slot_table[ids.long()]  # [T, A] int32, -1 where not resident
+
+    def use(self, needed: list[int]) -> None:
+        """Admit experts the step reads now (hits and misses counted), copies started."""
+        self.stats.prefetch_hits += len(self.pending & set(needed))
+        self.pending -= set(needed)
+        self.admit(needed)
+        self.stats.hits, self.stats.misses = self.map.hits, self.map.misses
+
+    def fetch_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                      meanwhile=None) -> torch.Tensor:
+        """`meanwhile()` runs after this layer's copies are queued and before it waits for
+        them (the next layer's prefetch)."""
+        needed = torch.unique(ids).tolist()  # host read: eager steps only
+        if len(needed) <= self.num_slots:
+            self.use(needed)
+            if meanwhile is not None:
+                meanwhile()
+            self.wait_copies()
+            return self.run(x, self.slot_ids(ids), w)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for i in range(0, len(needed), self.num_slots):  # more experts than slots: in groups
+            group = needed[i:i + self.num_slots]
+            self.use(group)
+            self.wait_copies()
+            mine = torch.isin(ids, torch.tensor(group, dtype=ids.dtype, device=ids.device))  # [T, A]
+            sid = distinct_slots(self.slot_ids(ids), mine, self.num_physical)
+            out += self.run(x, sid, w * mine).float()
+        return out.to(x.dtype)
+
+    def speculate_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The graph form: rows past `live_rows` (a bucket's padding) neither miss nor count."""
+        sid = self.slot_ids(ids)  # [T, A]
+        live = torch.arange(ids.shape[0], device=ids.device)[:, None] < self.live_rows  # [T, 1]
+        hit = sid >= 0
+        self.misses_dev += (~hit & live).sum()
+        self.uses_dev.index_add_(0, ids.reshape(-1).long(), live.expand_as(ids).reshape(-1).long())
+        return self.run(x, distinct_slots(sid, hit, self.num_physical), w * hit)
+
+
+@dataclass
+class RoutingRecorder:
+    """--record-routing: one JSON line per step (lowbit.engine.expert_policy's format)."""
+
+    path: str
+    step: int = 0
+    ids: dict[int, list] = field(default_factory=dict)  # MoE layer position -> [T][A] ids
+    preds: dict[int, list] = field(default_factory=dict)
+
+    def open(self, num_experts: int, top_k: int, moe_layers: list[int]) -> None:
+        self.f = open(self.path, "w")
+        write_header(self.f, num_experts, top_k, moe_layers)
+        self.num_layers = len(moe_layers)
+
+    def flush(self) -> None:
+        if self.ids:
+            ids = [self.ids.get(i, []) for i in range(self.num_layers)]
+            preds = [self.preds.get(i, []) for i in range(self.num_layers)] if self.preds else None
+            write_step(self.f, self.step, ids, preds)
+            self.f.flush()
+            self.step += 1
+        self.ids, self.preds = {}, {}
+
+    def close(self) -> None:
+        self.flush()
+        self.f.close()
+
+
+def free_device_bytes(config, device: torch.device, kv_reserve_bytes: int) -> int | None:
+    """Device bytes --gpu-memory-utilization leaves after what is allocated now (the dense
+    weights) and the KV reserve; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * config.gpu_memory_utilization - (total - free) - kv_reserve_bytes)
+
+
+def plan_slots(config, num_layers: int, num_experts: int, bytes_per_expert: int,
+               free_bytes: int | None) -> int:
+    """Slots per MoE layer: --expert-cache-slots, else --expert-cache-gib divided across
+    the layers, else `free_bytes` (the device budget left after the dense weights and the KV
+    reserve; None on the CPU, where the device is host memory: every expert stays)."""
+    if config.expert_cache_slots is not None:
+        return min(config.expert_cache_slots, num_experts)
+    per_layer = num_layers * bytes_per_expert
+    if config.expert_cache_gib is not None:
+        slots = int(config.expert_cache_gib * 2**30 // per_layer)
+        what = f"--expert-cache-gib {config.expert_cache_gib}"
+    elif free_bytes is None:
+        return num_experts
+    else:
+        slots = int(max(0, free_bytes) // per_layer)
+        what = f"--gpu-memory-utilization {config.gpu_memory_utilization}"
+    if slots < 1:
+        raise LowbitError(f"{what} leaves no room for one expert slot per MoE layer ({num_layers} layers x "
+                          f"{bytes_per_expert / 2**20:.1f} MiB per expert); give it more memory or set "
+                          "--expert-cache-slots")
+    return min(slots, num_experts)
+
+
+class ExpertCache:
+    """The slot caches of every MoE layer, the routing recorder and their counters. It is
+    the `expert_hook` of each SparseMoE (lowbit.layers.moe)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, offload: bool,
+                 prefetch: bool = True, recorder: RoutingRecorder | None = None) -> None:
+        self.moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        if not self.moes:
+            raise LowbitError(f"{type(model).__name__} has no MoE layer: --expert-offload and "
+                              "--record-routing need a mixture-of-experts model")
+        self.device, self.prefetch, self.recorder = device, prefetch and offload, recorder
+        self.position = {id(m): i for i, m in enumerate(self.moes)}
+        self.layers = [LayerCache(m, i, device) for i, m in enumerate(self.moes)] if offload else []
+        self.force_speculate = False  # tests: the graph path without a graph
+        self.graph_steps = self.graph_reruns = 0  # replays accepted / sent back by graph_check
+        for m in self.moes:
+            m.expert_hook = self
+        if recorder is not None:
+            m0 = self.moes[0]
+            recorder.open(m0.gate.out_features, m0.spec.top_k, [i for i, _ in enumerate(self.moes)])
+
+    def allocate(self, num_slots: int, policy: str = DEFAULT_POLICY) -> None:
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        for layer in self.layers:
+            layer.allocate(num_slots, policy, stream)
+        # one device tensor of counters, [misses, uses per expert] per layer, read in one copy
+        sizes = [1 + c.num_experts for c in self.layers]
+        cuda = self.device.type == "cuda"
+        self.counters = torch.zeros(sum(sizes), dtype=torch.int64, device=self.device)
+        self.counters_host = torch.zeros(sum(sizes), dtype=torch.int64, pin_memory=cuda)
+        self.counters_ready = torch.cuda.Event() if cuda else None
+        self.live_rows = torch.full((), 1 << 62, dtype=torch.int64, device=self.device)
+        off = 0
+        for c, n in zip(self.layers, sizes):
+            c.misses_dev, c.uses_dev = self.counters[off], self.counters[off + 1:off + n]
+            c.live_rows = self.live_rows
+            off += n
+        if self.layers:
+            log.info("expert cache: %d of %d experts per MoE layer on the device (%s), %.1f MiB",
+                     self.layers[0].num_slots, self.layers[0].num_experts, policy, self.device_bytes / 2**20)
+
+    @property
+    def offload(self) -> bool:
+        return bool(self.layers)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(layer.num_slots * layer.expert_bytes for layer in self.layers)
+
+    def speculating(self) -> bool:
+        """Inside a graph capture or its warm-up (sync debug mode on): no host reads."""
+        if self.force_speculate:
+            return True
+        return self.device.type == "cuda" and (torch.cuda.is_current_stream_capturing()
+                                               or torch.cuda.get_sync_debug_mode() != 0)
+
+    def __call__(self, moe: SparseMoE, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        i = self.position[id(moe)]
+        layer = self.layers[i] if self.layers else None
+        if layer is not None and self.speculating():
+            return layer.speculate_forward(x, ids, w)
+        guess = self._pregate(i, x) if (self.prefetch or self.recorder) and i + 1 < len(self.moes) else None
+        if self.recorder is not None:
+            self.recorder.ids[i] = ids.tolist()
+            if guess is not None:
+                self.recorder.preds[i] = guess
+            if i == len(self.moes) - 1:  # the step's last MoE layer: its line is complete
+                self.recorder.flush()
+        if layer is None:
+            return moe.experts(x, ids, w)
+        meanwhile = partial(self.layers[i + 1].prefetch, guess) if self.prefetch and guess is not None else None
+        return layer.fetch_forward(x, ids, w, meanwhile)
+
+    def _pregate(self, i: int, x: torch.Tensor) -> list[int]:
+        """The next MoE layer's likely experts, from this layer's input through the next
+        layer's router (its top-k per token), ranked by summed gate probability."""
+        nxt = self.moes[i + 1]
+        g = nxt.gate
+        w32, b32 = getattr(nxt, "_gate32", None) or (g.weight.float(), None if g.bias is None else g.bias.float())
+        probs = torch.softmax(gate_logits(x, w32, b32), -1)  # [T, E]
+        top = torch.topk(probs, nxt.spec.top_k, -1)
+        mass = torch.zeros(probs.shape[1], device=x.device).index_add_(
+            0, top.indices.reshape(-1), top.values.reshape(-1))
+        order = torch.argsort(mass, descending=True)
+        return order[:int((mass > 0).sum())].tolist()  # host read: eager steps only
+
+    def before_forward(self, batch, input_ids: torch.Tensor) -> None:
+        """The runner's hook: the step's real rows, which a padded graph replay reads."""
+        if self.layers:
+            self.live_rows.fill_(batch.num_tokens)
+
+    def detach(self) -> None:
+        """The MoE layers run their own (host-held) experts again; the trace is closed."""
+        for m in self.moes:
+            m.expert_hook = None
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def graph_check(self) -> bool:
+        """After a graph replay: False if some layer missed (the step must run again
+        eagerly); else the replay's expert uses become hits and policy recency."""
+        if not self.layers:
+            return True
+        # a pinned copy and an event wait, like the runner's token read: no implicit sync
+        self.counters_host.copy_(self.counters, non_blocking=self.counters_ready is not None)
+        if self.counters_ready is not None:
+            self.counters_ready.record()
+            self.counters_ready.synchronize()
+        counts = self.counters_host.tolist()
+        self.counters.zero_()
+        offsets = [0]
+        for c in self.layers:
+            offsets.append(offsets[-1] + 1 + c.num_experts)
+        if any(counts[o] for o in offsets[:-1]):
+            self.graph_reruns += 1
+            return False
+        self.graph_steps += 1
+        for c, o in zip(self.layers, offsets):
+            used = [e for e, u in enumerate(counts[o + 1:o + 1 + c.num_experts]) if u]
+            c.map.hits += len(used)
+            c.map.policy.touch(used)
+            c.stats.hits = c.map.hits
+        return True
+
+    # -- telemetry -------------------------------------------------------------------------
+    def totals(self) -> dict:
+        st = [c.stats for c in self.layers]
+        return {"hits": sum(s.hits for s in st), "misses": sum(s.misses for s in st),
+                "bytes_copied": sum(s.bytes_copied for s in st),
+                "prefetched": sum(s.prefetched for s in st),
+                "prefetch_hits": sum(s.prefetch_hits for s in st),
+                "graph_steps": self.graph_steps, "graph_reruns": self.graph_reruns}
+
+    def reset_stats(self) -> None:
+        """Forget the counts (the engine's start-up profile forward is not traffic)."""
+        for c in self.layers:
+            c.stats = LayerStats()
+            c.map.hits = c.map.misses = 0
+        self.graph_steps = self.graph_reruns = 0
+
+    def layer_hit_rates(self) -> list[float]:
+        return [round(c.stats.hits / max(1, c.stats.hits + c.stats.misses), 4) for c in self.layers]
+
+    def summary(self, tokens: int) -> str:
+        """The CLI stats line's part: hit rate, misses and bytes copied per token."""
+        t = self.totals()
+        rate = t["hits"] / max(1, t["hits"] + t["misses"])
+        per = max(1, tokens)
+        return (f"experts {self.layers[0].num_slots}/{self.layers[0].num_experts} per layer: hit {rate:.1%}, "
+                f"{t['misses'] / per:.1f} misses/tok, {t['bytes_copied'] / per / 2**20:.2f} MiB/tok")

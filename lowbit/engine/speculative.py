@@ -1,0 +1,408 @@
+"""Speculative decoding: draft tokens, verified by the target in the same step as everything else.
+
+A step with speculation, in the engine's three stages:
+1. `plan` (before scheduling): each running request in decode state gets up to k draft slots
+   (`Request.draft_token_ids`; n-gram drafts are the tokens themselves, model drafts are
+   placeholders until step 3), capped by its max_tokens and the context. The scheduler
+   treats them as known, uncomputed tokens: a request's window becomes 1 + k tokens, and
+   requests with and without drafts (prefill chunks, plain decodes) share the step.
+2. `propose` (the runner, after scheduling): drafts cut to the scheduled window; a draft
+   model catches its own KV cache up with the target's tokens and chains k forwards; the MTP
+   head chains from what the last step left (`follow`).
+3. `verify` (the runner, after the target's forward): the target's logits at the last real
+   token and at every draft go through the lossless rule (lowbit.engine.acceptance); the
+   host reads the accepted tokens once. The engine appends them, and rejected drafts' KV
+   slots are rolled back (num_computed_tokens stops before them, BlockManager.trim gives
+   back their blocks; they were never full of computed tokens, so never in the prefix
+   cache). `follow` then runs the MTP layer over the positions this step made real.
+
+Draft KV: a draft model has a pool of its own with the target's block tables (same block
+ids), and tracks per request how many positions it holds. The MTP layer is cache layer
+num_layers of the target's pool. Neither can change what is emitted: drafts are proposals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lowbit.engine.acceptance import accept, draft_tokens
+from lowbit.engine.batch import ForwardBatch
+from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
+from lowbit.engine.request import Request
+from lowbit.errors import LowbitError
+
+NGRAM_MAX, NGRAM_MIN = 3, 1  # suffix lengths prompt lookup tries, longest first
+
+
+@dataclass
+class SpecStats:
+    """Acceptance counters: verify steps of a sequence with drafts, drafts proposed and
+    accepted, and accepted drafts per position (position j: the j-th draft of a step)."""
+
+    num_steps: int = 0
+    num_drafts: int = 0
+    num_accepted: int = 0
+    proposed_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        grow = num_drafts - len(self.proposed_at)
+        if grow > 0:
+            self.proposed_at += [0] * grow
+            self.accepted_at += [0] * grow
+        self.num_steps += 1
+        self.num_drafts += num_drafts
+        self.num_accepted += num_accepted
+        for j in range(num_drafts):
+            self.proposed_at[j] += 1
+            self.accepted_at[j] += j < num_accepted
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step of a sequence: accepted drafts + 1."""
+        return 1 + self.num_accepted / max(self.num_steps, 1)
+
+    @property
+    def accept_rate_per_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+
+    def as_dict(self) -> dict:
+        return {"verify_steps": self.num_steps, "drafts": self.num_drafts, "accepted": self.num_accepted,
+                "mean_accepted_length": self.mean_accepted_length,
+                "accept_rate": self.num_accepted / max(self.num_drafts, 1),
+                "accept_rate_per_position": self.accept_rate_per_position}
+
+
+def expected_rates(accept_through: list[float], verify_s: dict[int, float], draft_s: float) -> list[float]:
+    """The cost model: expected tokens per second of one sequence for k = 0..len(accept_through)
+    drafts. accept_through[j]: measured share of steps whose drafts 0..j were all accepted
+    (SpecStats.accept_rate_per_position); verify_s[T]: seconds of a verify step over T tokens
+    (measured at a few T, linear between them); draft_s: seconds per draft token."""
+    known = sorted(verify_s)
+
+    def verify(t: int) -> float:
+        lo = max((x for x in known if x <= t), default=known[0])
+        hi = min((x for x in known if x >= t), default=known[-1])
+        if hi == lo:
+            return verify_s[lo] if t <= known[-1] else verify_s[lo] * t / lo
+        return verify_s[lo] + (verify_s[hi] - verify_s[lo]) * (t - lo) / (hi - lo)
+
+    gains = [1.0]
+    for a in accept_through:
+        gains.append(gains[-1] + a)
+    return [g / (verify(k + 1) + k * draft_s) for k, g in enumerate(gains)]
+
+
+def choose_draft_length(accept_through: list[float], verify_s: dict[int, float], draft_s: float) -> int:
+    """The k the cost model picks: the most expected tokens per second (0: do not speculate)."""
+    rates = expected_rates(accept_through, verify_s, draft_s)
+    return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+
+def ngram_lookup(ids: list[int], k: int) -> list[int]:
+    """Prompt lookup: the k tokens after the latest earlier occurrence of the longest suffix
+    of `ids` (NGRAM_MAX down to NGRAM_MIN tokens) that occurred before; [] when none did."""
+    for n in range(min(NGRAM_MAX, len(ids) - 1), NGRAM_MIN - 1, -1):
+        suffix, last = ids[-n:], ids[-1]
+        for i in range(len(ids) - n - 1, -1, -1):
+            if ids[i + n - 1] == last and ids[i:i + n] == suffix:
+                return ids[i + n:i + n + k]
+    return []
+
+
+def flat_batch(entries: list[tuple[list[int], int, int]], kv_cache: PagedKVCache,
+               device: torch.device) -> ForwardBatch:
+    """A ForwardBatch over `kv_cache` for (block table, start, new tokens) entries, with the
+    metadata the runner stages for the target (positions, slot mapping, tables, lengths)."""
+    bs = kv_cache.block_size
+    pos: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    for table, start, n in entries:
+        pos += range(start, start + n)
+        slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        starts.append(starts[-1] + n)
+    width = max(len(t) for t, _, _ in entries)
+    tables = torch.full((len(entries), width), kv_cache.scratch_block, dtype=torch.int32)
+    for i, (table, _, _) in enumerate(entries):
+        tables[i, :len(table)] = torch.as_tensor(table, dtype=torch.int32)
+    as_dev = lambda v, dt=torch.long: torch.as_tensor(v, dtype=dt).to(device)
+    return ForwardBatch(as_dev(pos), starts, [s for _, s, _ in entries],
+                        [SeqSlots.build(t, s, n, bs, device) for t, s, n in entries], kv_cache,
+                        as_dev(slots), tables.to(device), as_dev([s + n for _, s, n in entries], torch.int32))
+
+
+@dataclass
+class Drafting:
+    """What `propose` hands a model drafter: scheduled requests, and per request the real
+    tokens in its window and the drafts wanted (0 for prefill chunks)."""
+
+    reqs: list[Request]
+    num_real: list[int]
+    num_drafts: list[int]
+    rows: torch.Tensor  # [B] sampler rows
+    sampling: object  # SamplingState
+    mode: object  # SampleMode of the drafting requests
+
+    def sample(self, logits: torch.Tensor, picks: list[int], j: int) -> tuple[list[int], torch.Tensor | None]:
+        """Draft j of the requests `picks` from logits [len(picks), V]."""
+        sel = torch.as_tensor(picks, device=logits.device)
+        steps = torch.as_tensor([self.reqs[i].num_tokens + j for i in picks], device=logits.device)
+        tokens, q = draft_tokens(logits, self.sampling, self.rows[sel], steps, self.mode)
+        return tokens.tolist(), q
+
+
+class NgramDrafter:
+    needs_hidden = False
+
+    def available(self, req: Request) -> bool:
+        return True
+
+    def plan(self, req: Request, k: int) -> list[int]:
+        return ngram_lookup(req.token_ids, k)
+
+    def propose(self, work: Drafting) -> dict[int, torch.Tensor]:
+        return {}
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A smaller model with the target's tokenizer, in a KV pool of its own."""
+
+    needs_hidden = False
+
+    def __init__(self, model: torch.nn.Module, target_cache: PagedKVCache, device: torch.device) -> None:
+        self.model, self.device = model, device
+        dtype = next(model.parameters()).dtype
+        self.kv_cache = PagedKVCache(model.num_cache_layers, target_cache.num_blocks, target_cache.block_size,
+                                     dtype, device)
+        self.done: dict[str, int] = {}  # request id -> positions this pool holds
+
+    def available(self, req: Request) -> bool:
+        return True
+
+    def plan(self, req: Request, k: int) -> list[int]:
+        return [0] * k
+
+    def release(self, request_id: str) -> None:
+        self.done.pop(request_id, None)
+
+    def propose(self, work: Drafting) -> dict[int, torch.Tensor]:
+        """Catch up with every scheduled request's real tokens, then chain the drafts;
+        returns the draft distributions of sampled drafts ({index: [k, V]})."""
+        entries, ids, last = [], [], {}
+        for i, req in enumerate(work.reqs):
+            start = self.done.setdefault(req.request_id, req.num_computed_tokens)
+            end = req.num_computed_tokens + work.num_real[i]
+            if end > start:
+                entries.append((req.block_table, start, end - start))
+                ids += req.token_ids[start:end]
+                last[i] = len(ids) - 1
+            self.done[req.request_id] = max(start, end)
+        if not entries:
+            return {}
+        hidden = self.model(torch.as_tensor(ids, device=self.device), flat_batch(entries, self.kv_cache, self.device))
+        picks = [i for i in last if work.num_drafts[i]]
+        if not picks:
+            return {}
+        return self._chain(work, picks, self.model.compute_logits(hidden[[last[i] for i in picks]]))
+
+    def _chain(self, work: Drafting, picks: list[int], logits: torch.Tensor | None) -> dict[int, torch.Tensor]:
+        qs: dict[int, list[torch.Tensor]] = {}
+        for j in range(max((work.num_drafts[i] for i in picks), default=0)):
+            picks = [i for i in picks if work.num_drafts[i] > j]
+            tokens, q = work.sample(logits, picks, j)
+            for r, (i, tok) in enumerate(zip(picks, tokens)):
+                work.reqs[i].draft_token_ids[j] = tok
+                if q is not None:
+                    qs.setdefault(i, []).append(q[r])
+            nxt = [i for i in picks if work.num_drafts[i] > j + 1]
+            if not nxt:
+                break
+            entries = [(work.reqs[i].block_table, work.reqs[i].num_tokens + j, 1) for i in nxt]
+            ids = torch.as_tensor([work.reqs[i].draft_token_ids[j] for i in nxt], device=self.device)
+            hidden = self.model(ids, flat_batch(entries, self.kv_cache, self.device))
+            logits, picks = self.model.compute_logits(hidden), nxt
+        return {i: torch.stack(q) for i, q in qs.items()}
+
+
+class MTPDrafter:
+    """DeepSeek-V3's MTP layer, chained for k > 1: draft 1 comes from the layer's output at
+    the last real position (`follow`, after the verify step that made it real), draft j + 1
+    from the layer run again on its own output hidden state and the embedding of draft j."""
+
+    needs_hidden = True
+
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+        if getattr(model, "mtp", None) is None:
+            raise LowbitError("--speculative-method mtp needs a checkpoint with an MTP layer "
+                              "(num_nextn_predict_layers: 1); use ngram or draft for this model")
+        self.model, self.kv_cache, self.device = model, kv_cache, device
+        self.last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (hidden [D], logits [V])
+
+    def available(self, req: Request) -> bool:
+        return req.request_id in self.last
+
+    def plan(self, req: Request, k: int) -> list[int]:
+        return [0] * k
+
+    def release(self, request_id: str) -> None:
+        self.last.pop(request_id, None)
+
+    def _predict(self, hidden: torch.Tensor, next_ids: list[int], entries) -> torch.Tensor:
+        """The MTP layer's output [T, D] at the entries' positions (mtp_forward before its head)."""
+        batch = flat_batch(entries, self.kv_cache, self.device)
+        emb = self.model.model.embed_tokens(torch.as_tensor(next_ids, device=self.device))  # [T, D]
+        return self.model.mtp.predict(hidden, emb, batch)
+
+    def propose(self, work: Drafting) -> dict[int, torch.Tensor]:
+        picks = [i for i, k in enumerate(work.num_drafts) if k]
+        if not picks:
+            return {}
+        hidden = torch.stack([self.last[work.reqs[i].request_id][0] for i in picks])
+        logits = torch.stack([self.last[work.reqs[i].request_id][1] for i in picks])
+        qs: dict[int, list[torch.Tensor]] = {}
+        for j in range(max(work.num_drafts[i] for i in picks)):
+            tokens, q = work.sample(logits, picks, j)
+            for r, (i, tok) in enumerate(zip(picks, tokens)):
+                work.reqs[i].draft_token_ids[j] = tok
+                if q is not None:
+                    qs.setdefault(i, []).append(q[r])
+            keep = [r for r, i in enumerate(picks) if work.num_drafts[i] > j + 1]
+            if not keep:
+                break
+            picks = [picks[r] for r in keep]
+            entries = [(work.reqs[i].block_table, work.reqs[i].num_tokens - 1 + j, 1) for i in picks]
+            hidden = self._predict(hidden[keep], [tokens[r] for r in keep], entries)
+            logits = self.model.compute_logits(hidden)
+        return {i: torch.stack(q) for i, q in qs.items()}
+
+    def follow(self, scheduled: list[tuple[Request, int]], num_real: list[int], batch: ForwardBatch,
+               hidden: torch.Tensor, emitted: dict[str, list[int]]) -> None:
+        """Run the MTP layer over the positions this step made real (its KV there, and draft 1
+        of each request that now decodes); `emitted`: each sampled request's new tokens."""
+        entries, rows, next_ids, ends = [], [], [], []
+        for i, (req, _) in enumerate(scheduled):
+            c, new = req.num_computed_tokens, emitted.get(req.request_id)
+            if new is None:  # a prefill chunk short of the prompt's end
+                m, nxt = num_real[i], req.token_ids[c + 1:c + num_real[i] + 1]
+            else:
+                m, nxt = num_real[i] + len(new) - 1, req.token_ids[c + 1:c + num_real[i]] + new
+            entries.append((req.block_table, c, m))
+            rows += range(batch.query_start[i], batch.query_start[i] + m)
+            next_ids += nxt
+            ends.append(len(next_ids) - 1 if new is not None else None)
+        out = self._predict(hidden[torch.as_tensor(rows, device=self.device)], next_ids, entries)
+        picks = [(req, e) for (req, _), e in zip(scheduled, ends) if e is not None]
+        if picks:
+            logits = self.model.compute_logits(out[[e for _, e in picks]])
+            for r, (req, e) in enumerate(picks):
+                self.last[req.request_id] = (out[e], logits[r])
+
+
+class SpecDecoder:
+    """The engine's speculative decoding: one drafter, k draft tokens, the acceptance rule."""
+
+    def __init__(self, method: str, k: int, drafter, max_model_len: int) -> None:
+        self.method, self.k, self.drafter = method, k, drafter
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] of sampled drafts
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.drafter.needs_hidden
+
+    def plan(self, running: list[Request]) -> None:
+        """Draft slots for every running request in decode state (module docstring, step 1)."""
+        for req in running:
+            k = min(self.k, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
+            decoding = req.num_computed_tokens == req.num_tokens - 1 and req.num_output_tokens > 0
+            ok = decoding and k > 0 and self.drafter.available(req)
+            req.draft_token_ids = self.drafter.plan(req, k) if ok else []
+
+    def propose(self, scheduled: list[tuple[Request, int]], sampling, rows: torch.Tensor, mode) -> None:
+        """Cut drafts to the scheduled windows and let a model drafter fill them (step 2)."""
+        num_real = [min(n, req.num_tokens - req.num_computed_tokens) for req, n in scheduled]
+        for (req, n), real in zip(scheduled, num_real):
+            del req.draft_token_ids[n - real:]
+        work = Drafting([r for r, _ in scheduled], num_real, [len(r.draft_token_ids) for r, _ in scheduled],
+                        rows, sampling, mode)
+        qs = self.drafter.propose(work)
+        self.draft_probs = {work.reqs[i].request_id: q for i, q in qs.items()}
+
+    def verify(self, scheduled: list[tuple[Request, int]], query_start: list[int], hidden: torch.Tensor,
+               model: torch.nn.Module, sampling, rows: torch.Tensor, steps: torch.Tensor, mode):
+        """The target's tokens for every request that caught up (step 3): returns (picks,
+        emitted tokens per pick, logits [P, K1, V] for log-probabilities)."""
+        picks = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n == r.num_known_tokens]
+        ks = [len(scheduled[i][0].draft_token_ids) for i in picks]
+        K, dev = max(ks), hidden.device
+        index = torch.tensor([[query_start[i + 1] - 1 - k + min(j, k) for j in range(K + 1)]
+                              for i, k in zip(picks, ks)])
+        logits = model.compute_logits(hidden[index.view(-1).to(dev)]).view(len(picks), K + 1, -1)
+        drafts = torch.tensor([scheduled[i][0].draft_token_ids + [0] * (K - k) for i, k in zip(picks, ks)],
+                              dtype=torch.long).view(len(picks), K).to(dev)
+        q, sampled = self._draft_probs(scheduled, picks, K, logits.shape[-1], dev)
+        sel = torch.as_tensor(picks, device=dev)
+        tokens, n = accept(logits, drafts, torch.as_tensor(ks, device=dev), sampling, rows[sel], steps[sel],
+                           mode, q, sampled)
+        host = torch.cat((n[:, None], tokens), 1).cpu().tolist()  # the step's one wait
+        emitted = [row[1:row[0] + 2] for row in host]
+        for k, row in zip(ks, host):
+            if k:
+                self.stats.record(k, row[0])
+        return picks, emitted, logits
+
+    def _draft_probs(self, scheduled, picks: list[int], K: int, V: int, dev):
+        ids = [scheduled[i][0].request_id for i in picks]
+        if not K or not any(r in self.draft_probs for r in ids):
+            return None, None
+        q = torch.zeros(len(picks), K, V, device=dev)
+        for b, r in enumerate(ids):
+            if r in self.draft_probs:
+                got = self.draft_probs[r]
+                q[b, :got.shape[0]] = got
+        sampled = torch.tensor([r in self.draft_probs for r in ids], device=dev)
+        return q, sampled
+
+    def follow(self, scheduled: list[tuple[Request, int]], batch: ForwardBatch, hidden: torch.Tensor,
+               emitted: dict[str, list[int]]) -> None:
+        """After a verify step: a drafter that reads the target's hidden states runs over the
+        positions the step made real."""
+        if self.drafter.needs_hidden:
+            num_real = [min(n, r.num_tokens - r.num_computed_tokens) for r, n in scheduled]
+            self.drafter.follow(scheduled, num_real, batch, hidden, emitted)
+
+    def release(self, request_id: str) -> None:
+        self.drafter.release(request_id)
+        self.draft_probs.pop(request_id, None)
+
+
+def make_spec_decoder(config, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
+                      load) -> SpecDecoder | None:
+    """The engine's SpecDecoder from its config (None without speculation); `load(path)`
+    loads a draft model as the engine loads its own."""
+    method = config.speculative_method
+    if method is None:
+        return None
+    if config.parallel:
+        raise LowbitError("speculative decoding runs in one process; drop --speculative-method or "
+                          "the parallel sizes")
+    if method == "ngram":
+        drafter = NgramDrafter()
+    elif method == "mtp":
+        drafter = MTPDrafter(model, kv_cache, device)
+    else:
+        draft = load(config.speculative_model)
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise LowbitError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs "
+                              f"from the target's ({model.config.vocab_size}); give a draft with the "
+                              "same tokenizer")
+        draft.prepare_for_serving()
+        drafter = ModelDrafter(draft, kv_cache, device)
+    return SpecDecoder(method, config.num_draft_tokens, drafter, config.max_model_len)

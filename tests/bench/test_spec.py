@@ -1,0 +1,35 @@
+import json
+
+import pytest
+
+from lowbit.bench.record import csv_text
+from lowbit.bench.spec import HEADERS, table_rows
+from lowbit.cli import main
+
+
+def test_latency_spec_table_and_record(tiny_moe_dir, tmp_path, capsys):
+    """The model drafting for itself: every draft accepted, the same tokens, both arms timed."""
+    rc = main(["bench", "latency", str(tiny_moe_dir), "--spec", "draft", "--speculative-model", str(tiny_moe_dir),
+               "--num-speculative-tokens", "2", "-n", "8", "-r", "2", "--records", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "[latency] tg8 repeat 2/2:" in err
+    assert "| model | method | k | test | plain t/s | spec t/s | speedup | accepted len |" in out
+    (path,) = tmp_path.glob("*latency_spec*.json")
+    rec = json.loads(path.read_text())
+    assert rec["method"] == "draft" and rec["num_speculative_tokens"] == 2
+    (cell,) = rec["cells"]
+    assert cell["same_tokens"] and cell["accept_rate_per_position"] == [1.0, 1.0]
+    assert cell["accepted"] == cell["drafts"] > 0
+    # 8 tokens after the first: 3 + 3 + 2 (the last step drafts 1, for the 2 tokens left)
+    assert cell["mean_accepted_length"] == pytest.approx(8 / 3)
+    assert len(cell["samples_s"]["plain"]) == len(cell["samples_s"]["spec"]) == 2
+    assert cell["speedup"] == cell["tok_s_spec"][0] / cell["tok_s_plain"][0] > 0
+    assert [r["T"] for r in rec["verify"]] == [1, 2, 4, 8] and rec["verify"][0]["ratio"] == 1.0
+    assert all(r["s"] > 0 and len(r["samples_s"]) == 2 for r in rec["verify"])
+    assert "| T (verify tokens, B = 1) | ms | x decode step |" in out
+    model = cell["cost_model"]
+    assert len(model["expected_tok_s"]) == 3 and model["k"] in (0, 1, 2) and model["draft_s_per_token"] >= 0
+    assert "cost model's choice" in out
+    csv = csv_text(HEADERS, table_rows(rec)).splitlines()
+    assert csv[1].split(",")[1:4] == ["draft", "2", "tg8"]

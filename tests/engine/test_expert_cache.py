@@ -1,0 +1,268 @@
+"""Expert offload: greedy outputs through a few device slots equal the resident model's;
+the graph path's miss detection; sizing; flags; telemetry; the routing recorder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit import LLM, SamplingParams
+from lowbit.checkpoint.loader import DeviceFiller
+from lowbit.cli import main as cli_main
+from lowbit.config import EngineConfig
+from lowbit.engine.cuda_graphs import DecodeGraphs
+from lowbit.engine.engine import LLMEngine
+from lowbit.engine.expert_cache import ExpertCache, distinct_slots, plan_slots
+from lowbit.engine.expert_policy import load_trace, simulate
+from lowbit.errors import LowbitError
+from lowbit.formats import FORMATS
+from lowbit.layers.moe import RouterSpec, SparseMoE
+from lowbit.server.metrics import render
+
+PROMPTS = ["Once upon a time", "The river town"]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def demo_resident() -> dict:
+    """Greedy tokens of the resident demo model, per weight format."""
+    return {fmt: _tokens(LLM("demo", device="cpu", kv_cache_tokens=256, quantization=fmt))
+            for fmt in (None, "int4")}
+
+
+@pytest.mark.parametrize("slots,fmt", [(3, None), (2, None), (1, None), (3, "int4")])
+def test_demo_greedy_equal_with_offload(demo_resident, slots, fmt):
+    """The demo model has 8 experts (top-2) per layer: 3, 2 and 1 slots force misses and
+    evictions (two sequences decode together: up to 4 experts a step, run in groups)."""
+    llm = LLM("demo", device="cpu", kv_cache_tokens=256, quantization=fmt, expert_offload=True,
+              expert_cache_slots=slots)
+    assert _tokens(llm) == demo_resident[fmt]
+    cache = llm.engine.expert_cache
+    t, first = cache.totals(), cache.layers[0]
+    assert first.num_slots == slots
+    assert t["misses"] > 0 and t["hits"] > 0
+    assert t["bytes_copied"] > len(cache.layers) * 8 * first.expert_bytes  # more copies than experts: evictions
+    assert all(s.shape[0] == max(slots, 2) for s in first.slots.values())  # at least top-k physical
+    assert not any(p.is_cuda for p in llm.model.parameters())
+
+
+def test_tiny_qwen3_moe_equal_with_offload(tiny_model, make_engine):
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = [[72, 101, 108, 108, 111], [87, 111, 114]]
+    resident = LLM(str(tiny_model), kv_cache_tokens=512, loaded=make_engine().loaded)
+    want = [o.outputs[0].token_ids for o in resident.generate(ids, sp)]
+    offload = LLM(str(tiny_model), kv_cache_tokens=512, expert_offload=True, expert_cache_slots=2,
+                  expert_cache_policy="lru")
+    assert [o.outputs[0].token_ids for o in offload.generate(ids, sp)] == want
+    assert offload.engine.expert_cache.totals()["misses"] > 4  # the tiny model has 4 experts
+
+
+def _moe(fmt: str | None, bias: bool, seed: int) -> SparseMoE:
+    """Six experts of width 32 over a hidden size of 32, random, optionally quantized."""
+    torch.manual_seed(seed)
+    act = dict(activation="swiglu_oai", limit=7.0) if bias else {}
+    moe = SparseMoE(32, 6, 32, RouterSpec(top_k=2), f"layer{seed}", expert_bias=bias, **act)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    if fmt is not None:
+        for name in ("w13", "w2"):
+            moe.experts.set_quantized_weight(name, FORMATS[fmt].quantize(getattr(moe.experts, name).data))
+    return moe
+
+
+@pytest.mark.parametrize("fmt,bias", [(None, True), ("nvfp4", False), ("lut4", False), ("fp8", False)])
+def test_slot_stacks_compute_what_the_resident_stacks_do(fmt, bias):
+    """Per-expert tables (nvfp4: one per expert; lut4: row groups), fp8 scales, expert biases
+    with gpt-oss's activation: two slots of six experts, five tokens (groups of two), and a
+    second layer fed by pre-gating."""
+    layers = torch.nn.ModuleList([_moe(fmt, bias, 0), _moe(fmt, bias, 1)])
+    x = torch.randn(5, 32)
+    inputs = [x] + [x[i:i + 1] for i in range(5)]  # then one token at a time: prefetch runs
+    with torch.inference_mode():
+        want = [m(h) for h in inputs for m in layers]
+        cache = ExpertCache(layers, torch.device("cpu"), offload=True)
+        cache.allocate(2, "lru")
+        got = [m(h) for h in inputs for m in layers]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    t = cache.totals()
+    assert t["misses"] > 6 and t["prefetched"] > 0  # groups evict; layer 0 prefetched for layer 1
+    assert all(s.shape[0] == 2 for s in cache.layers[0].slots.values())
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_slot_stacks_through_the_fused_decode_kernel(monkeypatch, tokens):
+    """The Triton decode route (interpreted) reads nvfp4 slot stacks as it reads the resident
+    stack: one token takes the per-slot gemv on both sides, 16 tokens the expert tiles (whose
+    invariant, at most one slot per expert and token, the masked entries must keep)."""
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_fused_moe_decode")
+    layers = torch.nn.ModuleList([_moe("nvfp4", False, 0)])
+    x = torch.randn(tokens, 32)
+    with torch.inference_mode():
+        want = layers[0](x)
+        cache = ExpertCache(layers, torch.device("cpu"), offload=True, prefetch=False)
+        cache.allocate(2 if tokens > 1 else 4, "lru")
+        got = layers[0](x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_distinct_slots_keeps_each_row_free_of_repeats():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        S, A, T = 5, 3, 7
+        sid = torch.stack([torch.randperm(S, generator=g)[:A] for _ in range(T)]).int()
+        real = torch.rand(T, A, generator=g) < 0.5
+        sid = torch.where(real, sid, torch.full_like(sid, -1))
+        out = distinct_slots(sid, real, S)
+        assert torch.equal(out[real], sid[real])
+        assert all(len(set(row)) == A for row in out.tolist())
+        assert int(out.min()) >= 0 and int(out.max()) < S
+
+
+def test_speculated_layer_counts_misses_on_the_device():
+    """The graph path: no host read, a miss is counted on the device and graph_check
+    sends the step back; with every needed expert resident the output is the fetch path's."""
+    llm = LLM("demo", device="cpu", kv_cache_tokens=64, expert_offload=True, expert_cache_slots=4,
+              expert_prefetch=False)
+    cache = llm.engine.expert_cache
+    moe, layer = cache.moes[0], cache.layers[0]
+    x = torch.randn(1, llm.config.hidden_size)  # top-2: fits the 4 slots
+    with torch.inference_mode():
+        want = moe(x)  # fetch: admits what x routes to
+        hits = layer.stats.hits
+        cache.force_speculate = True
+        got = moe(x)
+        assert cache.graph_check() is True
+        assert layer.stats.hits > hits
+        needed = [e for e in range(8) if int(layer.slot_table[e]) >= 0 and e in layer.map.slot_of]
+        others = [e for e in range(8) if e not in layer.map.slot_of][:4]
+        cache.force_speculate = False
+        layer.admit(others)  # evicts every expert x needs
+        cache.force_speculate = True
+        moe(x)
+        assert cache.graph_check() is False
+        cache.live_rows.fill_(0)  # a bucket's padding rows: their misses do not count
+        moe(x)
+        assert cache.graph_check() is True
+    torch.testing.assert_close(got, want)
+    assert needed and int(layer.misses_dev) == 0  # graph_check resets the device counters
+
+
+class EagerReplay(DecodeGraphs):
+    """A stand-in for the decode graphs on the CPU: each "replay" runs the padded static
+    step eagerly with the expert cache in its graph form. Its tokens are wrong on the CPU
+    (the reference attention reads per-sequence metadata the static batch lacks), so only a
+    rejected replay can leave the engine's output right."""
+
+    cache: ExpertCache
+
+    def ready(self, num_seqs: int, mode=None) -> bool:
+        return self.bucket_for(num_seqs) is not None
+
+    def run(self, num_seqs: int, mode=None):
+        self.cache.force_speculate = True
+        try:
+            logits = self._step(self.bucket_for(num_seqs), mode)
+        finally:
+            self.cache.force_speculate = False
+        return self.tokens[:num_seqs], logits[:num_seqs]
+
+
+def test_a_replay_with_a_miss_reruns_eagerly_with_the_penalty_counts_restored(demo_resident):
+    """One slot for top-2 routing: every replay misses, is discarded (the sampler's
+    repetition counts restored), and the step runs again eagerly: the resident tokens."""
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3)
+    want = [o.outputs[0].token_ids for o in LLM("demo", device="cpu", kv_cache_tokens=256).generate(PROMPTS, sp)]
+    llm = LLM("demo", device="cpu", kv_cache_tokens=256, expert_offload=True, expert_cache_slots=1)
+    r = llm.engine.runner
+    r.graphs = EagerReplay(r.model, r.inputs, r.sampling, r.kv_cache, 4, r.device)
+    r.graphs.cache = cache = llm.engine.expert_cache
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == want
+    assert (cache.graph_steps, cache.graph_reruns) == (0, sp.max_tokens - 1)  # every decode step
+
+
+def test_record_routing_replays_to_the_engine_counts(tmp_path):
+    """The simulator, fed the engine's own trace, reproduces the engine's hits and misses."""
+    path = tmp_path / "trace.jsonl"
+    llm = LLM("demo", device="cpu", kv_cache_tokens=256, expert_offload=True, expert_cache_slots=3,
+              expert_cache_policy="lru", expert_prefetch=False, record_routing=str(path))
+    outs = llm.generate(PROMPTS, GREEDY)
+    cache = llm.engine.expert_cache
+    cache.detach()
+    trace = load_trace(path)
+    assert trace.num_experts == 8 and trace.top_k == 2 and len(trace.moe_layers) == 8
+    assert len(trace.steps) == GREEDY.max_tokens  # one prefill step, then one decode step per token
+    assert len(trace.steps[0][0]) == sum(len(o.prompt_token_ids) for o in outs)
+    assert all(len(tok) == 2 for tok in trace.steps[-1][0]) and len(trace.steps[-1][0]) == 2
+    assert trace.preds[0] is not None and len(trace.preds[0][0]) >= 2
+    sim = simulate(trace, 3, "lru")
+    t = cache.totals()
+    assert (sim.hits, sim.misses) == (t["hits"], t["misses"])
+
+
+def test_metrics_and_bench_record_expose_the_cache():
+    engine = LLMEngine(EngineConfig(model="demo", device="cpu", kv_cache_tokens=64, expert_offload=True,
+                                    expert_cache_slots=2))
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    text = render(engine, "demo")
+    t = engine.expert_cache.totals()
+    assert f'lowbit:expert_cache_misses_total{{model_name="demo"}} {t["misses"]}' in text
+    assert f'lowbit:expert_cache_hits_total{{model_name="demo"}} {t["hits"]}' in text
+    assert f'lowbit:expert_cache_bytes_copied_total{{model_name="demo"}} {t["bytes_copied"]}' in text
+    assert t["bytes_copied"] > 0 and len(engine.expert_cache.layer_hit_rates()) == 8
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(expert_offload=True, expert_cache_slots=0), "positive integer"),
+    (dict(expert_cache_slots=4), "add --expert-offload"),
+    (dict(expert_offload=True, expert_cache_gib=-1.0), "positive number of GiB"),
+    (dict(expert_offload=True, expert_cache_gib=1.0, expert_cache_slots=2), "not both"),
+    (dict(expert_offload=True, tensor_parallel_size=2), "one GPU"),
+])
+def test_bad_flags_say_what_to_do(kw, msg):
+    with pytest.raises(LowbitError, match=msg):
+        EngineConfig(**kw).validate()
+
+
+def test_cli_stats_line_shows_hits_and_misses(capsys):
+    assert cli_main(["generate", "demo", "Once upon a time", "--device", "cpu", "--temperature", "0",
+                     "--max-tokens", "4", "--kv-cache-tokens", "64", "--expert-offload",
+                     "--expert-cache-slots", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "[experts 3/8 per layer: hit " in err and " misses/tok, " in err and " MiB/tok]" in err
+
+
+def test_cli_refuses_slots_without_offload(capsys):
+    assert cli_main(["generate", "demo", "hi", "--device", "cpu", "--expert-cache-slots", "3"]) == 2
+    assert "add --expert-offload" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "demo", "hi", "--expert-offload", "--expert-cache-slots", "many"])
+
+
+def test_plan_slots():
+    cfg = EngineConfig(expert_offload=True, expert_cache_gib=1.0)
+    assert plan_slots(cfg, 48, 128, 2**20, None) == 2**30 // (48 * 2**20)  # 21
+    cfg = EngineConfig(expert_offload=True, gpu_memory_utilization=0.5)
+    assert plan_slots(cfg, 4, 128, 1000, 40_000) == 10
+    assert plan_slots(cfg, 4, 8, 1000, 10**9) == 8  # never more than the experts
+    assert plan_slots(cfg, 4, 8, 1000, None) == 8  # the CPU: host memory is the device's
+    with pytest.raises(LowbitError, match="no room for one expert slot"):
+        plan_slots(cfg, 4, 8, 1000, 3000)
+    assert plan_slots(EngineConfig(expert_offload=True, expert_cache_slots=99), 4, 8, 1000, 0) == 8
+
+
+def test_loader_places_only_routed_expert_stacks_on_the_host():
+    filler = DeviceFiller(torch.nn.Linear(2, 2), "meta", experts_on_host=True)
+    for name in ("w13", "w2", "b13", "b2"):
+        assert filler.device_of(f"model.layers.3.mlp.experts.{name}").type == "cpu"
+    for name in ("model.layers.3.mlp.gate.weight", "model.layers.3.mlp.shared_experts.gate_proj.weight",
+                 "model.embed_tokens.weight"):
+        assert filler.device_of(name).type == "meta"
+    assert DeviceFiller(torch.nn.Linear(2, 2), "meta").device_of("m.experts.w13").type == "meta"
