@@ -207,10 +207,12 @@ class LayerCache:
     def run(self, x: torch.Tensor, slot_ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ex = self.moe.experts
         v13, v2 = self.views["w13"], self.views["w2"]
+        e = self.num_experts  # the resident model's E: the same kernels, the same roundings
         if ex.b13 is None and ex.b2 is None and ex.activation == "silu":
-            return moe_experts(x, slot_ids, w, v13, v2, layer=ex.prefix)
+            return moe_experts(x, slot_ids, w, v13, v2, num_experts=e, layer=ex.prefix)
         return moe_experts(x, slot_ids, w, v13, v2, b13=self.slots.get("b13"), b2=self.slots.get("b2"),
-                           activation=MoeActivation(ex.activation, ex.limit or 0.0), layer=ex.prefix)
+                           activation=MoeActivation(ex.activation, ex.limit or 0.0), num_experts=e,
+                           layer=ex.prefix)
 
     def slot_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self.slot_table[ids.long()]  # [T, A] int32, -1 where not resident

@@ -53,6 +53,13 @@ class MoeCall:
     b13: torch.Tensor | None = None  # [E, 2I]
     b2: torch.Tensor | None = None  # [E, H]
     activation: MoeActivation = SILU
+    num_experts: int | None = None  # the model's E when w13 stacks fewer slots (expert cache)
+
+    @property
+    def experts(self) -> int:
+        """E for the gemv-or-tiles rule: the model's expert count, not the stack's, so that
+        an expert cache's slot stack runs the same kernels (and roundings) as the model."""
+        return self.num_experts or self.w13.lead[0]
 
 
 def _refusal(call: MoeCall) -> str | None:
@@ -104,7 +111,7 @@ def _run(mode: str):
             return fused_moe_hybrid(call.x, call.ids, call.weights, call.w13, mode=mode)
         t, a = call.ids.shape
         extra = dict(b13=call.b13, b2=call.b2, activation=call.activation)
-        if mode == "decode" and t * a < 2 * call.w13.lead[0] and _gemv_fits(call):
+        if mode == "decode" and t * a < 2 * call.experts and _gemv_fits(call):
             return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2, **extra)
         return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode, **extra)
 
@@ -133,11 +140,14 @@ routes.register("moe", routes.Route(
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2,
                 *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                activation: MoeActivation | None = None, layer: str = "") -> torch.Tensor:
+                activation: MoeActivation | None = None, num_experts: int | None = None,
+                layer: str = "") -> torch.Tensor:
     """y [T, H] in x.dtype. See lowbit.kernels for the contract; w13 may also be a
     HybridExperts layout (then w2 is None and the ids index its experts), or w13 and w2
     HybridTensor stacks (quantized per expert group), turned into a layout once. Hybrid
-    layouts take neither expert biases nor an activation other than SiLU (ValueError)."""
+    layouts take neither expert biases nor an activation other than SiLU (ValueError).
+    num_experts: the model's expert count when w13 / w2 stack only some of them (an expert
+    cache's slots), so that the route picks the kernels it would pick for the model."""
     activation = SILU if activation is None else activation
     if isinstance(w13, (HybridTensor, HybridExperts)):
         if b13 is not None or b2 is not None or activation.kind != "silu":
@@ -147,7 +157,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
             w13, w2 = layout_of(w13, w2), None
         return routes.dispatch("moe", MoeCall(x, topk_ids, topk_weights, w13, None), layer)
     call = MoeCall(x, topk_ids, topk_weights, resolve(w13), resolve(w2), b13=b13, b2=b2,
-                   activation=activation)
+                   activation=activation, num_experts=num_experts)
     reason = bias_refusal(x, call.w13, call.w2, b13, b2)
     if reason is not None:
         raise ValueError(f"moe_experts: {reason}")
