@@ -41,6 +41,7 @@ from lowbit.engine.sampling import SamplingParams
 from lowbit.engine.scheduler import Scheduler, SchedulerOutput
 from lowbit.engine.speculative import SpecDecoder, make_spec_decoder
 from lowbit.errors import LowbitError
+from lowbit.kernels import routes
 from lowbit.kernels.routes import check_env
 
 log = logging.getLogger("lowbit")
@@ -170,8 +171,9 @@ class LLMEngine:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        hidden = self.model(ids, batch)
-        self.model.compute_logits(hidden[:self.config.max_num_seqs])
+        with routes.start_up_probe("memory profile, no KV pool yet"):
+            hidden = self.model(ids, batch)
+            self.model.compute_logits(hidden[:self.config.max_num_seqs])
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del hidden
         torch.cuda.empty_cache()

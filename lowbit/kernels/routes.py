@@ -18,6 +18,7 @@ graph capture the Python side runs once, so counts are per captured call, not pe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -163,12 +164,30 @@ def _on_cuda(call: Any) -> bool:
 
 
 _WARNED: set = set()
+_PROBE = threading.local()
+
+
+@contextlib.contextmanager
+def start_up_probe(what: str):
+    """Calls inside are a start-up probe (the engine's memory-profile forward, which has no
+    KV pool yet), not serving: a fallback there is logged at INFO, left out of
+    `warned_fallbacks()` and does not use up the WARNING a serving call would print."""
+    previous, _PROBE.what = getattr(_PROBE, "what", None), what
+    try:
+        yield
+    finally:
+        _PROBE.what = previous
 
 
 def _warn_fallback(op: str, reference: str, refused: list[tuple[str, str]]) -> None:
     """A CUDA call that every fast route refused runs the reference: slow, so say it once
     per (op, reasons) at WARNING (stderr), not only in the counters."""
     key = (op, tuple(refused))
+    probe = getattr(_PROBE, "what", None)
+    if probe is not None:
+        log.info("%s (%s) runs its %s reference route: %s", op, probe, reference,
+                 "; ".join(f"{name}: {reason}" for name, reason in refused))
+        return
     if key in _WARNED:
         return
     _WARNED.add(key)

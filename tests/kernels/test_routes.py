@@ -188,3 +188,32 @@ def test_fp8_decode_is_refused_below_sm89(monkeypatch):
         assert (reason is not None and "8.9" in reason) == refused, case
     monkeypatch.setattr(runtime, "capability", lambda index=0: (9, 0))
     assert runtime.fp8_refusal(x, make_weight("fp8_channel", 8, 64)) is None
+
+
+def test_fallback_warns_once_except_in_a_start_up_probe(monkeypatch, caplog):
+    """A CUDA call that the fast routes refuse warns on stderr once; inside
+    routes.start_up_probe (the engine's memory-profile forward) it is logged at INFO only
+    and the WARNING is still there for the first serving call."""
+    import logging
+    from dataclasses import dataclass as dc
+
+    @dc
+    class Call:
+        forced: bool = False
+
+    monkeypatch.setattr(routes, "_OPS", dict(routes._OPS))
+    monkeypatch.setattr(routes, "_WARNED", set())
+    monkeypatch.setattr(routes, "_on_cuda", lambda call: True)
+    routes.register("probe_op", routes.Route("fast", DEFAULT, "x", lambda c: "shape unsupported", lambda c: 1))
+    routes.register("probe_op", routes.Route("torch", DEFAULT, "ref", lambda c: None, lambda c: 2),
+                    reference=True)
+    caplog.set_level(logging.INFO, logger=routes.log.name)
+    with routes.start_up_probe("memory profile"):
+        assert routes.dispatch("probe_op", Call()) == 2
+    assert routes.warned_fallbacks() == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert routes.dispatch("probe_op", Call()) == 2
+    routes.dispatch("probe_op", Call())
+    assert routes.warned_fallbacks() == ["probe_op: fast: shape unsupported"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "reference route on CUDA (slow)" in warnings[0].getMessage()
