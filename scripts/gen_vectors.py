@@ -242,6 +242,20 @@ def lut_cases(fmt: str) -> list[dict]:
     return out + refusals(fmt)
 
 
+def vq_cases(fmt: str) -> list[dict]:
+    """Common cases, plus codebook entries times 1/8 (vq2 and vq4 recover them exactly
+    through the least-squares scale) and two blocks three decades apart along K."""
+    f = get_format(fmt)
+    picks = torch.arange(64 // f.dim) * 37 % (1 << f.index_bits)
+    entries = f.codebook.float()[picks].reshape(1, 64) * 0.125
+    steps = torch.tensor([[(-1.0) ** i * (1 + i % 3) for i in range(128)]]) * torch.tensor(
+        [1.0] * 64 + [1e-3] * 64)
+    return common(fmt, 64) + [
+        case(fmt, "codebook entries times 1/8", entries),
+        case(fmt, "two blocks three decades apart", steps),
+    ]
+
+
 BUILDERS = {
     "fp8": fp8_cases,
     "fp8-block": fp8_block_cases,
@@ -255,6 +269,9 @@ BUILDERS = {
     "int4-g32": lambda: int4_group_cases("int4-g32", 32),
     "lut4": lambda: lut_cases("lut4"),
     "lut3": lambda: lut_cases("lut3"),
+    "vq2": lambda: vq_cases("vq2"),
+    "vq3": lambda: vq_cases("vq3"),
+    "vq4": lambda: vq_cases("vq4"),
 }
 
 

@@ -1,6 +1,7 @@
 import json
 
 from lowbit.cli import main
+from lowbit.formats import FORMATS
 
 
 def test_generate_prints_text_speed_and_format(tiny_moe_dir, capsys):
@@ -44,7 +45,7 @@ def test_info_counts_parameters(tiny_moe_dir, capsys):
     assert main(["info", str(tiny_moe_dir)]) == 0
     out = capsys.readouterr().out
     assert "qwen3_moe" in out and "active per token" in out and "bytes" in out
-    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[-13:]}  # the per-format table
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[-(len(FORMATS) + 1):]}  # per-format table
     assert set(rows) >= {"bf16", "nvfp4", "nf3", "int4", "fp8"}
     bits = {k: float(v[3]) for k, v in rows.items()}  # tiny widths pad to whole blocks
     assert bits["bf16"] == 16 and 4.5 <= bits["nvfp4"] < 4.8 and bits["nf3"] > 3.25

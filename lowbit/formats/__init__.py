@@ -13,6 +13,7 @@ from lowbit.formats.lut import LutFormat
 from lowbit.formats.mx import Mxfp4Format, Mxfp8Format
 from lowbit.formats.nf import NF3_TABLE, NF4_TABLE, NormalFloatFormat
 from lowbit.formats.nvfp4 import Nvfp4Format
+from lowbit.formats.vq import VQ_FORMATS, VqFormat
 
 FORMATS: dict[str, Format] = {
     f.name: f
@@ -29,11 +30,14 @@ FORMATS: dict[str, Format] = {
         Int4Format(32),
         LutFormat("lut4", 4),
         LutFormat("lut3", 3),
+        *VQ_FORMATS,
     )
 }
 
 # Formats with a LUT view (3- and 4-bit codes into a table, times a block scale).
 SCALAR_FORMATS = ("nvfp4", "mxfp4", "nf4", "nf3", "int4", "int4-g64", "int4-g32", "lut4", "lut3")
+# Vector codebook formats (groups of weights index a fixed codebook; lowbit.formats.vq).
+VQ_FORMAT_NAMES = tuple(f.name for f in VQ_FORMATS)
 
 
 def get_format(name: str) -> Format:
@@ -48,6 +52,8 @@ def get_format(name: str) -> Format:
 __all__ = [
     "FORMATS",
     "SCALAR_FORMATS",
+    "VQ_FORMAT_NAMES",
+    "VqFormat",
     "Format",
     "LutView",
     "QuantizedTensor",

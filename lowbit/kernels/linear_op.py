@@ -9,6 +9,7 @@ Routes, in selection order (see lowbit.kernels.routes; status and record in docs
   triton_lut_gemm    tensor-core tiles with in-register decode, bf16/fp16 activations
   triton_fp8_w8a16   the gemv (M <= 4; forced: gemv to 16, gemm above) on fp8 weights
   triton_fp8_w8a8    fp8 x fp8 tensor-core GEMM with per-token activation scales (sm_89+)
+  triton_vq_gemv     vector codebook (vq2 / vq3 / vq4) GEMV, M <= 4 (M <= 16 forced); OPT_IN
   torch              reference: decode with the format's twin, float32 matmul (dense: F.linear)
 """
 
@@ -23,7 +24,8 @@ from lowbit.kernels import launch, routes
 from lowbit.kernels.dequant_gemm import fmt_key, gemv_refusal, lut_gemm, lut_gemv, reference_linear
 from lowbit.kernels.fp8_gemm import fp8_w8a8, w8a8_refusal
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
-from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, resolve
+from lowbit.kernels.vq_gemv import vq_gemv, vq_gemv_refusal
+from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, VqWeight, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
 
@@ -170,6 +172,16 @@ routes.register("linear", routes.Route(
     "triton_fp8_w8a8", routes.MEASURED_NEGATIVE,
     "50-108 us at 14336x4096 / 4096x14336, M = 1-16: 0.29-0.62x torch bf16, 2.9-5.6x slower "
     "than torch._scaled_mm (docs/BENCHMARKS.md#kernels)", _admit_w8a8, _run_w8a8))
+def _admit_vq_gemv(call: LinearCall) -> str | None:
+    if not call.forced and call.m > AUTO_GEMV_MAX_M:
+        return f"M = {call.m} > {AUTO_GEMV_MAX_M}: not measured faster unless forced"
+    return _common_refusal(call, (VqWeight,)) or vq_gemv_refusal(call.x, call.weight, call.bias)
+
+
+routes.register("linear", routes.Route(
+    "triton_vq_gemv", routes.OPT_IN, "no GPU record yet (vector codebook gemv, M <= 4; "
+    "M <= 16 when forced; tested against its twin in the interpreter)", _admit_vq_gemv,
+    lambda call: vq_gemv(call.x, call.weight, call.bias)))
 routes.register("linear", routes.Route(
     "torch", routes.DEFAULT, "reference (admits every call)", lambda call: None, _run_torch),
     reference=True)

@@ -280,6 +280,8 @@ def torch_act(h: torch.Tensor, activation: MoeActivation | None) -> torch.Tensor
 def moe_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved) -> str | None:
     """Why the fused kernels cannot take these weights, or None."""
     for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, (DenseWeight, LutWeight, Fp8View)):
+            return f"{name} is {type(w).__name__}: no fused MoE kernel reads it"
         if len(w.lead) != 1:
             return f"{name} is not a stack of experts [E, N, K]"
         if isinstance(w, LutWeight) and w.view.table_index is not None and w.view.table_index.stride(-1) != 1:

@@ -8,8 +8,9 @@ A weight reaches `lowbit.kernels.linear` / `moe_experts` as one of
   - an object with `lut_view()` (a 3/4-bit scalar format): `LutView` from
     lowbit.formats.base, w[n,k] = table[ti[n], code[n,k]] * scale(n, k//B) * g + offset(n, k//B);
   - a quantized tensor whose payload holds float8_e4m3fn codes (fp8, fp8-block, mxfp8):
-    `Fp8View`, w[n,k] = code[n,k] * scale(n // block_rows, k // block_cols).
-`resolve()` turns it into a `DenseWeight`, `LutWeight` or `Fp8View`. A `LutWeight` adds what
+    `Fp8View`, w[n,k] = code[n,k] * scale(n // block_rows, k // block_cols);
+  - a quantized tensor in a vector codebook format (vq2, vq3, vq4): `VqWeight`.
+`resolve()` turns it into a `DenseWeight`, `LutWeight`, `Fp8View` or `VqWeight`. A `LutWeight` adds what
 the kernels decide per weight: how to turn a code into a value (a table gather, or
 arithmetic when every table is affine in the code or a multiple of E2M1) with the
 per-table factors. That classification reads the table on the host once per weight
@@ -27,6 +28,7 @@ from torch import Tensor
 from lowbit.errors import LowbitError
 from lowbit.formats.base import LutView, lut_view_decode
 from lowbit.formats.codes import e2m1_table, e8m0_decode
+from lowbit.formats.vq import VqFormat, vq_decode
 
 DECODE_GATHER = 0  # value = table[ti[n], code] (any table)
 DECODE_AFFINE = 1  # value = alpha[t] * (1 + code / 2**bits) + beta[t]
@@ -121,7 +123,43 @@ class LutWeight:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
-Resolved = DenseWeight | LutWeight | Fp8View
+@dataclass
+class VqWeight:
+    """A vector codebook weight (lowbit.formats.vq): codes uint8 [L, N, G * IB / 8], scales
+    bfloat16 [L, N, Kp / 64], codebook float32 [C, D] on the codes' device;
+    w[n, D g + j] = codebook[code[n, g], j] * scale(n, D g // 64)."""
+
+    codes: Tensor
+    scales: Tensor
+    codebook: Tensor
+    index_bits: int
+    name: str
+
+    @property
+    def dim(self) -> int:
+        return self.codebook.shape[-1]
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape[:-2])
+
+    @property
+    def n(self) -> int:
+        return self.codes.shape[-2]
+
+    @property
+    def kp(self) -> int:
+        return self.scales.shape[-1] * 64
+
+    def dense(self, k: int) -> Tensor:
+        return vq_decode(self.codes, self.scales, self.codebook, self.index_bits)[..., :k]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales))
+
+
+Resolved = DenseWeight | LutWeight | Fp8View | VqWeight
 
 
 def concat_rows(weights: list) -> LutWeight | None:
@@ -164,6 +202,8 @@ def expert_dense(w: Resolved, e: int, k: int) -> Tensor:
     if isinstance(w, Fp8View):
         return Fp8View(w.codes[e:e + 1], w.scales[e:e + 1], w.scale_kind, w.block_rows,
                        w.block_cols).dense(k)[0]
+    if isinstance(w, VqWeight):
+        return vq_decode(w.codes[e], w.scales[e], w.codebook, w.index_bits)[:, :k]
     v = w.view
     one = LutView(v.codes[e:e + 1], v.bits, v.block_size, v.table,
                   None if v.table_index is None else v.table_index[e:e + 1], v.scales[e:e + 1],
@@ -230,6 +270,10 @@ def _resolve_uncached(w, decode: str | None) -> Resolved:
     fp8 = _fp8_from_payload(w)
     if fp8 is not None:
         return fp8
+    fmt = getattr(w, "format", None)
+    if isinstance(fmt, VqFormat):
+        cb = fmt.codebook.to(w.payload["codes"].device, torch.float32)
+        return VqWeight(w.payload["codes"], w.payload["scales"], cb, fmt.index_bits, fmt.name)
     if hasattr(w, "lut_view"):
         return _lut_weight(w.lut_view(), decode)
     raise LowbitError(
@@ -250,7 +294,7 @@ def resolve(w, decode: str | None = None) -> Resolved:
 
     decode="gather" forces the table gather even where arithmetic would do (tests, bench).
     """
-    if isinstance(w, (DenseWeight, LutWeight)):
+    if isinstance(w, (DenseWeight, LutWeight, VqWeight)):
         return w
     if isinstance(w, (Tensor, LutView, Fp8View)) or decode is not None:
         return _resolve_uncached(w, decode)

@@ -26,9 +26,8 @@ from torch import Tensor, nn
 from lowbit.checkpoint.quant_plan import plan_quantization, swappable
 from lowbit.errors import LowbitError
 from lowbit.formats import Format, QuantizedTensor
-from lowbit.formats.scalar import ScalarFormat
 from lowbit.quantize.calibrate import HessianSums
-from lowbit.quantize.gptq import gptq_quantize
+from lowbit.quantize.gptq_vq import calibrated_rounding, has_calibrated_rounding
 
 CELLS = 16384  # budget cells over the costliest assignment: rounding loss <= tensors / CELLS of it
 
@@ -129,9 +128,9 @@ def plan_record(tensors: list[TensorChoices], chosen: dict[str, Candidate], bpw:
 
 
 def round_weight(fmt: Format, w: Tensor, h: Tensor | None, damp: float) -> QuantizedTensor:
-    """GPTQ rounding on h for the scalar formats, nearest rounding otherwise."""
-    if h is not None and isinstance(fmt, ScalarFormat):
-        return gptq_quantize(fmt, w, h, damp)
+    """GPTQ rounding on h for the scalar and vector formats, nearest rounding otherwise."""
+    if h is not None and has_calibrated_rounding(fmt):
+        return calibrated_rounding(fmt, w, h, damp)
     return fmt.quantize(w)
 
 

@@ -26,10 +26,10 @@ from lowbit.checkpoint.quant_plan import QuantPlan, swappable
 from lowbit.engine.batch import ForwardBatch
 from lowbit.errors import LowbitError
 from lowbit.formats import QuantizedTensor
-from lowbit.formats.scalar import ScalarFormat
 from lowbit.layers.linear import Linear, set_quantized
 from lowbit.layers.moe import Experts
-from lowbit.quantize.gptq import DAMP, gptq_quantize
+from lowbit.quantize.gptq import DAMP
+from lowbit.quantize.gptq_vq import calibrated_rounding, has_calibrated_rounding
 
 MIN_TOKENS = 32  # an expert routed fewer tokens than this takes its layer's Hessian
 WINDOW = 1024  # tokens per calibration forward pass (at most the model's context)
@@ -155,10 +155,10 @@ def calibrated_quantize(model: nn.Module, plan: QuantPlan, sums: HessianSums,
         fmt = plan.quantized.get(pname)
         if fmt is None:
             continue
-        assert isinstance(fmt, ScalarFormat), f"{pname}: {fmt} has no calibrated rounding"
+        assert has_calibrated_rounding(fmt), f"{pname}: {fmt} has no calibrated rounding"
         w = getattr(mod, attr).data
         if sums.seen(pname):
-            qt = gptq_quantize(fmt, w, sums.mean(pname).to(w.device), damp)
+            qt = calibrated_rounding(fmt, w, sums.mean(pname).to(w.device), damp)
             counts["gptq"] += 1
             if sums.h[pname].dim() == 3:
                 counts["expert_matrices_pooled"] += int((sums.n[pname] < MIN_TOKENS).sum())

@@ -20,7 +20,7 @@ from lowbit.checkpoint.loader import LoadedModel, load_model, parse_dtype
 from lowbit.checkpoint.quant_plan import QuantPlan, plan_quantization, swappable
 from lowbit.checkpoint.tokenizer import Tokenizer
 from lowbit.errors import LowbitError
-from lowbit.formats import SCALAR_FORMATS, Format, get_format
+from lowbit.formats import SCALAR_FORMATS, VQ_FORMAT_NAMES, Format, get_format
 from lowbit.layers.linear import set_quantized
 from lowbit.quantize.allocate import allocate, plan_record, plan_table, round_weight, tensor_choices
 from lowbit.quantize.calibrate import (
@@ -53,9 +53,9 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
     calibration = Calibration.read(calib) if calib is not None else None  # fails before loading
     if not 0 <= damp < 1:
         raise LowbitError(f"--damp {damp}: give a fraction of the mean Hessian diagonal in [0, 1), e.g. 0.01.")
-    if calibration is not None and fmt is not None and fmt not in SCALAR_FORMATS:
+    if calibration is not None and fmt is not None and fmt not in SCALAR_FORMATS + VQ_FORMAT_NAMES:
         get_format(fmt)  # an unknown name says so first
-        raise LowbitError(f"--calib rounds the scalar formats ({', '.join(SCALAR_FORMATS)}); "
+        raise LowbitError(f"--calib rounds the scalar formats and the vector ones ({', '.join(SCALAR_FORMATS + VQ_FORMAT_NAMES)}); "
                           f"{fmt} is not one: drop --calib or pick one of those.")
     path = resolve_model_dir(model)
     max_bytes = parse_size(max_shard_size)
@@ -150,7 +150,7 @@ def _hessians(loaded: LoadedModel, path: Path, formats: list[Format], calibratio
         raise LowbitError(f"--calib {calibration.path} gives {len(ids)} token(s); give more text.")
     t0 = time.perf_counter()
     sums = collect_hessians(loaded.model, plan, ids, device, loaded.config.max_position_embeddings)
-    return sums, {"method": "gptq (scalar formats; nearest for the others)",
+    return sums, {"method": "gptq (scalar and vector formats; nearest for the others)",
                   "calibration": {"file": calibration.path.name, "sha256": calibration.sha256,
                                   "tokens": len(ids)},
                   "hessian_seconds": round(time.perf_counter() - t0, 2)}

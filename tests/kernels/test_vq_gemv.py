@@ -1,0 +1,103 @@
+"""The vector codebook GEMV (lowbit/kernels/vq_gemv.py) against its torch twin, in the
+Triton interpreter, on fresh random payloads between NaN guards, and through the linear door."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.formats import get_format
+from lowbit.kernels import routes
+from lowbit.kernels.linear_op import linear
+from lowbit.kernels.vq_gemv import reference_vq_linear, vq_gemv
+from lowbit.kernels.weights import VqWeight, resolve
+from tests.kernels.cases import guarded, rel_err
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensor ops: a second intra-op thread costs more than it saves (and on a busy
+    machine much more); restore the setting after each test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+GEOMETRIES = {"d4_ib8": (4, 8), "d4_ib12": (4, 12), "d2_ib8": (2, 8)}
+
+
+def random_vq(n: int, k: int, dim: int, bits: int, seed: int, lead: tuple[int, ...] = ()) -> VqWeight:
+    """Random indices, bf16 scales and float32 codebook, each between poisoned guards."""
+    g = torch.Generator().manual_seed(seed)
+    kp = -(-k // 64) * 64
+    groups = kp // dim
+    codes = torch.randint(0, 256, (*lead, n, groups * bits // 8), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(*lead, n, kp // 64, generator=g) + 0.1).to(torch.bfloat16)
+    book = torch.randn(1 << bits, dim, generator=g)
+    return VqWeight(guarded(codes), guarded(scales), guarded(book), bits, "random")
+
+
+@pytest.mark.parametrize("geo", list(GEOMETRIES))
+@pytest.mark.parametrize("m,n,k", [(1, 17, 64), (3, 33, 100), (4, 70, 200), (16, 9, 130)])
+def test_gemv_matches_twin(geo, m, n, k):
+    dim, bits = GEOMETRIES[geo]
+    w = random_vq(n, k, dim, bits, seed=m * 1000 + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    bias = guarded(torch.randn(n)) if m % 2 else None
+    out = torch.full((m, n), float("nan"))
+    y = vq_gemv(x, w, bias, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert rel_err(y, reference_vq_linear(x, w, bias)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_half_activations(dtype):
+    w = random_vq(40, 96, 4, 12, seed=3)
+    x = torch.randn(2, 96).to(dtype)
+    y = vq_gemv(x, w, None, config={"BN": 16, "BG": 16})
+    assert y.dtype == dtype
+    assert rel_err(y, reference_vq_linear(x, w)) < 1e-2
+
+
+def test_gemv_refuses_bad_calls():
+    w = random_vq(8, 64, 4, 8, seed=1)
+    with pytest.raises(ValueError, match="M <= 16"):
+        vq_gemv(torch.randn(17, 64), w)
+    with pytest.raises(ValueError, match="columns"):
+        vq_gemv(torch.randn(1, 65), w)
+    with pytest.raises(ValueError, match="bias"):
+        vq_gemv(torch.randn(1, 64), w, torch.randn(9))
+    with pytest.raises(ValueError, match="stacked"):
+        vq_gemv(torch.randn(1, 64), random_vq(8, 64, 4, 8, seed=1, lead=(2,)))
+
+
+def test_linear_door_routes_vq_weights(monkeypatch):
+    fmt = get_format("vq2")
+    wt = torch.randn(24, 72, generator=torch.Generator().manual_seed(5))
+    qt = fmt.quantize(wt)
+    assert isinstance(resolve(qt), VqWeight)
+    x = torch.randn(3, 72)
+    monkeypatch.delenv("LOWBIT_ROUTE_LINEAR", raising=False)
+    ref = linear(x, qt)  # CPU, unforced: the torch route
+    assert rel_err(ref, x @ qt.dequantize().t()) < 1e-6
+    routes.reset_counters()
+    monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "triton_vq_gemv")
+    y = linear(x, qt, layer="t")
+    assert rel_err(y, ref) < 1e-5
+    assert any(r["route"] == "triton_vq_gemv" and r["calls"] == 1 for r in routes.route_table())
+    with pytest.raises(LowbitError, match="M <= 16"):
+        linear(torch.randn(17, 72), qt)
+    with pytest.raises(LowbitError, match="this route reads VqWeight"):
+        linear(x, get_format("nf4").quantize(wt))
+
+
+def test_moe_kernels_refuse_vq_experts():
+    """No fused MoE kernel reads vector-codebook experts: the admission says so, and the
+    registry's reference route serves them (with the CUDA warning) instead of crashing."""
+    from lowbit.kernels.moe import moe_refusal
+
+    w13, w2 = random_vq(16, 32, 4, 8, seed=1, lead=(3,)), random_vq(32, 8, 4, 8, seed=2, lead=(3,))
+    reason = moe_refusal(torch.randn(2, 32), w13, w2)
+    assert reason is not None and "VqWeight: no fused MoE kernel reads it" in reason
