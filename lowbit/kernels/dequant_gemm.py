@@ -102,6 +102,24 @@ def _bias_col(bias_ptr, e, rows, rmask, N, tw_ptr, pid_m, MOE: tl.constexpr):
 
 
 @triton.jit
+def _publish(ws_ptr, part, val, mask, pid_k, MN, sem_ptr, tile):
+    """Write this split's partial to the workspace [S, M, N] and arrive at the tile's counter
+    (acq_rel: the writes above are visible to whoever sees the count); returns how many
+    had arrived before."""
+    tl.store(ws_ptr + pid_k * MN + part, val, mask=mask)
+    tl.debug_barrier()
+    return tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def _sum_splits(ws_ptr, part, mask, MN, SPLIT_K, acc):
+    """acc + the SPLIT_K partials at part, in split order (deterministic; read from L2)."""
+    for sk in range(SPLIT_K):
+        acc += tl.load(ws_ptr + sk * MN + part, mask=mask, other=0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
 def _word_scales(scales_ptr, wi, srow_off, m2, CPW: tl.constexpr, B: tl.constexpr,
                  SCALE_KIND: tl.constexpr, DECODE: tl.constexpr):
     """float32 [G, BN] scale of each word's block; dense weights have none (1.0)."""
@@ -135,7 +153,7 @@ def _gemv_kernel(
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, MOE: tl.constexpr,
-    SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, COMBINE: tl.constexpr = False,
+    SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, COMBINE: tl.constexpr,
 ):
     # MOE = 1 (expert FC1) / 2 (expert FC2): program axis 2 is a routed slot s (BM = 1);
     # the weight is expert ids[s] of a stack, the activation row is x[s // A] (FC1) or
@@ -289,20 +307,16 @@ def _gemv_kernel(
             y += _bias_col(bias_ptr, e, rows, rmask, N, tw_ptr, pid_m, MOE)
         tl.store(y_ptr + yoff, y.to(y_ptr.dtype.element_ty), mask=ymask)
     elif COMBINE:  # MOE 2: the token's A slots x SPLIT_K partials meet in the workspace
-        part = ms[None, :] * N + rows[:, None]
-        tl.store(ws_ptr + pid_k * M * N + part, y, mask=ymask)
-        tl.debug_barrier()
         tok = pid_m // A
         tile = tok * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        arrived = _publish(ws_ptr, ms[None, :] * N + rows[:, None], y, ymask, pid_k, M * N,
+                           sem_ptr, tile)
         if arrived == SPLIT_K * A - 1:  # the last one sums slot by slot, splits in order
             tot = tl.zeros([BN, 1], tl.float32)
             for slot in range(A):
                 sj = tok * A + slot
-                sl = tl.zeros([BN, 1], tl.float32)
-                for sk in range(SPLIT_K):
-                    sl += tl.load(ws_ptr + sk * M * N + sj * N + rows[:, None],
-                                  mask=rmask[:, None], other=0, cache_modifier=".cg")
+                sl = _sum_splits(ws_ptr, sj * N + rows[:, None], rmask[:, None], M * N, SPLIT_K,
+                                 tl.zeros([BN, 1], tl.float32))
                 if HAS_BIAS:
                     ej = tl.load(ids_ptr + sj).to(tl.int64)
                     sl += _bias_col(bias_ptr, ej, rows, rmask, N, tw_ptr, sj, MOE)
@@ -312,15 +326,10 @@ def _gemv_kernel(
             tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         part = ms[None, :] * N + rows[:, None]
-        tl.store(ws_ptr + pid_k * M * N + part, y, mask=ymask)
-        tl.debug_barrier()
         tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        arrived = _publish(ws_ptr, part, y, ymask, pid_k, M * N, sem_ptr, tile)
         if arrived == SPLIT_K - 1:
-            tot = tl.zeros([BN, BM], tl.float32)
-            for sk in range(SPLIT_K):
-                tot += tl.load(ws_ptr + sk * M * N + part, mask=ymask, other=0,
-                               cache_modifier=".cg")
+            tot = _sum_splits(ws_ptr, part, ymask, M * N, SPLIT_K, tl.zeros([BN, BM], tl.float32))
             if HAS_BIAS:
                 tot += _bias_col(bias_ptr, e, rows, rmask, N, tw_ptr, pid_m, MOE)
             tl.store(y_ptr + yoff, tot.to(y_ptr.dtype.element_ty), mask=ymask)
@@ -388,14 +397,9 @@ def _gemm_kernel(
         tl.store(y_ptr + yoff, acc.to(y_ptr.dtype.element_ty), mask=ymask)
     else:
         part = ms.to(tl.int64)[:, None] * N + rows[None, :]
-        tl.store(ws_ptr + pid_k * M * N + part, acc, mask=ymask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(sem_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        arrived = _publish(ws_ptr, part, acc, ymask, pid_k, M * N, sem_ptr, pid)
         if arrived == SPLIT_K - 1:
-            tot = tl.zeros([BM, BN], tl.float32)
-            for sk in range(SPLIT_K):
-                tot += tl.load(ws_ptr + sk * M * N + part, mask=ymask, other=0,
-                               cache_modifier=".cg")
+            tot = _sum_splits(ws_ptr, part, ymask, M * N, SPLIT_K, tl.zeros([BM, BN], tl.float32))
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[None, :]
             tl.store(y_ptr + yoff, tot.to(y_ptr.dtype.element_ty), mask=ymask)
@@ -538,7 +542,7 @@ def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
         SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
         HAS_BIAS=bias is not None, BM=bm, BN=bn, G=cfg["G"], SPLIT=split > 1,
         ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=0,
-        SWIGLU=False, LIMIT=0.0, ALPHA=0.0,
+        SWIGLU=False, LIMIT=0.0, ALPHA=0.0, COMBINE=False,
         num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 1),
     )

@@ -14,15 +14,7 @@ from lowbit.kernels.vq_gemv import reference_vq_linear, vq_gemv
 from lowbit.kernels.weights import VqWeight, resolve
 from tests.kernels.cases import guarded, rel_err
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensor ops: a second intra-op thread costs more than it saves (and on a busy
-    machine much more); restore the setting after each test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small ops: one thread (conftest)
 
 
 GEOMETRIES = {"d4_ib8": (4, 8), "d4_ib12": (4, 12), "d2_ib8": (2, 8)}

@@ -9,15 +9,7 @@ from lowbit.quantize.gptq_vq import calibrated_rounding, gptq_quantize_vq, has_c
 
 from .test_gptq import K, N, correlated_inputs, output_error
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensor ops: a second intra-op thread costs more than it saves (and on a busy
-    machine much more); restore the setting after each test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small ops: one thread (conftest)
 
 
 @pytest.fixture(scope="module")
