@@ -49,7 +49,11 @@ from lowbit.formats.base import (
 
 VQ_BLOCK = 64  # weights per scale
 CODEBOOK_FILE = Path(__file__).with_name("vq_codebooks.safetensors")
-SEARCH_ROWS = 2048  # groups per chunk of the nearest-entry search
+# groups per chunk of the nearest-entry search: on the CPU a chunk's [rows, C] distances
+# should stay in cache (256 x 4,096 float32 = 4 MB: 2x faster than 2,048 rows, measured on
+# two cores); on a GPU larger chunks mean fewer launches
+SEARCH_ROWS = {"cpu": 256}
+SEARCH_ROWS_DEFAULT = 16384
 SCALE_MAX = 2.0**125  # with every |entry| < 8, no decoded value overflows float32
 
 
@@ -88,14 +92,15 @@ def nearest_entries(x: Tensor, codebook: Tensor) -> Tensor:
     CPU and CUDA agree whatever order their matmuls sum in)."""
     norms = codebook.pow(2).sum(-1)  # [C]
     out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-    for r0 in range(0, x.shape[0], SEARCH_ROWS):
-        xs = x[r0:r0 + SEARCH_ROWS]
+    step = SEARCH_ROWS.get(x.device.type, SEARCH_ROWS_DEFAULT)
+    for r0 in range(0, x.shape[0], step):
+        xs = x[r0:r0 + step]
         two = torch.addmm(norms, xs, codebook.t(), alpha=-2.0).topk(2, -1, largest=False).indices
         two = two.sort(-1).values  # [r, 2], lower index first
         dist = torch.zeros(two.shape, device=x.device)
         for j in range(x.shape[1]):
             dist = dist + (xs[:, j, None] - codebook[two, j]).pow(2)
-        out[r0:r0 + SEARCH_ROWS] = two.gather(-1, (dist[:, 1] < dist[:, 0]).long()[:, None])[:, 0]
+        out[r0:r0 + step] = two.gather(-1, (dist[:, 1] < dist[:, 0]).long()[:, None])[:, 0]
     return out
 
 

@@ -64,12 +64,7 @@ def test_check_names_the_first_changed_token(fixture_run, tmp_path):
 
 
 # the checkpoint as stored, and quantized on load to every format
-# vq3's encode (nearest of 4,096 entries for every group of 4 demo weights, two passes)
-# takes about 130 s on two cores, a tenth of the suite; its bytes are pinned instead by
-# tests/vectors/vq3.json and tests/formats/test_vq.py, and its model path by vq2 / vq4
-# here, which share the decode and the kernels. Every other format is fingerprinted.
-SLOW_TO_ENCODE = {"vq3"}
-DEMO_FORMATS = ["bf16", *(f for f in FORMATS if f not in SLOW_TO_ENCODE)]
+DEMO_FORMATS = ["bf16", *FORMATS]
 
 
 @pytest.mark.parametrize("fmt", DEMO_FORMATS)
