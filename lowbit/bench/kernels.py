@@ -15,9 +15,9 @@
 4. Mixed layouts (moe_mixed): Qwen3-30B-A3B with 16 hot experts nvfp4 and 112 cold nf3 in
    one launch pair; DeepSeek-V3 with its shared expert fused as a slot of weight 1, against
    the routed launch plus the shared MLP as three gemvs.
-5. Router (router): the gate GEMM + top-k at T = 1, 4, 16 for Qwen3-30B-A3B and DeepSeek-V3,
-   two launches (cuBLAS float32 GEMM after the activation's float32 copy, then
-   triton_topk) against one (triton_gate_topk).
+5. Router (router): the gate GEMM + top-k at T = 1, 4, 16, 64 for Qwen3-30B-A3B and
+   DeepSeek-V3: cuBLAS (the activation's float32 copy, the GEMM) + triton_topk, the Triton
+   gate GEMV + triton_topk (two launches, the default), and triton_gate_topk (one launch).
 Times: CUDA-graph replays of back-to-back calls that rotate through weight copies (linear)
 or routings (MoE) holding more bytes than L2, three repeats: median, min and max (GPU
 time, no host launch overhead; the torch expert loop reads ids on the host, so it is timed
@@ -377,22 +377,34 @@ ROUTERS = {"qwen3-30b-a3b": (128, 2048, RouterSpec(8)),
 
 
 def router_section(copy_tbps: float, quick: bool) -> list[dict]:
-    """The router op at T = 1, 4, 16 tokens: the float32 gate GEMM (cuBLAS, after the
-    activation's float32 copy) + triton_topk, against triton_gate_topk (one launch); weights
-    rotate through 8 copies (one per layer, as in a decode step)."""
+    """The router op at T = 1, 4, 16, 64 tokens: cuBLAS (a float32 copy of x, then the GEMM)
+    + triton_topk, against the Triton gate GEMV + triton_topk (the triton_topk route), and
+    triton_gate_topk (one launch) in its one-warp and its four-warp shapes; weights rotate
+    through 8 copies (one per layer, as in a decode step)."""
     rows = []
     models = {"tiny": (16, 64, RouterSpec(2))} if SMOKE else ROUTERS
     for model, (e, d, spec) in models.items():
         gates = [torch.randn(e, d, device=DEV) * 0.02 for _ in range(1 if SMOKE else 8)]
         bias = torch.rand(e, device=DEV) * 0.1 if spec.scoring == "sigmoid" else None
-        for t in (1, 4, 16):
+        four_warps = dict(BE=min(16, triton.next_power_of_2(triton.cdiv(e, 32))), num_warps=4)
+        four_warps["BD"] = max(64, 2048 // four_warps["BE"])
+
+        def cublas(call):
+            call.logits = gate_logits(call.x, call.gate_w, call.gate_b)
+            return router_op._run_triton(call)
+
+        impls = (("cuBLAS GEMM + triton_topk", cublas),
+                 ("gate GEMV + triton_topk", router_op._run_triton),
+                 ("triton_gate_topk", router_op._run_fused),
+                 ("triton_gate_topk 4 warps", functools.partial(router_op._run_fused, config=four_warps)))
+        for t in (1, 4, 16, 64):
             x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
             ref = reference_route(gate_logits(x, gates[0]), spec, bias)
             base = None
-            for impl, fn in (("gate GEMM + triton_topk", router_op._run_triton),
-                             ("triton_gate_topk", router_op._run_fused)):
-                calls = [functools.partial(fn, router_op.RouterCall(None, spec, bias, x=x, gate_w=g))
-                         for g in gates]
+            for impl, fn in impls:
+                if t > router_op.FUSED_MAX_TOKENS and "gate_topk" in impl:
+                    continue
+                calls = [functools.partial(_route_call, fn, spec, bias, x, g) for g in gates]
                 ids, w = calls[0]()
                 err = (w - ref[1]).abs().max().item() + float(not torch.equal(ids, ref[0]))
                 tm = timed(calls)
@@ -400,6 +412,10 @@ def router_section(copy_tbps: float, quick: bool) -> list[dict]:
                 rows.append(_row("router", model, t, impl, tm, e * d * 4, copy_tbps, err, base))
                 print(_fmt(rows[-1]), flush=True)
     return rows
+
+
+def _route_call(fn, spec, bias, x, gate_w):
+    return fn(router_op.RouterCall(None, spec, bias, x=x, gate_w=gate_w))
 
 
 def _row(kind, shape, m, impl, t, nbytes, copy_tbps, err, base) -> dict:

@@ -24,7 +24,10 @@ launch except the grid bounds named below):
       lengths. Split size = ceil(visible / S) rounded up to BN, from the device length;
       splits past the end write (m = -inf, l = 0). S == 1: the program writes the output.
       S is a run-time argument (as the table width grows, S changes without a recompile).
-  _decode_reduce_kernel grid (B, H). Merges the S partial (acc, m, l) and the sink.
+      S > 1: each split writes its partial (acc, m, l), then arrives at the (b, kh) counter
+      (acq_rel); the split that arrives last merges the S partials of its G heads and the
+      sinks, writes the output and resets the counter (FOLD: no second launch).
+  _decode_reduce_kernel grid (B, H). The same merge as a launch of its own (FOLD off).
   _prefill_kernel       grid (B, ceil(max_q / TPB), Hkv). Rows of a tile are TPB query
       tokens x G heads (row r: token r // G, head r % G), so K/V are read once per kv head;
       causal and window masks per row; keys loop from the window's start to the tile's
@@ -42,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.kernels import launch
+from lowbit.kernels.dequant_gemm import _semaphore
 from lowbit.kernels.runtime import (
     interpreting,
     sm_count,
@@ -194,11 +199,11 @@ def _finish(acc, m_i, l_i, sinks_ptr, h, hmask, HAS_SINKS: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, sinks_ptr, out_ptr, part_ptr, ml_ptr,
-    qk_scale, window, S, stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
+    sem_ptr, qk_scale, window, S, stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
     stride_bt, stride_ot, stride_oh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
+    BN: tl.constexpr, DIRECT: tl.constexpr, FOLD: tl.constexpr, SP: tl.constexpr,
+    FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -233,23 +238,32 @@ def _decode_split_kernel(
         optr = out_ptr + b * stride_ot + h[:, None] * stride_oh + d[None, :]
         tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=qmask)
     else:
-        row = (b * (G * tl.num_programs(1)) + h) * S + sp  # [GP] partial index (b, h, sp)
+        H = G * tl.num_programs(1)
+        row = (b * H + h) * S + sp  # [GP] partial index (b, h, sp)
         tl.store(part_ptr + row[:, None] * BD + d[None, :], acc, mask=qmask)
         tl.store(ml_ptr + row * 2, m_i, mask=gmask)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=gmask)
+        if FOLD:  # the split that arrives last for (b, kh) merges its G heads: no reduce launch
+            tl.debug_barrier()
+            tile = b * tl.num_programs(1) + kh
+            arrived = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == S - 1:
+                for gi in range(G):
+                    _merge_head(part_ptr, ml_ptr, sinks_ptr, out_ptr, b, kh * G + gi, H, S,
+                                stride_ot, stride_oh, D, BD, SP, HAS_SINKS)
+                tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _decode_reduce_kernel(part_ptr, ml_ptr, sinks_ptr, out_ptr, S, stride_ot, stride_oh,
-                          H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr,
-                          HAS_SINKS: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+def _merge_head(part_ptr, ml_ptr, sinks_ptr, out_ptr, b, h, H, S, stride_ot, stride_oh,
+                D: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """out[b, h] from the S partial (acc, m, l) of head h and its sink (partials read from L2:
+    other programs wrote them)."""
     s = tl.arange(0, SP)
     smask = s < S
     row = (b * H + h) * S + s
-    m_s = tl.load(ml_ptr + row * 2, mask=smask, other=float("-inf"))
-    l_s = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0)
+    m_s = tl.load(ml_ptr + row * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
     m_all = tl.max(m_s, 0)  # finite: split 0 always holds the last key
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
@@ -257,12 +271,21 @@ def _decode_reduce_kernel(part_ptr, ml_ptr, sinks_ptr, out_ptr, S, stride_ot, st
     w = tl.math.exp2(m_s - m_all)  # 0 for empty splits (m = -inf)
     d = tl.arange(0, BD)
     dmask = d < D
-    acc = tl.load(part_ptr + row[:, None] * BD + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    acc = tl.load(part_ptr + row[:, None] * BD + d[None, :], mask=smask[:, None] & dmask[None, :],
+                  other=0.0, cache_modifier=".cg")
     num = tl.sum(acc * w[:, None], 0)  # [BD]
     den = tl.sum(l_s * w, 0)
     if HAS_SINKS:
         den += tl.math.exp2(sink - m_all)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, (num / den).to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_ptr, ml_ptr, sinks_ptr, out_ptr, S, stride_ot, stride_oh,
+                          H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr,
+                          HAS_SINKS: tl.constexpr):
+    _merge_head(part_ptr, ml_ptr, sinks_ptr, out_ptr, tl.program_id(0), tl.program_id(1), H, S,
+                stride_ot, stride_oh, D, BD, SP, HAS_SINKS)
 
 
 @triton.jit
@@ -368,15 +391,18 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
     part = torch.empty(B * H * S * BD if S > 1 else 1, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * H * S * 2 if S > 1 else 1, dtype=torch.float32, device=q.device)
     sinks_arg = sinks if sinks is not None else seq_lens
-    _decode_split_kernel[(B, Hkv, S)](
-        q, *kv, block_tables, seq_lens, sinks_arg, out, part, ml, qk_scale, win, S,
+    fold = S > 1 and cfg.get("FOLD", True)
+    sem = _semaphore(q.device, B * Hkv) if fold else seq_lens
+    SP = triton.next_power_of_2(S)
+    launch.run(_decode_split_kernel, (B, Hkv, S),
+        q, *kv, block_tables, seq_lens, sinks_arg, out, part, ml, sem, qk_scale, win, S,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BD=BD, BS=pool.block_size, BN=cfg["BN"],
-        DIRECT=S == 1, **flags, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if S > 1:
-        _decode_reduce_kernel[(B, H)](part, ml, sinks_arg, out, S, out.stride(0), out.stride(1), H=H, D=D,
-                                      BD=BD, SP=triton.next_power_of_2(S),
-                                      HAS_SINKS=sinks is not None, num_warps=4)
+        DIRECT=S == 1, FOLD=fold, SP=SP, **flags, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    if S > 1 and not fold:
+        launch.run(_decode_reduce_kernel, (B, H), part, ml, sinks_arg, out, S, out.stride(0),
+                   out.stride(1), H=H, D=D, BD=BD, SP=SP, HAS_SINKS=sinks is not None, num_warps=4)
     return out
 
 

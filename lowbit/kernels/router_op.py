@@ -14,13 +14,17 @@ ids come in descending choice order.
 
 Routes, in selection order:
   triton_gate_topk  (MEASURED_NEGATIVE: 3-7x slower than the two launches below on the
-                H200) T <= 16 tokens: the gate GEMV and the top-k in one launch. Programs
-                own (token, block of BE experts) and write that block's logits to a
-                workspace; the program that arrives last for a token (a per-token counter,
-                reset after use) ranks the whole row as triton_topk does. No host read.
-  triton_topk   one program per token row: scores over E, group mask, top-k by repeated
-                argmax (ties to the lowest index), renormalize, scale; no host read
-                (graph-safe). Refuses E > 1024, top_k > 16, non-float32 logits.
+                H200, in its four-warp form) T <= 16 tokens: the gate GEMV and the top-k in
+                one launch. Programs own (token, block of BE experts) and write that block's
+                logits to a workspace; the program that arrives last for a token (a
+                per-token counter, reset after use) ranks the whole row as triton_topk does.
+                No host read.
+  triton_topk   the gate logits by _gate_gemv_kernel for T <= 64 tokens (x read in its own
+                dtype: no float32 copy, one launch instead of cuBLAS's copy + GEMV + reduce;
+                above 64 tokens one cuBLAS GEMM), then one program per token row: scores over
+                E, group mask, top-k by repeated argmax (ties to the lowest index),
+                renormalize, scale; no host read (graph-safe). Refuses E > 1024,
+                top_k > 16, non-float32 logits.
   torch         reference: torch.topk over the float32 scores (admits every call)
 """
 
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels import routes
+from lowbit.kernels import launch, routes
 from lowbit.kernels.dequant_gemm import _semaphore
 from lowbit.kernels.runtime import tl, triton, triton_refusal
 
@@ -159,6 +163,39 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_t, scaling,
 
 
 @triton.jit
+def _gate_rows(x_ptr, stride_x, t, tmask, gw_ptr, gb_ptr, es, emask, D,
+               BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, HAS_GB: tl.constexpr):
+    """float32 logits [BT, BE] of token rows t [BT] for experts es [BE]: x read in its own
+    dtype, products and sums in float32, D in steps of BD (each weight tile read once for
+    the BT tokens)."""
+    acc = tl.zeros([BT, BE], tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        dm = d < D
+        xv = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + d[None, :],
+                     mask=tmask[:, None] & dm[None, :], other=0).to(tl.float32)
+        wv = tl.load(gw_ptr + es.to(tl.int64)[:, None] * D + d[None, :],
+                     mask=emask[:, None] & dm[None, :], other=0)
+        acc += tl.sum(xv[:, None, :] * wv[None, :, :], 2)
+    if HAS_GB:
+        acc += tl.load(gb_ptr + es, mask=emask, other=0)[None, :]
+    return acc
+
+
+@triton.jit
+def _gate_gemv_kernel(x_ptr, gw_ptr, gb_ptr, out_ptr, T, D, E, stride_x,
+                      BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, HAS_GB: tl.constexpr):
+    """Program (tb, eb): logits [T, E] float32 of tokens tb * BT .. + BT, experts eb * BE .. + BE."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    es = tl.program_id(1) * BE + tl.arange(0, BE)
+    tmask = t < T
+    emask = es < E
+    lg = _gate_rows(x_ptr, stride_x, t, tmask, gw_ptr, gb_ptr, es, emask, D, BT, BE, BD, HAS_GB)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * E + es[None, :], lg,
+             mask=tmask[:, None] & emask[None, :])
+
+
+@triton.jit
 def _gate_topk_kernel(x_ptr, gw_ptr, gb_ptr, ws_ptr, sem_ptr, bias_ptr, ids_ptr, w_ptr,
                       D, E, NB, stride_x, scaling,
                       BE: tl.constexpr, BD: tl.constexpr, HAS_GB: tl.constexpr,
@@ -166,24 +203,16 @@ def _gate_topk_kernel(x_ptr, gw_ptr, gb_ptr, ws_ptr, sem_ptr, bias_ptr, ids_ptr,
                       A: tl.constexpr, BA: tl.constexpr, TOPK_GROUP: tl.constexpr,
                       SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                       TOP2: tl.constexpr):
-    """Program (t, b): logits of token t for experts b * BE .. + BE (x read in its own dtype,
-    products and sums in float32, D in steps of BD) into ws [T, E]; the NB-th program of
-    token t to arrive ranks ws[t] (same rule as _router_kernel) and resets its counter."""
-    t = tl.program_id(0).to(tl.int64)
+    """Program (t, b): logits of token t for experts b * BE .. + BE into ws [T, E]; the NB-th
+    program of token t to arrive ranks ws[t] (same rule as _router_kernel) and resets its
+    counter."""
+    t = tl.program_id(0)
     es = tl.program_id(1) * BE + tl.arange(0, BE)
     emask = es < E
-    acc = tl.zeros([BE, BD], tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        dm = d < D
-        xv = tl.load(x_ptr + t * stride_x + d, mask=dm, other=0).to(tl.float32)
-        wv = tl.load(gw_ptr + es.to(tl.int64)[:, None] * D + d[None, :],
-                     mask=emask[:, None] & dm[None, :], other=0)
-        acc += wv * xv[None, :]
-    lg = tl.sum(acc, 1)
-    if HAS_GB:
-        lg += tl.load(gb_ptr + es, mask=emask, other=0)
-    tl.store(ws_ptr + t * E + es, lg, mask=emask)
+    one = tl.arange(0, 1) + t
+    lg = _gate_rows(x_ptr, stride_x, one, one >= 0, gw_ptr, gb_ptr, es, emask, D, 1, BE, BD, HAS_GB)
+    t = t.to(tl.int64)
+    tl.store(ws_ptr + t * E + es[None, :], lg, mask=emask[None, :])
     tl.debug_barrier()
     arrived = tl.atomic_add(sem_ptr + t, 1, sem="acq_rel", scope="gpu")
     if arrived == NB - 1:
@@ -272,7 +301,55 @@ def _outputs(T: int, A: int, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(T, A, dtype=torch.float32, device=device))
 
 
+GEMV_MAX_TOKENS = 64
+
+
+def _gemv_refusal(call: RouterCall) -> str | None:
+    """Why the gate logits of this call come from cuBLAS (a float32 copy of x, then the
+    GEMM) rather than _gate_gemv_kernel, or None."""
+    if call.x is None:
+        return "logits were made by the caller"
+    x, gw, gb = call.x, call.gate_w, call.gate_b
+    if x.shape[0] > GEMV_MAX_TOKENS:
+        return f"{x.shape[0]} tokens > {GEMV_MAX_TOKENS}: one cuBLAS GEMM"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.stride(-1) != 1:
+        return f"x is {x.dtype} with column stride {x.stride(-1)} (the kernel reads unit-stride rows)"
+    if gw.dtype != torch.float32 or not gw.is_contiguous() or gw.shape[1] != x.shape[1]:
+        return f"gate weight {gw.dtype} {tuple(gw.shape)} is not a contiguous float32 [E, {x.shape[1]}]"
+    if gb is not None and (gb.dtype != torch.float32 or not gb.is_contiguous()):
+        return "gate bias is not a contiguous float32 [E]"
+    return None
+
+
+def gemv_config(T: int, E: int, D: int) -> dict:
+    """Launch shape of _gate_gemv_kernel: 2 experts a program (64 programs a token row at
+    E = 128), up to 4 tokens sharing each weight tile, a [BT, BE, BD] product of <= 8,192
+    float32 over 4 warps (16 loads in flight a thread)."""
+    bt = min(4, triton.next_power_of_2(max(T, 1)))
+    be = 2
+    bd = max(64, min(triton.next_power_of_2(D), 8192 // (bt * be)))
+    return dict(BT=bt, BE=be, BD=bd, num_warps=4)
+
+
+def triton_gate_logits(x: torch.Tensor, gate_w: torch.Tensor, gate_b: torch.Tensor | None,
+                       config: dict | None = None) -> torch.Tensor:
+    """x [T, D] (bf16 / fp16 / fp32) -> [T, E] float32 logits in one launch, no copy of x."""
+    T, D = x.shape
+    E = gate_w.shape[0]
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return out
+    cfg = config or gemv_config(T, E, D)
+    launch.run(_gate_gemv_kernel, (triton.cdiv(T, cfg["BT"]), triton.cdiv(E, cfg["BE"])),
+        x, gate_w, gate_w if gate_b is None else gate_b, out, T, D, E, x.stride(0),
+        BT=cfg["BT"], BE=cfg["BE"], BD=cfg["BD"], HAS_GB=gate_b is not None,
+        num_warps=cfg["num_warps"])
+    return out
+
+
 def _run_triton(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
+    if call.logits is None and _gemv_refusal(call) is None:
+        call.logits = triton_gate_logits(call.x, call.gate_w, call.gate_b)
     logits, spec = call.rows(), call.spec
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -282,7 +359,7 @@ def _run_triton(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
         return ids, w
     bias = logits if call.bias is None else call.bias.float().contiguous()
     consts = _rank_consts(spec, E, call.bias is not None)
-    _router_kernel[(T,)](
+    launch.run(_router_kernel, (T,),
         logits, bias, ids, w, logits.stride(0), float(spec.scaling), **consts,
         num_warps=4 if consts["G"] * consts["BGS"] >= 512 else 1)
     return ids, w
@@ -296,35 +373,33 @@ def _admit_fused(call: RouterCall) -> str | None:
         return "logits were made by the caller (the fused route makes them from x)"
     if call.x.shape[0] > FUSED_MAX_TOKENS:
         return f"{call.x.shape[0]} tokens > {FUSED_MAX_TOKENS}: one cuBLAS GEMM, then triton_topk"
-    reason = _refusal(call)
-    if reason is not None:
-        return reason
-    x, gw = call.x, call.gate_w
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.stride(-1) != 1:
-        return f"x is {x.dtype} with column stride {x.stride(-1)} (the kernel reads unit-stride rows)"
-    if gw.dtype != torch.float32 or not gw.is_contiguous() or gw.shape[1] != x.shape[1]:
-        return f"gate weight {gw.dtype} {tuple(gw.shape)} is not a contiguous float32 [E, {x.shape[1]}]"
-    if call.gate_b is not None and (call.gate_b.dtype != torch.float32 or not call.gate_b.is_contiguous()):
-        return "gate bias is not a contiguous float32 [E]"
-    return None
+    return _refusal(call) or _gemv_refusal(call)
 
 
-def _run_fused(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_config(E: int, D: int, spec: RouterSpec) -> dict:
+    """Launch shape of _gate_topk_kernel: 2 experts a program, one warp when the ranking
+    tail fits it (its repeated arg-max is then warp shuffles, with no shared-memory round
+    trips), 1,024 columns a step."""
+    wide = max(spec.n_group, 1) * triton.next_power_of_2(E // max(spec.n_group, 1)) >= 512
+    return dict(BE=2, BD=max(64, min(triton.next_power_of_2(D), 1024)), num_warps=4 if wide else 1)
+
+
+def _run_fused(call: RouterCall, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     x, gw, spec = call.x, call.gate_w, call.spec
     T, D = x.shape
     E = gw.shape[0]
     ids, w = _outputs(T, spec.top_k, x.device)
     if T == 0:
         return ids, w
-    be = min(16, triton.next_power_of_2(triton.cdiv(E, 32)))  # about 32 programs per token
-    nb = triton.cdiv(E, be)
+    cfg = config or fused_config(E, D, spec)
+    nb = triton.cdiv(E, cfg["BE"])
     ws = torch.empty(T, E, dtype=torch.float32, device=x.device)
     bias = ws if call.bias is None else call.bias.float().contiguous()
-    _gate_topk_kernel[(T, nb)](
+    launch.run(_gate_topk_kernel, (T, nb),
         x, gw, gw if call.gate_b is None else call.gate_b, ws, _semaphore(x.device, T), bias,
-        ids, w, D, E, nb, x.stride(0), float(spec.scaling), BE=be, BD=max(64, 2048 // be),
+        ids, w, D, E, nb, x.stride(0), float(spec.scaling), BE=cfg["BE"], BD=cfg["BD"],
         HAS_GB=call.gate_b is not None, **_rank_consts(spec, E, call.bias is not None),
-        num_warps=4)
+        num_warps=cfg["num_warps"])
     return ids, w
 
 

@@ -76,7 +76,7 @@ def _sinks(on: bool, h: int) -> torch.Tensor | None:
 def test_paged_decode_matches_twin(heads, window, sinks, kv):
     H, Hkv, D = heads
     kv_dtype = FP8 if kv == "fp8" else torch.bfloat16
-    cases = (([40], 1, None), ([1, 17, 40], 3, dict(BN=16)), ([33, 5], 4, dict(BN=16)))
+    cases = (([40], 1, None), ([1, 17, 40], 3, dict(BN=16)), ([33, 5], 4, dict(BN=16, FOLD=False)))
     for i, (lens, splits, cfg) in enumerate(cases):
         pool, tables = make_pool(lens, Hkv, D, kv_dtype, torch.bfloat16, seed=i)
         q = torch.randn(len(lens), H, D).bfloat16()
@@ -87,6 +87,25 @@ def test_paged_decode_matches_twin(heads, window, sinks, kv):
         ref = reference_paged_attention(q, pool, tables, list(range(len(lens) + 1)), lens, D ** -0.5,
                                         window, sk)
         assert rel_err(out, ref) < TOL[torch.bfloat16], (lens, splits)
+
+
+def test_folded_merge_resets_its_counters():
+    """The last split of each (sequence, kv head) merges the partials; its counter goes back
+    to 0, or the next call would never find its last split and leave the output unwritten
+    (poisoned rows stay NaN). Folded and separate-launch merges agree."""
+    H, Hkv, D = HEADS[-1]
+    lens = [70, 3, 129]
+    pool, tables = make_pool(lens, Hkv, D, torch.bfloat16, torch.bfloat16, seed=11)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ref = None
+    for fold in (True, True, False):
+        q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(5)).bfloat16()
+        out = poisoned(len(lens), H, D, dtype=torch.bfloat16)
+        paged_decode(q, pool, tables, seq_lens, D ** -0.5, None, _sinks(True, H), out=out,
+                     num_splits=5, config=dict(BN=16, FOLD=fold))
+        assert not out.float().isnan().any()
+        ref = out if ref is None else ref
+        assert rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.parametrize("heads", HEADS)

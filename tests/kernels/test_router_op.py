@@ -193,3 +193,47 @@ def test_fused_gate_topk_admission():
     assert "contiguous float32" in reason(x, gw.bfloat16())
     assert "contiguous float32" in reason(x, gw.t().contiguous().t())
     assert "made by the caller" in reason(None, logits=torch.randn(3, 16))
+
+
+@pytest.mark.parametrize("T,E,D,xdtype", [(1, 128, 2048, torch.bfloat16), (5, 60, 200, torch.float32),
+                                          (17, 256, 96, torch.float16), (64, 8, 72, torch.bfloat16)])
+def test_triton_gate_logits_matches_the_float32_gemm(T, E, D, xdtype):
+    """_gate_gemv_kernel: fresh random x / weight / bias over odd shapes (T not a multiple of
+    the 4-token tile, E odd multiples of the 2-expert block, D not a power of two); the
+    output starts as NaN so that an unwritten logit fails."""
+    g = torch.Generator().manual_seed(T * 7 + E + D)
+    x = torch.randn(T, D, generator=g).to(xdtype)
+    gw, gb = torch.randn(E, D, generator=g) * 0.1, torch.randn(E, generator=g)
+    for bias in (gb, None):
+        got = router_op.triton_gate_logits(x, gw, bias)
+        want = gate_logits(x, gw, bias)
+        assert got.dtype == torch.float32 and got.shape == (T, E)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    cfg = router_op.gemv_config(T, E, D)
+    out = torch.full((T, E), float("nan"))
+    router_op._gate_gemv_kernel[(-(-T // cfg["BT"]), -(-E // cfg["BE"]))](
+        x, gw, gb, out, T, D, E, x.stride(0), BT=cfg["BT"], BE=cfg["BE"], BD=cfg["BD"], HAS_GB=True)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, gate_logits(x, gw, gb), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("T", [1, 6, 65])
+def test_triton_topk_route_from_x(forced, T):
+    """route(x, ...) on the triton_topk route: the logits come from the Triton gate GEMV up
+    to 64 tokens and from the float32 GEMM above; the ids and weights match the reference."""
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 48, generator=g).bfloat16()
+    gw = torch.randn(32, 48, generator=g) * 0.3
+    assert (router_op._gemv_refusal(router_op.RouterCall(None, RouterSpec(4), None, x=x, gate_w=gw))
+            is None) == (T <= router_op.GEMV_MAX_TOKENS)
+    ids, w = router_op.route(x, gw, None, RouterSpec(4))
+    want_ids, want_w = reference_route(gate_logits(x, gw), RouterSpec(4))
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=0, atol=1e-5)
+
+
+def test_fused_config_one_warp_unless_the_row_is_wide():
+    assert router_op.fused_config(128, 2048, RouterSpec(8))["num_warps"] == 1
+    assert router_op.fused_config(256, 7168, RouterSpec(8, "sigmoid", True, 8, 4))["num_warps"] == 1
+    assert router_op.fused_config(1024, 4096, RouterSpec(8))["num_warps"] == 4
+    assert router_op.fused_config(128, 2048, RouterSpec(8))["BD"] == 1024
