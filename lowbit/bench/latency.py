@@ -30,7 +30,7 @@ from lowbit import LLM, SamplingParams
 from lowbit.bench.expert_cache import h2d_bandwidth
 from lowbit.bench.record import md_table
 from lowbit.bench.stats import mean_sd
-from lowbit.bench.step_profile import format_profile, profile_decode
+from lowbit.bench.step_profile import format_profile, profile_decode, profile_prefill
 from lowbit.config import EngineConfig
 from lowbit.distributed import engine_model
 from lowbit.errors import LowbitError
@@ -300,6 +300,8 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
     mem = peak_memory(s.device)
     profiles = [p for b in batches if (p := _timed(f"profile of decode steps x{b}", profile_decode,
                                                     s.llm.engine, b)) is not None]
+    pre = _timed(f"profile of a {max(prompt)}-token prefill", profile_prefill, s.llm.engine, max(prompt))
+    profiles += [pre] if pre is not None else []
     bw = copy_bandwidth(s.device)
     return {"kind": "latency", "model": cfg.config if cfg.random_weights else cfg.model,
             "weight_format": s.llm.loaded.weight_format, "device": s.device,

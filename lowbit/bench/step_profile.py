@@ -11,6 +11,9 @@ sampling, the token read-back) and reports per step:
   overhead        step_us / kernel_us: 1.0 when the GPU runs back to back; the host and the
                   gaps between kernels account for the rest
   top             the ten kernels with the most GPU time per step (name, count, us)
+`profile_prefill(engine, tokens)` does the same for one prompt of `tokens` tokens (the
+engine's own prefill steps, chunked as the scheduler chunks them; kernels are summed over
+the whole prompt, and `batch` is the prompt length).
 It needs CUDA (CUPTI); elsewhere it returns None.
 """
 
@@ -69,7 +72,48 @@ def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64) ->
             "top": top}
 
 
+def profile_prefill(engine, tokens: int = 512, repeats: int = 2) -> dict | None:
+    if engine.device.type != "cuda":
+        return None
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompt = [(13 * j + 5) % engine.arch.vocab_size for j in range(tokens)]
+
+    def run() -> None:
+        engine.add_request(prompt, sp)
+        while engine.has_unfinished():
+            engine.step()
+
+    run()  # first-use compiles outside the timing
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / repeats
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = _kernel_events(prof)
+    names, times = Counter(), Counter()
+    for e in kernels:
+        names[e.name] += 1
+        times[e.name] += e.device_time
+    busy = sum(times.values())
+    layers = engine.arch.num_layers
+    top = [(n[:80], names[n], times[n]) for n, _ in times.most_common(12)]
+    return {"batch": tokens, "steps": 1, "kernels": len(kernels), "per_layer": len(kernels) / layers,
+            "kernel_us": busy, "step_us": 1e6 * wall, "overhead": 1e6 * wall / max(busy, 1e-9),
+            "top": top, "prefill": True}
+
+
 def format_profile(p: dict) -> str:
+    if p.get("prefill"):
+        head = (f"prefill of {p['batch']} tokens: {p['kernels']:.0f} kernels "
+                f"({p['per_layer']:.1f} per layer), kernels {p['kernel_us']:.0f} us, wall "
+                f"{p['step_us']:.0f} us ({p['overhead']:.2f}x the kernel time)")
+        rows = [f"    {n:<80} x{c:<6.1f} {t:8.1f} us" for n, c, t in p["top"]]
+        return "\n".join([head, *rows])
     head = (f"B={p['batch']}: {p['kernels']:.0f} kernels per step ({p['per_layer']:.1f} per layer), "
             f"kernels {p['kernel_us']:.0f} us, step {p['step_us']:.0f} us "
             f"({p['overhead']:.2f}x the kernel time)")
