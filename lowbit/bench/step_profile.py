@@ -76,10 +76,11 @@ def profile_prefill(engine, tokens: int = 512, repeats: int = 2) -> dict | None:
     if engine.device.type != "cuda":
         return None
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    prompt = [(13 * j + 5) % engine.arch.vocab_size for j in range(tokens)]
+    runs = iter(range(1 << 30))
 
-    def run() -> None:
-        engine.add_request(prompt, sp)
+    def run() -> None:  # a new prompt each time, so that no prefix of it is cached
+        r = next(runs)
+        engine.add_request([(13 * j + 7 * r + 5) % engine.arch.vocab_size for j in range(tokens)], sp)
         while engine.has_unfinished():
             engine.step()
 

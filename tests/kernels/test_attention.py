@@ -76,7 +76,7 @@ def _sinks(on: bool, h: int) -> torch.Tensor | None:
 def test_paged_decode_matches_twin(heads, window, sinks, kv):
     H, Hkv, D = heads
     kv_dtype = FP8 if kv == "fp8" else torch.bfloat16
-    cases = (([40], 1, None), ([1, 17, 40], 3, dict(BN=16)), ([33, 5], 4, dict(BN=16, FOLD=False)))
+    cases = (([40], 1, None), ([1, 17, 40], 3, dict(BN=16)), ([33, 5], 4, dict(BN=16, FOLD=True)))
     for i, (lens, splits, cfg) in enumerate(cases):
         pool, tables = make_pool(lens, Hkv, D, kv_dtype, torch.bfloat16, seed=i)
         q = torch.randn(len(lens), H, D).bfloat16()

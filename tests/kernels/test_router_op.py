@@ -217,6 +217,18 @@ def test_triton_gate_logits_matches_the_float32_gemm(T, E, D, xdtype):
     torch.testing.assert_close(out, gate_logits(x, gw, gb), rtol=1e-5, atol=1e-4)
 
 
+def test_gate_gemv_admission_by_size():
+    def refused(T, E, D):
+        call = router_op.RouterCall(None, RouterSpec(4), None, x=torch.randn(T, D).bfloat16(),
+                                    gate_w=torch.randn(E, D))
+        return router_op._gemv_refusal(call)
+
+    assert refused(64, 128, 2048) is None  # Qwen3-30B-A3B: 2**24
+    assert refused(16, 256, 7168) is None  # DeepSeek-V3 up to 16 tokens
+    assert "cuBLAS" in refused(64, 256, 7168)
+    assert "cuBLAS" in refused(65, 8, 16)
+
+
 @pytest.mark.parametrize("T", [1, 6, 65])
 def test_triton_topk_route_from_x(forced, T):
     """route(x, ...) on the triton_topk route: the logits come from the Triton gate GEMV up
