@@ -242,7 +242,8 @@ def _decode_split_kernel(
     else:
         H = G * tl.num_programs(1)
         row = (b * H + h) * S + sp  # [GP] partial index (b, h, sp)
-        tl.store(part_ptr + row[:, None] * BD + d[None, :], acc, mask=qmask)
+        # an empty split (past the end) writes m = -inf, l = 0 and no acc: the merge skips it
+        tl.store(part_ptr + row[:, None] * BD + d[None, :], acc, mask=qmask & (start < end))
         tl.store(ml_ptr + row * 2, m_i, mask=gmask)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=gmask)
         if FOLD:  # the split that arrives last for (b, kh) merges its G heads: no reduce launch
@@ -273,7 +274,8 @@ def _merge_head(part_ptr, ml_ptr, sinks_ptr, out_ptr, b, h, H, S, stride_ot, str
     w = tl.math.exp2(m_s - m_all)  # 0 for empty splits (m = -inf)
     d = tl.arange(0, BD)
     dmask = d < D
-    acc = tl.load(part_ptr + row[:, None] * BD + d[None, :], mask=smask[:, None] & dmask[None, :],
+    live = smask & (m_s > float("-inf"))  # empty splits wrote no acc
+    acc = tl.load(part_ptr + row[:, None] * BD + d[None, :], mask=live[:, None] & dmask[None, :],
                   other=0.0, cache_modifier=".cg")
     num = tl.sum(acc * w[:, None], 0)  # [BD]
     den = tl.sum(l_s * w, 0)
@@ -391,6 +393,8 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
     BD = max(16, triton.next_power_of_2(D))
     kv, strides, flags, qk_scale, win = _common(q, pool, scale, window, sinks)
     part = torch.empty(B * H * S * BD if S > 1 else 1, dtype=torch.float32, device=q.device)
+    if interpreting():  # tests: a partial the merge reads but no split wrote shows up as NaN
+        part.fill_(float("nan"))
     ml = torch.empty(B * H * S * 2 if S > 1 else 1, dtype=torch.float32, device=q.device)
     sinks_arg = sinks if sinks is not None else seq_lens
     fold = S > 1 and cfg.get("FOLD", False)
