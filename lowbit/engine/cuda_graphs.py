@@ -15,7 +15,8 @@ is captured at its first decode step in a mode, so a run pays only for what it u
 
 A graph replays kernels with the arguments they had at capture, so it is only correct for
 a model whose layers read the batch through those tensors alone: a model says so with
-`supports_cuda_graphs = True`, and the decode attention route must be graph-safe
+`supports_cuda_graphs = True`, and the decode route of the attention op it calls (its
+`attention_op`: `attention`, or `latent_attention` for MLA) must be graph-safe
 (lowbit.kernels.attention_op.decode_graph_refusal). Each capture's warm-up step runs with
 torch's sync debug mode set to error: a layer that reads device values on the host makes
 that bucket run eagerly, with the reason as a WARNING (stderr), instead of breaking the
@@ -50,7 +51,7 @@ def graphs_wanted(model: torch.nn.Module, device: torch.device, enforce_eager: b
         return "not on CUDA"
     if not getattr(model, "supports_cuda_graphs", False):
         return f"{type(model).__name__} reads per-sequence Python metadata in its attention"
-    return decode_graph_refusal()
+    return decode_graph_refusal(getattr(model, "attention_op", "attention"))
 
 
 class DecodeGraphs:

@@ -1,4 +1,4 @@
-"""The `kv_write` and `attention` ops over the paged KV cache, through the route registry.
+"""The `kv_write`, `attention` and `latent_attention` ops over the KV cache, through the route registry.
 
 Shape legend: T new tokens, B sequences, H/Hkv heads, Dk/Dv head dims, R pool rows.
   kv_write(k, v, pool, slot_mapping)      k [T, Hkv, Dk], v [T, Hkv, Dv] -> pool rows slot_mapping [T]
@@ -13,6 +13,14 @@ Routes of `attention`, in selection order (status and record in docs/ROUTES.md):
                          lengths, so decode graphs are off while it serves decode steps (on CUDA
                          only when forced, or when every Triton route refuses: then a warning)
 `kv_write` has one route, torch (index_copy_: no host read, graph-safe).
+Routes of `latent_attention` (MLA over the latent cache, lowbit.layers.attention):
+  triton_latent_decode   decode steps over a paged pool: the step's latent written by kv_write
+                         (slot mapping), then lowbit.kernels.latent's split-KV kernel and reduce,
+                         heads of one sequence sharing each latent tile; graph-safe
+  torch                  reference: per sequence, the cache's `update` and float32 attention
+                         over the gathered latent; host lengths (prefill and mixed steps)
+`decode_graph_refusal(op)` says whether a captured decode step of a model calling `op` for
+its attention would run a graph-safe route.
 """
 
 from __future__ import annotations
@@ -31,12 +39,17 @@ from lowbit.kernels.attention import (
     reference_latent_attention,
     reference_paged_attention,
 )
+from lowbit.kernels.latent import MAX_LATENT, MAX_ROPE_DIM, latent_decode
 from lowbit.kernels.runtime import capability, triton_refusal
 
 BENCH = "docs/BENCHMARKS.md#attention"
 ENGINE_RECORD = ("docs/BENCHMARKS.md#decode-graph (engine tg at the Qwen3-30B-A3B shape, H200: the torch "
                  "route kept decode eager at 15.1 tok/s bf16; with this route graphs capture: 224-235)")
 GRAPH_SAFE_DECODE = ("triton_paged_decode", "triton_paged")  # routes a captured decode may run
+GRAPH_SAFE_LATENT_DECODE = ("triton_latent_decode",)
+LATENT_RECORD = ("docs/BENCHMARKS.md#decode-graph (DeepSeek-V2-Lite bf16, H200: the torch route keeps "
+                 "decode eager at 13.4 tok/s, 61.8 ms a step for 5.0 ms of kernels; this route is what "
+                 "lets the step be captured; its own engine record is still to be taken)")
 MAX_HEAD_DIM = 256
 
 
@@ -206,7 +219,11 @@ def _run_latent_torch(call: LatentCall) -> torch.Tensor:
         s, e = batch.query_start[b], batch.query_start[b + 1]
         start = batch.context_lens[b]
         if batch.kv_cache is not None:
-            kb, pb = batch.kv_cache.update(call.layer_idx, batch.cache_slots[b], start,
+            slot = batch.cache_slots[b]
+            if slot is None:  # a CUDA graph's static batch: its warm-up turns the bucket eager
+                raise RuntimeError("the torch latent_attention route reads per-sequence host slots, "
+                                   "which a step that must not synchronize does not carry")
+            kb, pb = batch.kv_cache.update(call.layer_idx, slot, start,
                                            call.c_kv[s:e, None], call.k_pe[s:e, None])  # [S, 1, C], [S, 1, Dr]
             kb, pb = kb[:, 0], pb[:, 0]
         else:
@@ -216,9 +233,42 @@ def _run_latent_torch(call: LatentCall) -> torch.Tensor:
     return out
 
 
+def _admit_latent_decode(call: LatentCall) -> str | None:
+    q, batch = call.q_lat, call.batch
+    reason = triton_refusal(q, call.forced)
+    if reason is not None:
+        return reason
+    if not batch.mode.is_decode:
+        return "not a decode step (prefill and mixed steps run the torch route)"
+    cache = batch.kv_cache
+    if batch.slot_mapping is None or batch.block_tables is None or batch.seq_lens is None \
+            or not hasattr(cache, "layer_pool"):
+        return "the batch carries no paged KV pool (a contiguous cache)"
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or call.q_pe.dtype != q.dtype:
+        return f"queries are {q.dtype} / {call.q_pe.dtype}"
+    if cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        return f"KV pool is {cache.dtype}, queries are {q.dtype}"
+    if cache.dtype == torch.float8_e4m3fn and q.is_cuda and capability(q.device.index or 0) < (8, 9):
+        return "fp8 KV needs compute capability 8.9 or newer"
+    if q.shape[-1] > MAX_LATENT or call.q_pe.shape[-1] > MAX_ROPE_DIM:
+        return f"latent {q.shape[-1]} > {MAX_LATENT} or rope dims {call.q_pe.shape[-1]} > {MAX_ROPE_DIM}"
+    return None
+
+
+def _run_latent_decode(call: LatentCall) -> torch.Tensor:
+    """Write the step's latent at the slot mapping (device-side), then the split-KV kernel."""
+    batch, layer = call.batch, f"layers.{call.layer_idx}.attn"
+    c_kv, k_pe = call.c_kv[:, None], call.k_pe[:, None]  # [T, 1, C], [T, 1, Dr]
+    pool = KVPool(*batch.kv_cache.layer_pool(call.layer_idx, c_kv, k_pe))
+    kv_write(c_kv, k_pe, pool, batch.slot_mapping, layer=layer)
+    return latent_decode(call.q_lat, call.q_pe, pool, batch.block_tables, batch.seq_lens, call.scale)
+
+
 routes.register("latent_attention", routes.Route(
-    "torch", routes.DEFAULT, "reference (admits every call; a Triton latent kernel is missing, so "
-    "DeepSeek decodes without CUDA graphs)", lambda call: None, _run_latent_torch), reference=True)
+    "triton_latent_decode", routes.DEFAULT, LATENT_RECORD, _admit_latent_decode, _run_latent_decode))
+routes.register("latent_attention", routes.Route(
+    "torch", routes.DEFAULT, "reference (admits every call; host lengths: decode graphs are off "
+    "while it serves decode steps)", lambda call: None, _run_latent_torch), reference=True)
 
 
 def latent_attention(call: LatentCall, *, layer: str = "") -> torch.Tensor:
@@ -237,18 +287,21 @@ def paged_attention(call: AttentionCall, *, layer: str = "") -> torch.Tensor:
     return routes.dispatch("attention", call, layer)
 
 
-def decode_graph_refusal() -> str | None:
-    """Why a captured decode step would not run a graph-safe attention route, or None.
-    Admission is per call; this answers for the routes the registry could pick."""
-    forced = routes.forced_name("attention")
+def decode_graph_refusal(op: str = "attention") -> str | None:
+    """Why a captured decode step would not run a graph-safe route of `op` (`attention`, or
+    `latent_attention` for MLA models), or None. Admission is per call; this answers for the
+    routes the registry could pick."""
+    safe = {"attention": GRAPH_SAFE_DECODE, "latent_attention": GRAPH_SAFE_LATENT_DECODE}[op]
+    env = f"{routes.ENV_PREFIX}{op.upper()}"
+    forced = routes.forced_name(op)
     if forced is not None:
-        if forced in GRAPH_SAFE_DECODE:
+        if forced in safe:
             return None
-        return f"LOWBIT_ROUTE_ATTENTION={forced} is not a graph-safe decode route"
-    for route in routes.ops()["attention"].routes:
+        return f"{env}={forced} is not a graph-safe decode route"
+    for route in routes.ops()[op].routes:
         if route.status == routes.DEFAULT:
-            if route.name in GRAPH_SAFE_DECODE:
+            if route.name in safe:
                 return None
             break
-    return ("decode attention runs the torch route, which reads host lengths "
-            f"(force LOWBIT_ROUTE_ATTENTION={GRAPH_SAFE_DECODE[-1]} to capture decode graphs)")
+    return (f"decode {op} runs the torch route, which reads host lengths "
+            f"(force {env}={safe[-1]} to capture decode graphs)")

@@ -1,0 +1,194 @@
+"""MLA decode over the paged latent cache (lowbit/kernels/latent.py) against its twin, and
+the `latent_attention` op's routes: admission, the cache write, graph safety.
+
+Pools are poisoned with NaN before the writes (a read past a sequence's end shows) and so
+are outputs (an unwritten element shows). Blocks are handed out shuffled, so tables are not
+monotonic. Head counts are not multiples of the head block, latent widths not powers of
+two, lengths cross blocks and tiles and leave some splits empty. The twin computes in
+float32 from the pool's stored values (fp8: the same codes and scales), so the error is the
+kernel's rounding of P to the KV dtype before the PV product.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lowbit.engine.batch import ForwardBatch  # noqa: E402
+from lowbit.engine.kv_cache import ContiguousKVCache  # noqa: E402
+from lowbit.engine.paged_cache import PagedKVCache  # noqa: E402
+from lowbit.engine.speculative import flat_batch  # noqa: E402
+from lowbit.errors import LowbitError  # noqa: E402
+from lowbit.kernels import attention_op, routes  # noqa: E402
+from lowbit.kernels.attention import FP8, KVPool, reference_kv_write  # noqa: E402
+from lowbit.kernels.latent import latent_decode, reference_latent_decode  # noqa: E402
+from lowbit.kernels.runtime import interpreting  # noqa: E402
+from tests.kernels.cases import poisoned, rel_err  # noqa: E402
+
+BS = 16
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 on the CPU")
+
+
+def make_latent_pool(seq_lens: list[int], C: int, Dr: int, kv_dtype: torch.dtype, dtype: torch.dtype,
+                     seed: int) -> tuple[KVPool, torch.Tensor]:
+    """A NaN-poisoned one-head pool (c_kv [R, 1, C], k_pe [R, 1, Dr]) holding each
+    sequence's tokens, and its block tables (shuffled blocks, padding names a spare one)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // BS) for n in seq_lens]
+    num_blocks = sum(need) + 2
+    rows = (num_blocks + 1) * BS
+    fp8 = kv_dtype == FP8
+    pool = KVPool(poisoned(rows, 1, C, dtype=kv_dtype), poisoned(rows, 1, Dr, dtype=kv_dtype), BS,
+                  poisoned(rows, 1, dtype=torch.float32) if fp8 else None,
+                  poisoned(rows, 1, dtype=torch.float32) if fp8 else None)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(seq_lens), max(need) + 1), num_blocks, dtype=torch.int32)
+    for b, n in enumerate(need):
+        tables[b, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n)
+        slots = tables[b][pos // BS].long() * BS + pos % BS
+        reference_kv_write(torch.randn(n, 1, C, generator=g).to(dtype),
+                           torch.randn(n, 1, Dr, generator=g).to(dtype), pool, slots)
+    return pool, tables
+
+
+CASES = (([40], 1, None), ([1, 17, 40, 5], 3, dict(BN=16)), ([33, 9], 4, dict(BN=16)))
+
+
+@pytest.mark.parametrize("dtype,kv", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8),
+                                      (torch.float32, torch.float32)])
+@pytest.mark.parametrize("heads", [(20, 40, 12), (3, 18, 6)])  # H, C, Dr
+def test_latent_decode_matches_twin(dtype, kv, heads):
+    H, C, Dr = heads
+    for i, (lens, splits, cfg) in enumerate(CASES):
+        pool, tables = make_latent_pool(lens, C, Dr, kv, dtype, seed=i)
+        g = torch.Generator().manual_seed(100 + i)
+        q_lat = torch.randn(len(lens), H, C, generator=g).to(dtype)
+        q_pe = torch.randn(len(lens), H, Dr, generator=g).to(dtype)
+        out = poisoned(len(lens), H, C, dtype=dtype)
+        scale = 0.3
+        latent_decode(q_lat, q_pe, pool, tables, torch.tensor(lens, dtype=torch.int32), scale, out=out,
+                      num_splits=splits, config=cfg)
+        ref = reference_latent_decode(q_lat, q_pe, pool, tables, lens, scale)
+        assert rel_err(out, ref) < TOL[dtype], (lens, splits)
+
+
+def test_deepseek_shape_with_strided_queries():
+    """C = 512, Dr = 64, H = 16 (DeepSeek-V2-Lite), queries as non-contiguous views, and the
+    default split count and tile config."""
+    lens = [70, 3]
+    pool, tables = make_latent_pool(lens, 512, 64, torch.bfloat16, torch.bfloat16, seed=7)
+    g = torch.Generator().manual_seed(8)
+    q_lat = torch.randn(16, 2, 512, generator=g).bfloat16().transpose(0, 1)  # [B, H, C], stride_h != C
+    q_pe = torch.randn(2, 16, 80, generator=g).bfloat16()[..., 8:72]
+    out = latent_decode(q_lat, q_pe, pool, tables, torch.tensor(lens, dtype=torch.int32), 0.07)
+    ref = reference_latent_decode(q_lat, q_pe, pool, tables, lens, 0.07)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+# -- the op ----------------------------------------------------------------------------------
+C, DR, H = 24, 8, 5
+
+
+def _paged_cache(kv: torch.dtype) -> PagedKVCache:
+    """A one-layer pool of 8 blocks of 4, poisoned before any write."""
+    cache = PagedKVCache(1, num_blocks=8, block_size=4, dtype=kv, device="cpu")
+    pool = cache.layer_pool(0, torch.empty(0, 1, C), torch.empty(0, 1, DR))
+    for t in pool:
+        if isinstance(t, torch.Tensor):
+            t.fill_(float("nan"))
+    return cache
+
+
+def _step(cache, entries, seed: int, dtype=torch.float32):
+    """A latent call for (block table, cached, new) entries over the cache, fresh inputs."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(n for _, _, n in entries)
+    batch = flat_batch(entries, cache, "cpu") if isinstance(cache, PagedKVCache) else \
+        ForwardBatch.build([n for _, _, n in entries], [s for _, s, _ in entries], None, cache)
+    return attention_op.LatentCall(torch.randn(T, H, C, generator=g).to(dtype),
+                                   torch.randn(T, H, DR, generator=g).to(dtype),
+                                   torch.randn(T, C, generator=g).to(dtype),
+                                   torch.randn(T, DR, generator=g).to(dtype), batch, 0, 0.25)
+
+
+@pytest.mark.parametrize("kv", [torch.float32, FP8])
+def test_decode_route_writes_and_reads_like_the_torch_route(kv, monkeypatch):
+    """Prompts of 6 and 9 tokens prefill through the torch route; a decode step through the
+    forced Triton route then stores the same pool values (fp8: codes and scales) as the torch
+    route's `update`, and returns its output."""
+    cache = _paged_cache(kv)
+    tables = [[5, 1, 7], [0, 3, 6]]
+    monkeypatch.delenv("LOWBIT_ROUTE_LATENT_ATTENTION", raising=False)
+    attention_op.latent_attention(_step(cache, [(tables[0], 0, 6), (tables[1], 0, 9)], seed=1))
+    call = _step(cache, [(tables[0], 6, 1), (tables[1], 9, 1)], seed=2)
+    assert call.batch.mode.is_decode
+    want = attention_op.latent_attention(call)
+    live = [t for t in (cache.k[0], cache.v[0], cache.k_scale[0], cache.v_scale[0]) if t is not None]
+    stored = [t.clone() for t in live]
+    for t in live:
+        t.view(torch.uint8)[call.batch.slot_mapping] = 255  # the rows the step writes: NaN again
+    monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "triton_latent_decode")
+    routes.reset_counters()
+    got = attention_op.latent_attention(call)
+    ran = {(c["op"], c["route"]) for c in routes.counters()["route_calls"]}
+    assert ran == {("latent_attention", "triton_latent_decode"), ("kv_write", "torch")}
+    for a, b in zip(live, stored):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert rel_err(got, want) < 1e-5
+
+
+def test_latent_route_admission_reasons(monkeypatch):
+    route = {r.name: r for r in routes.ops()["latent_attention"].routes}["triton_latent_decode"]
+    cache = _paged_cache(torch.float32)
+    call = _step(cache, [([0, 1], 5, 1), ([2], 2, 1)], seed=3)
+    call.forced = True
+    assert route.admit(call) is None
+    call.forced = False
+    assert "TRITON_INTERPRET=1 and a forced route" in route.admit(call)
+    prefill = _step(cache, [([0, 1], 0, 6)], seed=4)
+    mixed = _step(cache, [([0, 1], 5, 1), ([2], 0, 3)], seed=5)
+    contiguous = _step(ContiguousKVCache(1, 2, 16), [(None, 5, 1), (None, 2, 1)], seed=6)
+    wide = _step(cache, [([0, 1], 5, 1)], seed=7, dtype=torch.float64)
+    bf16 = _step(cache, [([0, 1], 5, 1)], seed=8, dtype=torch.bfloat16)
+    for c in (prefill, mixed, contiguous, wide, bf16):
+        c.forced = True
+    assert "not a decode step" in route.admit(prefill)
+    assert "not a decode step" in route.admit(mixed)
+    assert "no paged KV pool" in route.admit(contiguous)
+    assert "queries are torch.float64" in route.admit(wide)
+    assert route.admit(bf16) == "KV pool is torch.float32, queries are torch.bfloat16"
+    status = {r.name: r.status for r in routes.ops()["latent_attention"].routes}
+    assert status == {"triton_latent_decode": routes.DEFAULT, "torch": routes.DEFAULT}
+    monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "triton_latent_decode")
+    with pytest.raises(LowbitError, match="not a decode step"):
+        attention_op.latent_attention(prefill)
+
+
+def test_graph_safety_of_the_latent_op(monkeypatch):
+    monkeypatch.delenv("LOWBIT_ROUTE_LATENT_ATTENTION", raising=False)
+    monkeypatch.delenv("LOWBIT_ROUTE_ATTENTION", raising=False)
+    assert attention_op.decode_graph_refusal("latent_attention") is None  # the DEFAULT route is safe
+    monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "torch")
+    reason = attention_op.decode_graph_refusal("latent_attention")
+    assert "LOWBIT_ROUTE_LATENT_ATTENTION=torch is not a graph-safe decode route" == reason
+    assert attention_op.decode_graph_refusal() is None  # the GQA op is not concerned
+    monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "triton_latent_decode")
+    assert attention_op.decode_graph_refusal("latent_attention") is None
+
+
+def test_torch_route_refuses_a_graph_batch_with_a_runtime_error():
+    """A CUDA graph's static batch has no per-sequence slots: the torch route raises a
+    RuntimeError naming the synchronization, which the graph warm-up turns into an eager
+    bucket (lowbit.engine.cuda_graphs) instead of a crash."""
+    cache = _paged_cache(torch.float32)
+    call = _step(cache, [([0, 1], 5, 1)], seed=9)
+    call.batch.cache_slots = [None]
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        attention_op._run_latent_torch(call)

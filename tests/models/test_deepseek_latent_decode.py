@@ -1,0 +1,78 @@
+"""DeepSeek decode through the `triton_latent_decode` route (interpreter, forced) against the
+torch route: shrunk V2-Lite and V3 configs with random weights over a paged cache, prompts
+of different lengths prefilled by the torch route, then decode steps whose logits must
+agree; and the engine's graph decision for an MLA model follows the latent op's routes."""
+
+import json
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lowbit.checkpoint.loader import load_model  # noqa: E402
+from lowbit.engine.cuda_graphs import graphs_wanted  # noqa: E402
+from lowbit.engine.paged_cache import FP8, PagedKVCache  # noqa: E402
+from lowbit.engine.speculative import flat_batch  # noqa: E402
+from lowbit.kernels import routes  # noqa: E402
+from lowbit.kernels.runtime import interpreting  # noqa: E402
+from tests.models.test_random_weights import raw_config, shrink  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 on the CPU")
+
+ENV = "LOWBIT_ROUTE_LATENT_ATTENTION"
+TABLES = [[3, 9, 1, 12], [0, 7, 5, 14], [2, 11, 4, 8]]  # block size 4: up to 16 tokens each
+PROMPTS = [5, 9, 2]
+
+
+def tiny(tmp_path, name: str):
+    """The shrunk config with 18 heads (one full and one partial head block of 16) and a
+    latent of 40 (padded to 64 in the kernel)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**shrink(raw_config(name)), "num_attention_heads": 18, "kv_lora_rank": 40}))
+    return load_model(path, random_weights=True, config=path, dtype="float32").model
+
+
+def _logits(lm, cache, ids, starts, news, route: str | None, monkeypatch):
+    if route is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, route)
+    batch = flat_batch([(t, s, n) for t, s, n in zip(TABLES, starts, news)], cache, "cpu")
+    with torch.inference_mode():
+        hidden = lm(ids, batch)
+        last = torch.tensor(batch.query_start[1:]) - 1
+        return lm.compute_logits(hidden[last])
+
+
+@pytest.mark.parametrize("name,kv", [("deepseek-ai__DeepSeek-V2-Lite", torch.float32),
+                                     ("deepseek-ai__DeepSeek-V2-Lite", FP8),
+                                     ("deepseek-ai__DeepSeek-V3", torch.float32)])
+def test_decode_steps_through_the_latent_kernel_match_the_torch_route(tmp_path, monkeypatch, name, kv):
+    lm = tiny(tmp_path, name)
+    cache = PagedKVCache(lm.num_cache_layers, num_blocks=16, block_size=4, dtype=kv, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, lm.config.vocab_size, (sum(PROMPTS),), generator=g)
+    logits = _logits(lm, cache, ids, [0, 0, 0], PROMPTS, None, monkeypatch)  # prefill: torch route
+    lens = list(PROMPTS)
+    for _ in range(4):  # sequence 1 crosses into its fourth block
+        ids = logits.argmax(-1)
+        routes.reset_counters()
+        got = _logits(lm, cache, ids, lens, [1, 1, 1], "triton_latent_decode", monkeypatch)
+        ran = {c["route"] for c in routes.counters()["route_calls"] if c["op"] == "latent_attention"}
+        assert ran == {"triton_latent_decode"}
+        want = _logits(lm, cache, ids, lens, [1, 1, 1], "torch", monkeypatch)  # rewrites the same rows
+        assert (got - want).abs().max() < 1e-4 * want.abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        logits, lens = want, [n + 1 for n in lens]
+
+
+def test_graph_decision_follows_the_latent_op(tmp_path, monkeypatch):
+    lm = tiny(tmp_path, "deepseek-ai__DeepSeek-V2-Lite")
+    cuda = torch.device("cuda")  # graphs_wanted only looks at the device type
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("LOWBIT_ROUTE_ATTENTION", "torch")  # the GQA op does not concern MLA
+    assert lm.supports_cuda_graphs and graphs_wanted(lm, cuda, False) is None
+    monkeypatch.setenv(ENV, "torch")
+    assert graphs_wanted(lm, cuda, False) == f"{ENV}=torch is not a graph-safe decode route"
