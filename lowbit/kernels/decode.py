@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.kernels.runtime import tl, triton
+from lowbit.kernels.runtime import HAS_TRITON, tl, triton
 from lowbit.kernels.weights import (
+    DECODE_E2M1,
     DECODE_FP8,
     SCALE_KIND_IDS,
     DenseWeight,
@@ -109,8 +110,10 @@ def dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, row_off, tbase, alp
     if DECODE == 4:
         w = v
     else:
-        if HAS_AB:
+        if HAS_AB == 2:
             v = v * alpha[:, None] + beta[:, None]
+        elif HAS_AB == 1:
+            v = v * alpha[:, None]
         NC: tl.constexpr = BK // B if BK > B else 1
         CH: tl.constexpr = BK // NC
         col = (k0 + tl.arange(0, NC) * CH) // B
@@ -175,6 +178,66 @@ def lane_value(w, LANE: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr, 
         else:
             v = tl.load(p)
     return v
+
+
+# One 32-bit word of 8 E2M1 codes -> 8 float32 (times 2**-14), in PTX: per pair of codes
+# (L, L + 4) two shifts, two logic ops (ptxas fuses them into LOP3s) and two cvt.f32.f16
+# that read the float16 halves in place (HADD2.F32 with a half selector: no PRMT to
+# extract them). The same bits as e2m1_pair; about 3 SASS instructions a weight.
+_E2M1_WORD_PTX = """{
+.reg .b32 t0, t1, t2, t3, s0, s1, s2, s3;
+.reg .b16 l0, l1, l2, l3, h0, h1, h2, h3;
+shl.b32 t0, $8, 9;
+shl.b32 t1, $8, 5;
+shl.b32 t2, $8, 1;
+shr.u32 t3, $8, 3;
+shl.b32 s0, $8, 12;
+shl.b32 s1, $8, 8;
+shl.b32 s2, $8, 4;
+and.b32 s0, s0, 0x80008000;
+and.b32 s1, s1, 0x80008000;
+and.b32 s2, s2, 0x80008000;
+and.b32 s3, $8, 0x80008000;
+and.b32 t0, t0, 0x0E000E00;
+and.b32 t1, t1, 0x0E000E00;
+and.b32 t2, t2, 0x0E000E00;
+and.b32 t3, t3, 0x0E000E00;
+or.b32 t0, t0, s0;
+or.b32 t1, t1, s1;
+or.b32 t2, t2, s2;
+or.b32 t3, t3, s3;
+mov.b32 {l0, h0}, t0;
+mov.b32 {l1, h1}, t1;
+mov.b32 {l2, h2}, t2;
+mov.b32 {l3, h3}, t3;
+cvt.f32.f16 $0, l0;
+cvt.f32.f16 $1, l1;
+cvt.f32.f16 $2, l2;
+cvt.f32.f16 $3, l3;
+cvt.f32.f16 $4, h0;
+cvt.f32.f16 $5, h1;
+cvt.f32.f16 $6, h2;
+cvt.f32.f16 $7, h3;
+}"""
+if HAS_TRITON:  # a jit function reads module globals only as constexprs
+    _E2M1_WORD_PTX = tl.constexpr(_E2M1_WORD_PTX)
+
+
+@triton.jit
+def e2m1_word(w, ASM: tl.constexpr):
+    """float32 values (times 2**-14) of the 8 E2M1 codes of each word in w: codes 0..7 (the
+    nibbles from the lowest). ASM: the PTX above; otherwise e2m1_pair four times."""
+    if ASM:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _E2M1_WORD_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32,
+                   tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        v0, v4 = e2m1_pair(w, 0)
+        v1, v5 = e2m1_pair(w, 1)
+        v2, v6 = e2m1_pair(w, 2)
+        v3, v7 = e2m1_pair(w, 3)
+    return v0, v1, v2, v3, v4, v5, v6, v7
 
 
 @triton.jit
@@ -256,7 +319,7 @@ class WeightArgs:
     block: int
     srows: int
     has_tidx: bool
-    has_ab: bool
+    has_ab: int  # 0: no (alpha, beta); 1: alpha only (beta is 0: E2M1); 2: both
     has_offs: bool
 
     def constexprs(self) -> dict:
@@ -267,6 +330,14 @@ class WeightArgs:
 
 def _stride(t: torch.Tensor, dim: int) -> int:
     return t.stride(dim) if t.dim() >= -dim else 0
+
+
+def ab_kind(w: LutWeight) -> int:
+    """HAS_AB: 0 without per-table (alpha, beta); 1 when beta is 0 by construction (the E2M1
+    decode: the kernels skip its terms); 2 otherwise."""
+    if w.alpha_beta is None:
+        return 0
+    return 1 if w.decode == DECODE_E2M1 else 2
 
 
 def weight_args(w: LutWeight | Fp8View | DenseWeight) -> WeightArgs:
@@ -289,7 +360,7 @@ def weight_args(w: LutWeight | Fp8View | DenseWeight) -> WeightArgs:
             stride_on=0 if offs is None else offs.stride(-2),
             g=float(v.global_scale), bits=v.bits, decode=w.decode,
             scale_kind=SCALE_KIND_IDS[v.scale_kind], block=v.block_size, srows=1,
-            has_tidx=tidx is not None, has_ab=w.alpha_beta is not None, has_offs=offs is not None,
+            has_tidx=tidx is not None, has_ab=ab_kind(w), has_offs=offs is not None,
         )
     if isinstance(w, Fp8View):
         assert w.codes.stride(-1) == 1 and w.scales.stride(-1) == 1

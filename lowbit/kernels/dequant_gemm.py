@@ -27,7 +27,7 @@ import torch
 from lowbit.kernels import launch
 from lowbit.kernels.decode import (
     dequant_tile,
-    e2m1_pair,
+    e2m1_word,
     lane_value,
     load_scales,
     split_lanes,
@@ -74,15 +74,21 @@ def _row_dot(v0, v1, v2, v3, v4, v5, v6, v7, x_row_ptr, xoff, kmask, rb, half,
         up = tl.load(x_row_ptr + half + xoff, mask=kmask, other=0).to(tl.float32)
         x = gated_act(x, up, SWIGLU, LIMIT, ALPHA)
     x0, x1, x2, x3, x4, x5, x6, x7 = split_lanes(x, CPW)
-    p = v0 * x0[:, None] + v1 * x1[:, None]
+    # one multiply-add chain (FMUL then FFMAs): a sum of pairwise products costs FADDs too
+    p = v0 * x0[:, None]
+    p = p + v1 * x1[:, None]
     xs = x0 + x1
     if CPW >= 4:
-        p += v2 * x2[:, None] + v3 * x3[:, None]
+        p = p + v2 * x2[:, None]
+        p = p + v3 * x3[:, None]
         xs += x2 + x3
     if CPW == 8:
-        p += v4 * x4[:, None] + v5 * x5[:, None] + v6 * x6[:, None] + v7 * x7[:, None]
+        p = p + v4 * x4[:, None]
+        p = p + v5 * x5[:, None]
+        p = p + v6 * x6[:, None]
+        p = p + v7 * x7[:, None]
         xs += x4 + x5 + x6 + x7
-    if HAS_AB:
+    if HAS_AB == 2:  # E2M1 (HAS_AB 1) has no beta: no row-sum term
         p += xs[:, None] * rb
     return p, xs
 
@@ -214,11 +220,8 @@ def _gemv_kernel(
             m2_n = (wi_n < KW)[:, None] & rmask[None, :]
             w_n = _load_words(codes_ptr, row_off, wi_n, m2_n, BITS)
             s_n = _word_scales(scales_ptr, wi_n, srow_off, m2_n, CPW, B, SCALE_KIND, DECODE)
-        if DECODE == 2:  # E2M1: lanes L and L + 4 decoded together
-            v0, v4 = e2m1_pair(w, 0)
-            v1, v5 = e2m1_pair(w, 1)
-            v2, v6 = e2m1_pair(w, 2)
-            v3, v7 = e2m1_pair(w, 3)
+        if DECODE == 2:  # E2M1: the word's 8 codes at once
+            v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w, ASM)
         else:
             v0 = lane_value(w, 0, BITS, DECODE, table_ptr, tb, one_bits, ASM)
             v1 = lane_value(w, 1, BITS, DECODE, table_ptr, tb, one_bits, ASM)
