@@ -48,6 +48,9 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = _opt(None, "KV pool size in blocks; wins over --kv-cache-tokens")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
+    async_scheduling: bool = _opt(True, "schedule and launch step N+1 while the device runs step N, then read "
+                                        "step N's tokens (off: each step waits for its tokens before the next "
+                                        "is scheduled); steps that cannot overlap run synchronously")
     cpu_threads: int = _opt(0, "CPU device: intra-op threads; 0 = auto (1 for models whose layer "
                                "matmuls are under 2**20 multiply-adds per token, else torch's default)")
     # speculative decoding (docs/SERVING.md, Speculative decoding)

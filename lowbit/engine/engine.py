@@ -2,19 +2,30 @@
 
 1. `add_request` checks the request (prompt inside the vocabulary and the context, the
    whole request able to fit the KV pool) and queues it: WAITING.
-2. `Scheduler.schedule` picks, for each running request and then for waiting ones in
-   arrival order, how many of its uncomputed tokens to compute this step, inside the
-   token budget, the seat count and the free KV blocks (the BlockManager gives blocks,
+2. `schedule`: `Scheduler.schedule` picks, for each running request and then for waiting
+   ones in arrival order, how many of its uncomputed tokens to compute this step, inside
+   the token budget, the seat count and the free KV blocks (the BlockManager gives blocks,
    reuses cached prefix blocks, and preempts by recompute when the pool runs dry).
-3. `ModelRunner.execute` lays the scheduled tokens out as one flat ForwardBatch over the
-   paged cache (PagedKVCache), runs the model (a CUDA graph for decode-only steps where
-   the model allows it), and samples a token for every request that caught up.
-4. `update_from_output` advances each request's computed tokens, registers full blocks in
-   the prefix cache, appends the sampled tokens, detokenizes, checks stop conditions,
-   and returns one RequestDelta per request that produced something. With speculative
-   decoding (lowbit.engine.speculative) a step starts by planning draft slots, and its
-   update appends the accepted drafts too and rolls back the rejected ones. Finished or
-   aborted requests give their blocks back in the same step: FINISHED.
+3. `run`: `ModelRunner.launch` lays the scheduled tokens out as one flat ForwardBatch over
+   the paged cache (PagedKVCache), runs the model (a CUDA graph for decode-only steps where
+   the model allows it), and samples a token for every request that caught up, on the
+   device. The computed counts advance at once; a sampled token is pending until read.
+4. `postprocess` reads a step's tokens back (one wait), registers full blocks in the prefix
+   cache, appends the tokens, detokenizes, checks stop conditions, and returns one
+   RequestDelta per request that produced something. With speculative decoding
+   (lowbit.engine.speculative) a step starts by planning draft slots, and its update
+   appends the accepted drafts too and rolls back the rejected ones. Finished or aborted
+   requests give their blocks back at once: FINISHED.
+
+Async scheduling (on by default, --no-async-scheduling turns it off): step N+1 is
+scheduled and launched while the device still runs step N, and only then does the host
+read and postprocess step N; a pending token reaches step N+1's input on the device. A
+request that finished at step N, or was aborted, had step N+1 computed for it: that token
+is dropped unread, so the request ends with what the synchronous engine would have sent.
+A step runs synchronously (the one in flight read back first, itself read back at once)
+when overlapping it is not safe: the reason is `async_off` for the whole engine
+(speculative decoding, the expert cache, parallel workers, the flag) or counted per step in
+`sync_steps` (prompt log-probabilities, computed on the host as the step runs).
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +48,7 @@ from lowbit.engine.metrics import EngineStats
 from lowbit.engine.output import append_token, take_delta
 from lowbit.engine.paged_cache import PagedKVCache, kv_bytes_per_token, parse_kv_dtype, pool_tokens
 from lowbit.engine.request import Request, RequestDelta, RequestRejected
-from lowbit.engine.runner import ModelRunner, RunnerOutput
+from lowbit.engine.runner import ModelRunner, PendingOutput, RunnerOutput
 from lowbit.engine.sampling import SamplingParams
 from lowbit.engine.scheduler import Scheduler, SchedulerOutput
 from lowbit.engine.speculative import SpecDecoder, make_spec_decoder
@@ -69,6 +81,21 @@ def compute_dtype(dtype: str, device: torch.device) -> str:
     if dtype == "auto":
         return "bfloat16" if device.type == "cuda" else "float32"
     return dtype
+
+
+@dataclass
+class Flight:
+    """A launched step whose output the host has not read yet."""
+
+    sched: SchedulerOutput
+    output: PendingOutput
+    overlap: bool  # False: read back in the same `step()`
+
+    def tokens_of(self, req: Request) -> int:
+        return next((n for r, n in self.sched.scheduled if r is req), 0)
+
+
+SYNC_PROMPT_LOGPROBS = "prompt logprobs (scored on the host while the step runs)"
 
 
 class LLMEngine:
@@ -111,14 +138,32 @@ class LLMEngine:
         self.runner.spec = self.spec
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        self._pending: list[RequestDelta] = []  # deltas of requests aborted between steps
+        self._deltas: list[RequestDelta] = []  # deltas ready before the next step returns
         self._ids = itertools.count()
+        self._inflight: Flight | None = None  # the last step launched, unread
+        self.async_off = self._async_refusal()  # None: steps overlap where safe
+        if self.async_off is not None and self.config.async_scheduling:
+            log.info("async scheduling is off (each step waits for its tokens): %s", self.async_off)
+        self.num_overlapped_steps = 0
+        self.sync_steps: dict[str, int] = {}  # why a step ran synchronously -> steps
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.loaded.generation_config.get("eos_token_id") or []) | set(self.arch.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.token_id(self.tokenizer.eos_token) is not None:
             ids.add(self.tokenizer.token_id(self.tokenizer.eos_token))
         return ids
+
+    def _async_refusal(self) -> str | None:
+        """Why no step of this engine may overlap the next one (None: they may)."""
+        if not self.config.async_scheduling:
+            return "--no-async-scheduling"
+        if self.spec is not None:
+            return "speculative decoding (drafts are planned from the host's tokens)"
+        if self.expert_cache is not None:
+            return "the expert cache reads each step's routing on the host (--expert-offload, --record-routing)"
+        if self.config.parallel:
+            return "parallel workers get each forward's inputs through the host"
+        return None
 
     def _attach_expert_cache(self, model_dtype: torch.dtype) -> ExpertCache | None:
         """--expert-offload: experts to host memory, slots on the device, sized before the
@@ -232,31 +277,92 @@ class LLMEngine:
         self.scheduler.finish(req, "abort")
         self.runner.release(request_id)
         self.stats.on_finish("abort", req.arrival_time, time.monotonic())
-        self._pending.append(take_delta(req, "abort"))
+        self._deltas.append(take_delta(req, "abort"))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._deltas) or self._inflight is not None
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        sched = self.schedule()
+        previous = self.run(sched)
+        return self.postprocess(previous)
+
+    def schedule(self) -> SchedulerOutput:
         if self.spec is not None:
             self.spec.plan(self.scheduler.running)
-        sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
-        return self.update_from_output(sched, result)
+        return self.scheduler.schedule()
 
-    def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestDelta]:
-        deltas, self._pending = self._pending, []
-        now = time.monotonic()
+    def run(self, sched: SchedulerOutput) -> Flight | None:
+        """Launch the step; return the step launched before it, still unread. A step that
+        may not overlap reads that one back first."""
+        reason = self._sync_reason(sched)
+        if reason is not None:
+            self._drain()
+        previous = self._inflight
+        self._inflight = Flight(sched, self.runner.launch(sched), overlap=reason is None)
+        self._advance(sched)
+        return previous
+
+    def postprocess(self, previous: Flight | None) -> list[RequestDelta]:
+        """The deltas of the step before this one (read while the device runs this one), and
+        of this one too when it does not overlap."""
+        if previous is not None:
+            self._deltas += self._update(previous.sched, previous.output.result())
+        if all(r.is_finished for r, _ in self._inflight.sched.scheduled):
+            self._inflight = None  # nothing of it would be emitted: not worth a wait
+        elif not self._inflight.overlap:
+            self._drain()
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
+    def _sync_reason(self, sched: SchedulerOutput) -> str | None:
+        """Why this step may not overlap the next (None: it may), counted in the stats."""
+        if sched.is_empty:
+            return "idle"  # nothing to overlap with; not counted
+        reason = self.async_off
+        if reason is None and any(r.wants_prompt_logprobs and len(r.prompt_logprobs) < r.num_prompt_tokens
+                                  for r, _ in sched.scheduled):
+            reason = SYNC_PROMPT_LOGPROBS
+        if reason is None:
+            self.num_overlapped_steps += 1
+        else:
+            self.sync_steps[reason] = self.sync_steps.get(reason, 0) + 1
+        return reason
+
+    def _drain(self) -> None:
+        """Read back the step in flight; its deltas go out with the next step's."""
+        flight, self._inflight = self._inflight, None
+        if flight is not None:
+            self._deltas += self._update(flight.sched, flight.output.result())
+
+    def _advance(self, sched: SchedulerOutput) -> None:
+        """Launched: the scheduled tokens count as computed, the sampled ones as pending."""
         self.stats.num_preemptions_total += len(sched.preempted)
         for req, n in sched.scheduled:
+            if req.num_computed_tokens + n == req.num_known_tokens:
+                req.num_pending_tokens += 1
             req.num_computed_tokens += n - len(req.draft_token_ids)  # a draft counts once accepted
+
+    def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestDelta]:
+        """The synchronous step's second half, for a caller that ran `runner.execute(sched)`."""
+        self._advance(sched)
+        deltas, self._deltas = self._deltas, []
+        return deltas + self._update(sched, result)
+
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestDelta]:
+        deltas = []
+        now = time.monotonic()
+        for req, _ in sched.scheduled:
+            if req.is_finished:
+                continue  # finished or aborted since this step launched: its token is dropped
             req.draft_token_ids = []
             req.prompt_logprobs.extend(result.prompt_logprobs.get(req.request_id, []))
             token = result.sampled.get(req.request_id)
             if token is None:
                 self.blocks.cache_full_blocks(req)
                 continue  # a prefill chunk short of the prompt's end
+            req.num_pending_tokens -= 1
             reason = None
             for tok, logprob, drafted in self._emitted(req, token, result):
                 self.stats.on_token(req.arrival_time, req.last_token_time, now)
@@ -266,6 +372,8 @@ class LLMEngine:
                 req.num_computed_tokens += drafted  # an accepted draft's K/V is in the cache
                 if reason is not None:
                     break
+            if reason is not None and self._inflight is not None:
+                req.num_computed_tokens -= self._inflight.tokens_of(req)  # computed past its end: not cached
             self.blocks.cache_full_blocks(req)
             if reason is not None:
                 self._finish(req, reason, now)

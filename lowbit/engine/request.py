@@ -1,7 +1,9 @@
 """Request: one sequence's state as it moves through the engine, and what the engine emits.
 
 A request knows its tokens (prompt + generated so far) and how many of them are computed
-(their K/V sit in the cache). The scheduler's only job is to close that gap.
+(their K/V sit in the cache). The scheduler's only job is to close that gap. With async
+scheduling a token can be known before the host has read it: sampled by a step still on
+the device (`num_pending_tokens`), it is already the next step's input there.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 from lowbit.engine.detokenizer import IncrementalDetokenizer
 from lowbit.engine.sampling import SamplingParams
 from lowbit.errors import LowbitError
+
+PENDING_TOKEN = 0  # what a pending token reads as on the host: any id inside the vocabulary
 
 
 class RequestRejected(LowbitError):
@@ -50,6 +54,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at the last admission
     draft_token_ids: list[int] = field(default_factory=list)  # proposed, not yet verified
+    num_pending_tokens: int = 0  # sampled by a launched step, not yet read back to the host
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     status: RequestStatus = RequestStatus.WAITING
@@ -85,19 +90,20 @@ class Request:
 
     @property
     def num_known_tokens(self) -> int:
-        """Tokens plus draft tokens: what the scheduler's computed tokens catch up with."""
-        return self.num_tokens + len(self.draft_token_ids)
+        """Tokens, pending tokens and draft tokens: what the computed tokens catch up with."""
+        return self.num_tokens + self.num_pending_tokens + len(self.draft_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_known_tokens - self.num_computed_tokens
 
     def known_tokens(self, start: int, n: int) -> list[int]:
-        """Known tokens start..start+n: the real ones, then the drafts after them."""
+        """Known tokens start..start+n: the real ones, then the pending ones (PENDING_TOKEN:
+        the runner fills them in on the device), then the drafts."""
         ids = self.token_ids[start:start + n]
         if len(ids) < n:
             at = max(0, start - self.num_tokens)
-            ids += self.draft_token_ids[at:at + n - len(ids)]
+            ids += ([PENDING_TOKEN] * self.num_pending_tokens + self.draft_token_ids)[at:at + n - len(ids)]
         return ids
 
     @property

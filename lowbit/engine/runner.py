@@ -3,14 +3,20 @@
 prepare: the scheduled (request, new tokens) pairs become the flat metadata of the step
 (token ids, positions, slot mapping, block tables, sequence lengths, and for the sampler
 each sequence's state row and step), staged in pinned host buffers and uploaded without a
-blocking copy (lowbit.engine.staging). execute: a decode-only step replays one CUDA graph
-from the token ids to the sampled tokens (embedding, every layer, final norm, lm_head,
-sampler) when graphs are on; anything else runs eagerly through the same sampler. The
-sampled tokens come back through a pinned buffer: one wait per step, after the GPU work.
-Logits feed log-probabilities only for the requests that asked for them.
+blocking copy (lowbit.engine.staging). A token the previous step sampled and the host has
+not read yet (a pending token, async scheduling) is staged as a placeholder and filled in
+on the device from that step's sampled tokens. launch: a decode-only step replays one CUDA
+graph from the token ids to the sampled tokens (embedding, every layer, final norm,
+lm_head, sampler) when graphs are on; anything else runs eagerly through the same sampler.
+The sampled tokens (and log-probabilities, for the requests that asked) start their way
+back through pinned buffers, two of them taken in turn so that a step can launch before
+the one before it is read; `PendingOutput.result()` is the step's one wait. `execute` is
+launch and wait in one.
 
 Each running request owns a row of the SamplingState (its parameters, seed and the token
-counts its penalties read) from its first scheduled step to its end or preemption.
+counts its penalties read) from its first scheduled step to its end or preemption. The
+sampler counts each token on the device as it samples it, so the next step's penalties see
+it before the host does.
 
 Seams: `before_forward` hooks see each batch and its token ids before the model runs
 (an expert cache can prefetch the experts the step will route to). With speculative
@@ -46,6 +52,39 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     accepted: dict[str, list[int]] = field(default_factory=dict)  # draft tokens kept, before `sampled`
     accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+@dataclass
+class PendingOutput:
+    """A launched step's output on its way to the host: `result()` waits for it once."""
+
+    out: RunnerOutput
+    reqs: list[Request] = field(default_factory=list)  # the requests that sampled, in token order
+    tokens: torch.Tensor | None = None  # [n] int64 host (pinned on CUDA)
+    logprobs: tuple[torch.Tensor, ...] | None = None  # host (chosen [n], top ids [n, k], top [n, k])
+    ready: torch.cuda.Event | None = None
+
+    def result(self) -> RunnerOutput:
+        if self.ready is not None:  # an event wait: the step's only one
+            self.ready.synchronize()
+        if self.tokens is not None:
+            for j, (req, tok) in enumerate(zip(self.reqs, self.tokens.tolist())):
+                self.out.sampled[req.request_id] = tok
+                if self.logprobs is not None and req.params.logprobs is not None:
+                    chosen, top_ids, top_lp = self.logprobs
+                    self.out.logprobs[req.request_id] = _entry(tok, chosen[j], top_ids[j], top_lp[j],
+                                                               req.params.logprobs)
+            self.tokens = None
+        return self.out
+
+
+@dataclass
+class Sampled:
+    """The last launched step's sampled tokens on the device [n], and each request's index
+    in them: where the next step's pending tokens come from."""
+
+    tokens: torch.Tensor
+    index: dict[str, int]
 
 
 class LazySlots(Sequence):
@@ -91,8 +130,11 @@ class ModelRunner:
             log.warning("decode CUDA graphs are off (every decode step runs eagerly, slowly): %s",
                         self.graphs_off)
         pin = device.type == "cuda"
-        self._tokens_host = torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=pin)
-        self._tokens_ready = torch.cuda.Event() if pin else None
+        # two read-back buffers, taken in turn: step N's is still unread when step N+1 launches
+        self._tokens_host = [torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._tokens_ready = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._turn = 0
+        self.last_sampled: Sampled | None = None
 
     # -- sampler rows ---------------------------------------------------------------------
     def _seat(self, req: Request) -> int:
@@ -112,21 +154,27 @@ class ModelRunner:
             self.spec.release(request_id)
 
     # -- the step -------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run the step and wait for its output."""
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingOutput:
+        """Start the step on the device; its output comes back through `result()`."""
         for req in sched.preempted:
             self.release(req.request_id)
         if sched.is_empty:
-            return RunnerOutput()
+            return PendingOutput(RunnerOutput())
         if self.spec is not None:
             self._propose(sched.scheduled)
         input_ids, batch = self.prepare(sched.scheduled)
+        self.last_sampled = None
         for hook in self.before_forward:
             hook(batch, input_ids)
         reqs = [r for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_known_tokens]
         mode = self.sampling.mode_for([r.params for r in reqs])
         if self.spec is not None and (self.spec.needs_hidden or any(r.draft_token_ids for r in reqs)):
-            return self._execute_spec(sched.scheduled, input_ids, batch, reqs, mode)
+            return PendingOutput(self._execute_spec(sched.scheduled, input_ids, batch, reqs, mode))
         replayed = self._replay(batch, mode) if reqs and self._graph_ready(batch, len(reqs), mode) else None
         if replayed is not None:
             tokens, logits = replayed
@@ -135,9 +183,9 @@ class ModelRunner:
             hidden = self.model(input_ids, batch)
             out = self._prompt_logprobs_all(sched.scheduled, batch, hidden)
             if not reqs:
-                return out
+                return PendingOutput(out)
             tokens, logits = self._sample_eager(sched.scheduled, batch, hidden, mode)
-        return self._collect(reqs, tokens, logits, out)
+        return self._read_back(reqs, tokens, logits, out)
 
     def _replay(self, batch: ForwardBatch, mode) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Replay the decode graph; None when `graph_check` rejects it: the sampler's counts
@@ -157,20 +205,24 @@ class ModelRunner:
         """Stage and upload the step's metadata; the batch's tensors are device views."""
         bs = self.kv_cache.block_size
         vals: dict[str, list[int]] = {f: [] for f in StepInputs.FIELDS}
-        starts, context = [0], []
+        starts, context, pending = [0], [], []
         for req, n in scheduled:
             start = req.num_computed_tokens
+            if req.num_pending_tokens and start + n > req.num_tokens:
+                pending.append((starts[-1] + req.num_tokens - start, self._sampled_index(req)))
             vals["input_ids"] += req.known_tokens(start, n)
             vals["positions"] += range(start, start + n)
             vals["slot_mapping"] += [req.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             vals["seq_lens"].append(start + n)
             vals["rows"].append(self._seat(req))
-            vals["steps"].append(req.num_tokens)
+            vals["steps"].append(req.num_tokens + req.num_pending_tokens)  # the sampled token's index
             starts.append(starts[-1] + n)
             context.append(start)
         graph_bucket = self._bucket(scheduled, starts)
-        self.inputs.stage(vals, [r.block_table for r, _ in scheduled], pad_to=graph_bucket)
+        self.inputs.stage(vals, [r.block_table for r, _ in scheduled], pad_to=graph_bucket, pending=pending)
         self.inputs.upload()
+        if pending:
+            self.inputs.fill_pending(self.last_sampled.tokens)
         t, b = starts[-1], len(scheduled)
         tok, seq = self.inputs.tokens(t), self.inputs.seqs(b)
         width = max(len(r.block_table) for r, _ in scheduled)
@@ -178,6 +230,12 @@ class ModelRunner:
                              self.kv_cache, tok["slot_mapping"], self.inputs.block_tables[:b, :width],
                              seq["seq_lens"])
         return tok["input_ids"], batch
+
+    def _sampled_index(self, req: Request) -> int:
+        """Where `req`'s pending token sits in the last step's sampled tokens."""
+        assert req.num_pending_tokens == 1 and self.last_sampled is not None, \
+            "a pending token comes from the step launched just before"
+        return self.last_sampled.index[req.request_id]
 
     def _bucket(self, scheduled: list[tuple[Request, int]], starts: list[int]) -> int:
         """The graph bucket a decode step pads to (0: no padding)."""
@@ -230,24 +288,24 @@ class ModelRunner:
         entries = [_entry(t, chosen[j], top_ids[j], top_lp[j], k) for j, t in enumerate(tokens)]
         out.accepted_logprobs[req.request_id], out.logprobs[req.request_id] = entries[:-1], entries[-1]
 
-    def _collect(self, reqs: list[Request], tokens: torch.Tensor, logits: torch.Tensor,
-                 out: RunnerOutput) -> RunnerOutput:
-        """Tokens to the host (one wait), log-probabilities where asked."""
+    def _read_back(self, reqs: list[Request], tokens: torch.Tensor, logits: torch.Tensor,
+                   out: RunnerOutput) -> PendingOutput:
+        """Start the copies of the tokens (and log-probabilities where asked) to the host,
+        without waiting: a graph's logits and tokens are overwritten by its next replay, so
+        everything read from them is queued now, ahead of the next step."""
         n = len(reqs)
-        host = self._tokens_host[:n]
-        host.copy_(tokens[:n], non_blocking=self.device.type == "cuda")
-        num_top = max((r.params.logprobs or 0) for r in reqs)
+        cuda = self.device.type == "cuda"
+        host, ready = self._tokens_host[self._turn][:n], self._tokens_ready[self._turn]
+        self._turn ^= 1
+        host.copy_(tokens[:n], non_blocking=cuda)
         lp = None
         if any(r.params.logprobs is not None for r in reqs):
-            lp = token_logprobs(logits[:n], tokens[:n], num_top)
-        if self._tokens_ready is not None:  # an event wait: the step's only one
-            self._tokens_ready.record()
-            self._tokens_ready.synchronize()
-        for j, (req, tok) in enumerate(zip(reqs, host.tolist())):
-            out.sampled[req.request_id] = tok
-            if lp is not None and req.params.logprobs is not None:
-                out.logprobs[req.request_id] = _entry(tok, lp[0][j], lp[1][j], lp[2][j], req.params.logprobs)
-        return out
+            num_top = max((r.params.logprobs or 0) for r in reqs)
+            lp = tuple(t.to("cpu", non_blocking=cuda) for t in token_logprobs(logits[:n], tokens[:n], num_top))
+        if ready is not None:
+            ready.record()
+        self.last_sampled = Sampled(tokens[:n], {r.request_id: j for j, r in enumerate(reqs)})
+        return PendingOutput(out, reqs, host, lp, ready)
 
     def _prompt_logprobs_all(self, scheduled: list[tuple[Request, int]], batch: ForwardBatch,
                              hidden: torch.Tensor) -> RunnerOutput:

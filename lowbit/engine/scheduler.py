@@ -6,7 +6,11 @@ request's known tokens are its prompt, so its first steps are prefill chunks; af
 it knows one token more than it has computed (the last sampled one), so it decodes. A
 speculative step fits the same rule: draft tokens (`draft_token_ids`) are known but
 uncomputed, the step verifies them, and rejected ones are cut off again (their slots given
-back: BlockManager.trim).
+back: BlockManager.trim). So does async scheduling: a token sampled by the step still on the
+device is known (`num_pending_tokens`) before the host has read it, so the next step
+computes it and its KV slot is reserved here, from counts alone. A request whose pending
+tokens reach its max_tokens or the context end is done: it keeps its seat, computes
+nothing, and finishes when the host reads them.
 
 Order is FIFO. Running requests go first, oldest first; when the pool runs out of blocks
 the newest running request is preempted by recompute (its blocks freed, its tokens kept,
@@ -79,7 +83,7 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         self.blocks.free(req)
-        req.draft_token_ids = []
+        req.draft_token_ids, req.num_pending_tokens = [], 0  # a step in flight's token for it is dropped
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
 
     def schedule(self) -> SchedulerOutput:
@@ -93,6 +97,9 @@ class Scheduler:
         queue, kept = list(self.running), []
         while queue and budget > 0:
             req = queue.pop(0)
+            if self._ends_with_pending(req):
+                kept.append(req)
+                continue
             num_new = min(req.num_uncomputed_tokens, budget)
             target = req.num_computed_tokens + num_new
             while req is not None and not self.blocks.may_append(req, target):
@@ -108,9 +115,16 @@ class Scheduler:
         self.running = kept + queue
         return budget
 
+    def _ends_with_pending(self, req: Request) -> bool:
+        """Its pending tokens reach max_tokens or the context: nothing is left to compute."""
+        total = req.num_tokens + req.num_pending_tokens
+        return req.num_pending_tokens > 0 and (
+            total - req.num_prompt_tokens >= req.max_tokens or total >= self.max_model_len)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            assert not req.num_pending_tokens, "a preempted request is read back before it is readmitted"
             cached = self.blocks.match_prefix(req)
             num_cached = len(cached) * self.blocks.block_size
             num_new = min(req.num_tokens - num_cached, budget)

@@ -8,6 +8,11 @@ buffers a captured decode graph reads, so a replay needs no further copy. The up
 records an event; the next `stage()` waits on it before it overwrites the pinned memory,
 so a copy still in flight never reads the next step's values.
 
+Pending tokens (async scheduling): a token the step before sampled, still unread by the
+host, is staged as a placeholder; `fill_pending` then overwrites it on the device from that
+step's sampled tokens (K pairs: flat index in input_ids, index in the sampled tokens), after
+the upload and before the forward or graph replay, with no host sync.
+
 Rows past the step's B (graph padding) are filled so that a padded row is harmless: token
 0 at position 0, writing the pool's scratch row, reading one token of the scratch block,
 and sampling into the sampler's scratch row.
@@ -29,6 +34,7 @@ class Padding:
 
 class StepInputs:
     FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "rows", "steps")
+    PENDING = ("pending_at", "pending_src")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, padding: Padding,
                  device: torch.device) -> None:
@@ -44,14 +50,22 @@ class StepInputs:
         self.host_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
         self.block_tables = torch.full((max_seqs, max_blocks), padding.scratch_block,
                                        dtype=torch.int32, device=device)
+        for f in self.PENDING:  # [K <= B]
+            self.host[f] = torch.zeros(max_seqs, dtype=torch.long, pin_memory=pin)
+            self.dev[f] = torch.zeros(max_seqs, dtype=torch.long, device=device)
         self._uploaded = torch.cuda.Event() if pin else None
-        self.num_tokens = self.num_seqs = self.width = 0
+        self.num_tokens = self.num_seqs = self.width = self.num_pending = 0
 
-    def stage(self, values: dict[str, list[int]], tables: list[list[int]], pad_to: int = 0) -> None:
-        """Fill the pinned buffers: token fields [T], sequence fields [B], tables [B][<=W];
-        with pad_to (a graph bucket), token and sequence fields are padded to pad_to rows."""
+    def stage(self, values: dict[str, list[int]], tables: list[list[int]], pad_to: int = 0,
+              pending: list[tuple[int, int]] = ()) -> None:
+        """Fill the pinned buffers: token fields [T], sequence fields [B], tables [B][<=W],
+        pending (flat index, sampled index) pairs [K]; with pad_to (a graph bucket), token
+        and sequence fields are padded to pad_to rows."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload has left the pinned buffers
+        self.num_pending = len(pending)
+        for f, vals in zip(self.PENDING, zip(*pending)):
+            self.host[f][:self.num_pending] = torch.as_tensor(vals, dtype=torch.long)
         t, b = len(values["input_ids"]), len(tables)
         n_tok, n_seq = max(t, pad_to), max(b, pad_to)
         fill = {"input_ids": 0, "positions": 0, "slot_mapping": self.pad.scratch_row,
@@ -74,10 +88,20 @@ class StepInputs:
         for f in self.FIELDS:
             n = self.num_tokens if f in ("input_ids", "positions", "slot_mapping") else self.num_seqs
             self.dev[f][:n].copy_(self.host[f][:n], non_blocking=nb)
+        for f in self.PENDING:
+            self.dev[f][:self.num_pending].copy_(self.host[f][:self.num_pending], non_blocking=nb)
         b, w = self.num_seqs, self.width
         self.block_tables[:b, :w].copy_(self.host_tables[:b, :w], non_blocking=nb)
         if self._uploaded is not None:
             self._uploaded.record()
+
+    def fill_pending(self, sampled: torch.Tensor) -> None:
+        """input_ids[pending_at[k]] = sampled[pending_src[k]], on the device; sampled [B'] is
+        the step before's tokens."""
+        k = self.num_pending
+        if k:
+            src = sampled.index_select(0, self.dev["pending_src"][:k])  # [K]
+            self.dev["input_ids"].index_copy_(0, self.dev["pending_at"][:k], src)
 
     def tokens(self, n: int | None = None) -> dict[str, torch.Tensor]:
         """Device views of the token fields, n rows (default: the staged count)."""
