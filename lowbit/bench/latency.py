@@ -143,6 +143,16 @@ class Session:
         return total
 
 
+def async_status(engine) -> str:
+    """Whether steps overlapped (step N+1 launched before step N was read back), and why not."""
+    off = getattr(engine, "async_off", "no async scheduling in this engine")
+    if off is not None:
+        return f"async scheduling OFF: {off}"
+    sync = ", ".join(f"{n} {why}" for why, n in engine.sync_steps.items())
+    return (f"async scheduling on: {engine.num_overlapped_steps} steps overlapped"
+            + (f"; synchronous: {sync}" if sync else ""))
+
+
 def graph_status(engine) -> str:
     """What decode steps run as: graphs (captured per bucket at first use) or eager, and why."""
     runner = engine.runner
@@ -309,7 +319,8 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "kv_cache_tokens": cfg.kv_cache_tokens, "repeats": repeats, "time_to_ready_s": s.time_to_ready_s,
             "memory_after_load": mem_loaded, "memory": mem, "copy_bandwidth_Bps": bw,
             "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw),
-            "graphs": graph_status(s.llm.engine), "routes": route_summary(), "step_profiles": profiles,
+            "graphs": graph_status(s.llm.engine), "async": async_status(s.llm.engine),
+            "routes": route_summary(), "step_profiles": profiles,
             "expert_cache": expert_cache_summary(s.llm.engine)}
 
 
@@ -346,7 +357,7 @@ def summary_md(rec: dict) -> str:
             f"({'device' if 'peak_device_bytes' in mem else 'RSS'}); copy bandwidth "
             f"{rec['copy_bandwidth_Bps'] / 1e9:.1f} GB/s; active weight bytes per token "
             f"{rec['weight_bytes']['active'] / 2**20:.1f} MiB; {rec['repeats']} repeats, mean ± sd")
-    lines = [foot, rec.get("graphs", "")]
+    lines = [foot, rec.get("graphs", ""), rec.get("async", "")]
     ec = rec.get("expert_cache")
     if ec:
         h2d = ec.get("h2d_bandwidth_Bps")

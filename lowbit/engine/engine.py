@@ -143,7 +143,7 @@ class LLMEngine:
         self._inflight: Flight | None = None  # the last step launched, unread
         self.async_off = self._async_refusal()  # None: steps overlap where safe
         if self.async_off is not None and self.config.async_scheduling:
-            log.info("async scheduling is off (each step waits for its tokens): %s", self.async_off)
+            log.warning("async scheduling is off (each step waits for its tokens): %s", self.async_off)
         self.num_overlapped_steps = 0
         self.sync_steps: dict[str, int] = {}  # why a step ran synchronously -> steps
 
