@@ -6,6 +6,8 @@
 #   tune       gemv / gemm / MoE-gemv launch-config sweep and the gemv-or-gemm choice per
 #              shape and M (scripts/tune_kernels.py -> $OUT/tuned.json), merged into
 #              lowbit/kernels/configs/<device>.json for the stages after it
+#   tunemoe    grouped MoE tile sweep at T = 32, 64, 512 (scripts/tune_kernels.py --grouped),
+#              merged the same way ("moe_grouped")
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
 #   attention  python -m lowbit.bench.attention: paged decode attention vs SDPA
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
@@ -22,7 +24,7 @@ unset TRITON_INTERPRET
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export LOWBIT_COMMIT=${LOWBIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 STAGES=${STAGES:-tests tune kernels attention engine}
-T_TESTS=${T_TESTS:-200} T_TUNE=${T_TUNE:-330} T_BENCH=${T_BENCH:-330} T_ATT=${T_ATT:-60}
+T_TESTS=${T_TESTS:-200} T_TUNE=${T_TUNE:-330} T_TUNEMOE=${T_TUNEMOE:-240} T_BENCH=${T_BENCH:-330} T_ATT=${T_ATT:-60}
 T_ENGINE_BF16=${T_ENGINE_BF16:-240} T_ENGINE_Q=${T_ENGINE_Q:-240}  # engine stage: a cap per format
 TESTS=${TESTS:-tests/gpu}
 TUNE_FORMATS=${TUNE_FORMATS:-nvfp4,int4_g128}
@@ -41,23 +43,33 @@ if has tests; then
   timeout "$T_TESTS" python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -60 | tee "$OUT/tests_gpu.log"
 fi
 
-if has tune; then
-  echo "== gemv / gemm / MoE gemv config sweep"
-  timeout "$T_TUNE" python3 scripts/tune_kernels.py --out "$OUT/tuned.json" --formats "$TUNE_FORMATS" \
-    --shapes "$TUNE_SHAPES" --m "$TUNE_M" --jobs "$TUNE_JOBS" 2>&1 | tee "$OUT/tune.log" | grep -v "^  " | tail -60
-  if [ -s "$OUT/tuned.json" ]; then  # the stages below use what the sweep found
-    python3 - "$OUT/tuned.json" <<'PY'
+merge_tuned() {  # the stages after a sweep use what it found
+  [ -s "$1" ] || return 0
+  python3 - "$1" <<'PY'
 import json, sys
 from lowbit.kernels import launch
 tuned = json.load(open(sys.argv[1]))
 path = launch.CONFIG_DIR / f"{launch.slug(tuned['device'])}.json"
 cur = json.loads(path.read_text()) if path.exists() else {"device": tuned["device"]}
-for table in ("gemv", "gemm", "choice", "moe_gemv"):
+for table in ("gemv", "gemm", "choice", "moe_gemv", "moe_grouped"):
     cur.setdefault(table, {}).update(tuned.get(table, {}))
 path.write_text(json.dumps(cur, indent=1))
 print("configs ->", path)
 PY
-  fi
+}
+
+if has tune; then
+  echo "== gemv / gemm / MoE gemv config sweep"
+  timeout "$T_TUNE" python3 scripts/tune_kernels.py --out "$OUT/tuned.json" --formats "$TUNE_FORMATS" \
+    --shapes "$TUNE_SHAPES" --m "$TUNE_M" --jobs "$TUNE_JOBS" 2>&1 | tee "$OUT/tune.log" | grep -v "^  " | tail -60
+  merge_tuned "$OUT/tuned.json"
+fi
+
+if has tunemoe; then
+  echo "== grouped MoE tile sweep"
+  timeout "$T_TUNEMOE" python3 scripts/tune_kernels.py --grouped --out "$OUT/tuned_grouped.json" \
+    --jobs "$TUNE_JOBS" 2>&1 | tee "$OUT/tune_grouped.log" | grep -v "^  " | tail -20
+  merge_tuned "$OUT/tuned_grouped.json"
 fi
 
 if has kernels; then

@@ -187,6 +187,16 @@ GEMV_TUNE = GEMV_CANDIDATES + [dict(BN=16, G=64, SPLIT_K=0, num_warps=4),
 MOE_TUNE = [dict(BN=bn, G=g, SPLIT_K=sk, num_warps=w) for bn, g, sk, w in
             ((16, 32, 0, 4), (32, 32, 0, 4), (64, 32, 0, 4), (16, 64, 0, 4), (32, 64, 0, 8),
              (32, 32, 1, 4))]
+# grouped MoE tiles (fused_moe mode "grouped"): BM slots a tile, FC1 / FC2 BN x BK, warps, stages
+GROUPED_SMALL = [dict(BM=bm, BN1=n1, BK1=k1, BN2=n2, BK2=k2, num_warps=w, num_stages=st)
+                 for bm, n1, k1, n2, k2, w, st in
+                 ((16, 64, 128, 64, 128, 4, 3), (16, 128, 64, 128, 64, 4, 4), (16, 64, 256, 64, 256, 4, 3),
+                  (32, 64, 128, 64, 128, 4, 3), (64, 64, 64, 64, 64, 4, 2))]
+GROUPED_LARGE = [dict(BM=bm, BN1=n1, BK1=k1, BN2=n2, BK2=k2, num_warps=w, num_stages=st)
+                 for bm, n1, k1, n2, k2, w, st in
+                 ((64, 64, 64, 64, 64, 4, 2), (64, 128, 64, 128, 64, 4, 3), (32, 128, 64, 128, 64, 4, 3),
+                  (64, 128, 128, 128, 128, 8, 3), (128, 128, 64, 128, 64, 8, 3))]
+GROUPED_T = (32, 64, 512)
 # Qwen3-30B-A3B's quantized linears at serving time: merged QKV and o_proj
 ENGINE_SHAPES = ((5120, 2048), (2048, 4096))
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768)}  # E, top-k, H, I
@@ -344,6 +354,68 @@ def tune_moe() -> tuple[dict, list]:
     return table, rows
 
 
+def _moe_weights(fmt: str, e: int, h: int, inter: int):
+    if fmt == "dense":
+        return (resolve(torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * 0.02),
+                resolve(torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * 0.02), f"dense:{e}x{h}")
+    return (make_weight(fmt, 2 * inter, h, "cuda", (e,)), make_weight(fmt, h, inter, "cuda", (e,)),
+            f"lut4:{e}x{h}")
+
+
+def tune_grouped(out: str, part: tuple[int, int] | None = None) -> None:
+    """Tile configs of the grouped MoE (fused_moe mode "grouped": slots sorted by expert,
+    tensor-core tiles) at T = 32, 64 and 512 tokens (batched decode and prefill), bf16 and
+    nvfp4 experts at the Qwen3-30B-A3B shape, 8 routings (graph replay); writes the fastest
+    per (format, T) as the "moe_grouped" table. part: compile every n-th job only."""
+    from lowbit.bench.kernels import timed
+    from lowbit.kernels.moe import fused_moe
+
+    table: dict = {}
+    rows = []
+    job = 0
+    for model, (e, top, h, inter) in MOE_SHAPES.items():
+        for fmt in ("dense", "nvfp4"):
+            w13, w2, key = _moe_weights(fmt, e, h, inter)
+            for t in GROUPED_T:
+                g = torch.Generator(device="cuda").manual_seed(t)
+                batches = [(torch.randn(t, h, device="cuda", dtype=torch.bfloat16),
+                            torch.rand(t, e, device="cuda", generator=g).topk(top, -1).indices.to(torch.int32),
+                            torch.rand(t, top, device="cuda", generator=g)) for _ in range(8)]
+                cands = GROUPED_SMALL if t <= 64 else GROUPED_LARGE
+                if part is not None:
+                    for cfg in cands:
+                        job += 1
+                        if job % part[1] == part[0]:
+                            try:
+                                fused_moe(*batches[0], w13, w2, mode="grouped", config=dict(cfg))
+                            except Exception as exc:
+                                print(f"  compile skip {cfg}: {type(exc).__name__}", flush=True)
+                    continue
+                times = []
+                for cfg in cands:
+                    try:
+                        us = timed([functools.partial(fused_moe, *b, w13, w2, mode="grouped", config=dict(cfg))
+                                    for b in batches])["us"]
+                    except Exception as exc:
+                        print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                        continue
+                    times.append((us, cfg))
+                    print(f"  moe grouped {fmt} T={t} {cfg}: {us:.1f} us", flush=True)
+                best = min(times, key=lambda r: r[0])
+                table.setdefault(key, {})[str(t)] = best[1]
+                default = next((us for us, c in times if c == GROUPED_LARGE[0]), None)
+                rows.append(dict(fmt=fmt, shape=model, m=t, best_us=best[0], default_us=default, cfg=best[1]))
+                print(f"moe grouped {model} {fmt} T={t}: best {best[0]:.1f} us {best[1]} "
+                      f"(default tiles {default if default is None else round(default, 1)} us)", flush=True)
+            del w13, w2
+            torch.cuda.empty_cache()
+    if part is None:
+        name = torch.cuda.get_device_name()
+        Path(out).write_text(json.dumps({"device": name, "moe_grouped": table}, indent=1))
+        Path(out).with_suffix(".rows.json").write_text(json.dumps(rows, indent=1))
+        print(f"wrote {out}")
+
+
 def warm_compile(args: list[str], jobs: int) -> None:
     """Fill Triton's disk cache with `jobs` worker processes (compiles run in parallel)."""
     procs = [subprocess.Popen([sys.executable, __file__, *args, "--part", f"{i}/{jobs}"])
@@ -363,7 +435,17 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=0, help="parallel compile workers before timing")
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)
     ap.add_argument("--only", default="", help="--static: comma-separated label filters")
+    ap.add_argument("--grouped", action="store_true", help="sweep the grouped MoE tiles only")
     a = ap.parse_args()
+    if a.grouped:
+        if a.part:
+            tune_grouped(a.out, tuple(int(v) for v in a.part.split("/")))
+            torch.cuda.synchronize()
+            return
+        if a.jobs > 1:
+            warm_compile(sys.argv[1:], a.jobs)
+        tune_grouped(a.out)
+        return
     if a.static:
         os.environ.setdefault("TRITON_INTERPRET", "0")
         static(a.arch, [o for o in a.only.split(",") if o])
