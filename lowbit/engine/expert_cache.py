@@ -20,10 +20,11 @@ Two ways through a layer:
              side stream, which the compute stream waits for just before the experts run),
              then runs the experts. With prefetch on, the next MoE layer's router is applied
              to this layer's input (pre-gating) and its likely experts are copied while this
-             layer's experts compute. A step needing more experts than slots (prefill) runs
-             them in groups of S.
+             layer's experts compute. A step needing more experts than slots (a prefill) runs
+             them in groups of S, each written in float32 and the sum rounded once, as the
+             resident op rounds a token's sum once.
   speculate  (inside a CUDA graph capture or its warm-up) no host read: a miss is counted
-             in a device counter and served by slot 0; expert uses are counted per expert.
+             in a device counter and its entry weighted 0; expert uses are counted per expert.
              The runner reads both after the replay (`graph_check`): a step with a miss is
              rerun eagerly in fetch mode, a step without one updates the policy's recency.
 """
@@ -179,12 +180,13 @@ class LayerCache:
         if self.stream is not None:  # an evicted slot may still be read by queued work (a group)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            for e, s in copies:  # device-side writes: no host buffer a later admit could race
+            for e, s in copies:  # fill_ kernels: `table[e] = s` would copy a host scalar and sync
                 old = self.owner[s]
                 if old >= 0:
-                    self.slot_table[old] = -1
+                    self.slot_table[old].fill_(-1)
                     self.pending.discard(old)
-                self.slot_table[e], self.owner[s] = s, e
+                self.slot_table[e].fill_(s)
+                self.owner[s] = e
                 for k, t in self.host.items():
                     self.slots[k][s].copy_(t[e], non_blocking=self.stream is not None)
             if self.ready is not None:
@@ -204,15 +206,16 @@ class LayerCache:
         self.pending |= {e for e, _ in copies}
 
     # -- the experts through the slots ----------------------------------------------------
-    def run(self, x: torch.Tensor, slot_ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor, slot_ids: torch.Tensor, w: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         ex = self.moe.experts
         v13, v2 = self.views["w13"], self.views["w2"]
         e = self.num_experts  # the resident model's E: the same kernels, the same roundings
         if ex.b13 is None and ex.b2 is None and ex.activation == "silu":
-            return moe_experts(x, slot_ids, w, v13, v2, num_experts=e, layer=ex.prefix)
+            return moe_experts(x, slot_ids, w, v13, v2, num_experts=e, out=out, layer=ex.prefix)
         return moe_experts(x, slot_ids, w, v13, v2, b13=self.slots.get("b13"), b2=self.slots.get("b2"),
                            activation=MoeActivation(ex.activation, ex.limit or 0.0), num_experts=e,
-                           layer=ex.prefix)
+                           out=out, layer=ex.prefix)
 
     def slot_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self.slot_table[ids.long()]  # [T, A] int32, -1 where not resident
@@ -227,7 +230,11 @@ class LayerCache:
     def fetch_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                       meanwhile=None) -> torch.Tensor:
         """`meanwhile()` runs after this layer's copies are queued and before it waits for
-        them (the next layer's prefetch)."""
+        them (the next layer's prefetch). Groups write float32 sums rounded once at the end:
+        the resident op sums a token's experts in float32 and rounds once, so a group
+        rounded to x.dtype on its own would round twice. With top-2 the two sums are the
+        same float32 additions (a masked entry adds an exact zero); with more experts per
+        token, ones split across groups add in group order."""
         needed = torch.unique(ids).tolist()  # host read: eager steps only
         if len(needed) <= self.num_slots:
             self.use(needed)
@@ -235,15 +242,16 @@ class LayerCache:
                 meanwhile()
             self.wait_copies()
             return self.run(x, self.slot_ids(ids), w)
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        total = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # [T, D]
+        part = torch.empty_like(total)
         for i in range(0, len(needed), self.num_slots):  # more experts than slots: in groups
             group = needed[i:i + self.num_slots]
             self.use(group)
             self.wait_copies()
             mine = torch.isin(ids, torch.tensor(group, dtype=ids.dtype, device=ids.device))  # [T, A]
             sid = distinct_slots(self.slot_ids(ids), mine, self.num_physical)
-            out += self.run(x, sid, w * mine).float()
-        return out.to(x.dtype)
+            total += self.run(x, sid, w * mine, out=part)
+        return total.to(x.dtype)
 
     def speculate_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The graph form: rows past `live_rows` (a bucket's padding) neither miss nor count."""

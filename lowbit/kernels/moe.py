@@ -451,15 +451,17 @@ def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13
     """Torch twin: for each expert used, decode its weights with the format's reference and
     run the gated MLP (biases, activation) in float32; sum the routed outputs; cast to
     x.dtype. dot_dtype=torch.bfloat16 rounds x, the decoded weights and h where the kernels
-    do (the biases are added to the float32 accumulators, unrounded)."""
+    do (the biases are added to the float32 accumulators, unrounded). Entries of weight 0
+    add nothing and are skipped: a CPU matmul's rows change with its row count, so an
+    expert cache's masked entries (weight 0) must not join an expert's rows."""
     h = x.shape[1]
     inter = w13.n // 2
     out_dtype = x.dtype
     rnd = (lambda t: t) if dot_dtype is None else (lambda t: round_for_dot(t, dot_dtype))
     x = rnd(x.float())
     out = torch.zeros(x.shape[0], h, dtype=torch.float32, device=x.device)
-    for e in torch.unique(ids).tolist():  # host read: reference path only
-        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+    for e in torch.unique(ids[weights != 0]).tolist():  # host read: reference path only
+        tok, slot = torch.nonzero((ids == e) & (weights != 0), as_tuple=True)
         w13_e, w2_e = rnd(expert_dense(w13, e, h)), rnd(expert_dense(w2, e, inter))  # one expert at a time
         hcat = x[tok].float() @ w13_e.t()  # [n, 2I]
         if b13 is not None:

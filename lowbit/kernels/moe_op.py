@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.kernels import routes
+from lowbit.kernels import launch, routes
 from lowbit.kernels.dequant_gemm import gemv_refusal
 from lowbit.kernels.moe import (
     SILU,
@@ -37,7 +37,7 @@ from lowbit.kernels.moe import (
 from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid
 from lowbit.kernels.moe_layout import HybridExperts, HybridTensor, layout_of
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
-from lowbit.kernels.weights import DenseWeight, Resolved, resolve
+from lowbit.kernels.weights import DenseWeight, Fp8View, Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
 DECODE_MAX_TOKENS = 16
@@ -54,12 +54,22 @@ class MoeCall:
     b2: torch.Tensor | None = None  # [E, H]
     activation: MoeActivation = SILU
     num_experts: int | None = None  # the model's E when w13 stacks fewer slots (expert cache)
+    out: torch.Tensor | None = None  # [T, H] x.dtype or float32: where y is written
 
     @property
     def experts(self) -> int:
         """E for the gemv-or-tiles rule: the model's expert count, not the stack's, so that
         an expert cache's slot stack runs the same kernels (and roundings) as the model."""
         return self.num_experts or self.w13.lead[0]
+
+    def config(self, kernel: str) -> dict | None:
+        """The launch config tuned for the model's E (the launchers would key it by the slot
+        stack's E), or None to let the launcher look it up."""
+        if self.num_experts is None:
+            return None
+        w = self.w13
+        fmt = {DenseWeight: "dense", Fp8View: "fp8"}.get(type(w)) or f"lut{w.view.bits}"
+        return launch.lookup(kernel, fmt, self.num_experts, self.x.shape[1], self.x.shape[0])
 
 
 def _refusal(call: MoeCall) -> str | None:
@@ -110,10 +120,12 @@ def _run(mode: str):
         if isinstance(call.w13, HybridExperts):
             return fused_moe_hybrid(call.x, call.ids, call.weights, call.w13, mode=mode)
         t, a = call.ids.shape
-        extra = dict(b13=call.b13, b2=call.b2, activation=call.activation)
+        extra = dict(b13=call.b13, b2=call.b2, activation=call.activation, out=call.out)
         if mode == "decode" and t * a < 2 * call.experts and _gemv_fits(call):
-            return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2, **extra)
-        return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode, **extra)
+            return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2,
+                                  config=call.config("moe_gemv"), **extra)
+        return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode,
+                         config=call.config(f"moe_{mode}"), **extra)
 
     return run
 
@@ -121,8 +133,11 @@ def _run(mode: str):
 def _run_torch(call: MoeCall) -> torch.Tensor:
     if isinstance(call.w13, HybridExperts):
         return reference_hybrid(call.x, call.ids, call.weights, call.w13)
-    return reference_moe(call.x, call.ids, call.weights, call.w13, call.w2, b13=call.b13,
-                         b2=call.b2, activation=call.activation)
+    # the reference computes in float32 from x.float() and rounds once at the end
+    x = call.x if call.out is None else call.x.to(call.out.dtype)
+    y = reference_moe(x, call.ids, call.weights, call.w13, call.w2, b13=call.b13,
+                      b2=call.b2, activation=call.activation)
+    return y if call.out is None else call.out.copy_(y)
 
 
 routes.register("moe", routes.Route(
@@ -141,23 +156,26 @@ routes.register("moe", routes.Route(
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2,
                 *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                 activation: MoeActivation | None = None, num_experts: int | None = None,
-                layer: str = "") -> torch.Tensor:
+                out: torch.Tensor | None = None, layer: str = "") -> torch.Tensor:
     """y [T, H] in x.dtype. See lowbit.kernels for the contract; w13 may also be a
     HybridExperts layout (then w2 is None and the ids index its experts), or w13 and w2
     HybridTensor stacks (quantized per expert group), turned into a layout once. Hybrid
     layouts take neither expert biases nor an activation other than SiLU (ValueError).
     num_experts: the model's expert count when w13 / w2 stack only some of them (an expert
-    cache's slots), so that the route picks the kernels it would pick for the model."""
+    cache's slots), so that the route picks the kernels and launch configs it would pick for
+    the model. out: [T, H] in x.dtype or float32 (not with hybrid layouts), written instead
+    of a new tensor; float32 keeps y unrounded (an expert cache sums groups of experts)."""
     activation = SILU if activation is None else activation
     if isinstance(w13, (HybridTensor, HybridExperts)):
         if b13 is not None or b2 is not None or activation.kind != "silu":
             raise ValueError("hybrid expert layouts take no expert biases and only the SiLU "
                              "activation; keep such experts in one format per stack")
+        assert out is None, "hybrid layouts write a new tensor"
         if isinstance(w13, HybridTensor):
             w13, w2 = layout_of(w13, w2), None
         return routes.dispatch("moe", MoeCall(x, topk_ids, topk_weights, w13, None), layer)
     call = MoeCall(x, topk_ids, topk_weights, resolve(w13), resolve(w2), b13=b13, b2=b2,
-                   activation=activation, num_experts=num_experts)
+                   activation=activation, num_experts=num_experts, out=out)
     reason = bias_refusal(x, call.w13, call.w2, b13, b2)
     if reason is not None:
         raise ValueError(f"moe_experts: {reason}")

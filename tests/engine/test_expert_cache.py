@@ -16,6 +16,8 @@ from lowbit.engine.expert_cache import ExpertCache, distinct_slots, plan_slots
 from lowbit.engine.expert_policy import load_trace, simulate
 from lowbit.errors import LowbitError
 from lowbit.formats import FORMATS
+from lowbit.kernels.runtime import interpreting
+from lowbit.kernels.sample_op import sample_rows
 from lowbit.layers.moe import RouterSpec, SparseMoE
 from lowbit.server.metrics import render
 
@@ -61,6 +63,13 @@ def test_tiny_qwen3_moe_equal_with_offload(tiny_model, make_engine):
     assert offload.engine.expert_cache.totals()["misses"] > 4  # the tiny model has 4 experts
 
 
+def _needs_interpreter() -> None:
+    """Forced Triton routes on the CPU run under TRITON_INTERPRET=1, which the kernel tests'
+    conftest sets for a whole run (read when the test runs, not when it is collected)."""
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/kernels/conftest.py)")
+
+
 def _moe(fmt: str | None, bias: bool, seed: int) -> SparseMoE:
     """Six experts of width 32 over a hidden size of 32, random, optionally quantized."""
     torch.manual_seed(seed)
@@ -95,11 +104,104 @@ def test_slot_stacks_compute_what_the_resident_stacks_do(fmt, bias):
     assert all(s.shape[0] == 2 for s in cache.layers[0].slots.values())
 
 
+@pytest.mark.parametrize("slots,bias", [(1, False), (2, False), (3, True)])
+def test_groups_round_once_like_the_resident_layer(slots, bias):
+    """bf16, bitwise: more experts than slots run in groups. The resident op rounds each
+    token's float32 sum of its experts once, so the groups add in float32 (rounded one by
+    one, about a third of the outputs were an ulp off and greedy text drifted); and a
+    group's masked entries (weight 0) must not change an expert's matmul rows, whose
+    results a CPU matmul varies with the row count."""
+    moe = _moe(None, bias, 0).to(torch.bfloat16)
+    x = torch.randn(40, 32).bfloat16()
+    with torch.inference_mode():
+        want = moe(x)
+        cache = ExpertCache(torch.nn.ModuleList([moe]), torch.device("cpu"), offload=True, prefetch=False)
+        cache.allocate(slots, "lru")
+        got = moe(x)
+    assert cache.layers[0].stats.misses > slots  # groups ran
+    assert torch.equal(got, want)
+
+
+BF16_PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 9, [7, 9]]
+
+
+def _bf16_tokens(**kw) -> list[list[int]]:
+    llm = LLM("demo", device="cpu", dtype="bfloat16", kv_cache_tokens=256, **kw)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(BF16_PROMPTS, sp)]
+
+
+def test_demo_bf16_greedy_equal_with_offload():
+    """The GPU test's prompts and dtype on the CPU: four sequences decode together, so decode
+    steps need more experts than 2 or 3 slots and run in groups, like every prefill."""
+    want = _bf16_tokens()
+    for slots in (3, 2):
+        assert _bf16_tokens(expert_offload=True, expert_cache_slots=slots) == want, slots
+
+
+def test_tensors_a_graph_reads_keep_their_storage():
+    """A captured graph keeps the addresses it read at capture: the slot table, slot stacks,
+    counters and live-row scalar must be updated in place by admits, evictions, groups,
+    graph_check and reset_stats, never replaced."""
+    llm = LLM("demo", device="cpu", kv_cache_tokens=64, expert_offload=True, expert_cache_slots=2)
+    cache = llm.engine.expert_cache
+
+    def addresses() -> list[int]:
+        out = [cache.counters.data_ptr(), cache.live_rows.data_ptr()]
+        for c in cache.layers:
+            out += [c.slot_table.data_ptr(), c.misses_dev.data_ptr(), c.uses_dev.data_ptr(),
+                    c.live_rows.data_ptr()]
+            out += [t.data_ptr() for t in c.slots.values()]
+            out += [c.views[n].w.data_ptr() for n in ("w13", "w2")]
+        return out
+
+    before = addresses()
+    llm.generate(PROMPTS, GREEDY)  # prefill groups, decode misses and evictions
+    with torch.inference_mode():
+        for c in cache.layers:
+            c.admit([7, 6])
+            c.admit([0, 1])
+        cache.force_speculate = True
+        cache.moes[0](torch.randn(3, llm.config.hidden_size))
+        cache.force_speculate = False
+        cache.graph_check()
+    cache.reset_stats()
+    assert cache.totals()["misses"] == 0 and addresses() == before
+    for c in cache.layers:  # the table agrees with the slots' owners after the evictions
+        assert sorted(c.owner) == [0, 1] and c.views["w13"].w is c.slots["w13.w"]
+        assert c.slot_table.tolist() == [c.owner.index(e) if e in c.owner else -1 for e in range(8)]
+
+
+def test_offloaded_layers_launch_with_the_models_tuned_configs(monkeypatch):
+    """Launch configs are keyed by the stack's expert count: a slot stack must look up the
+    model's (E = 6 here, not 2 slots), or a tuned shape falls back to the defaults and
+    rounds differently from the resident model."""
+    from lowbit.kernels import launch
+
+    _needs_interpreter()
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_fused_moe_decode")
+    seen = []
+    lookup = launch.lookup
+    monkeypatch.setattr(launch, "lookup", lambda kernel, fmt, n, k, m, device=None:
+                        seen.append((kernel, n)) or lookup(kernel, fmt, n, k, m, device))
+    layers = torch.nn.ModuleList([_moe("nvfp4", False, 0)])
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        want = layers[0](x)
+        cache = ExpertCache(layers, torch.device("cpu"), offload=True, prefetch=False)
+        cache.allocate(2, "lru")
+        got = layers[0](x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    moe_calls = [n for kernel, n in seen if kernel.startswith("moe_")]
+    assert moe_calls and set(moe_calls) == {6}, seen
+
+
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_slot_stacks_through_the_fused_decode_kernel(monkeypatch, tokens):
     """The Triton decode route (interpreted) reads nvfp4 slot stacks as it reads the resident
     stack: one token takes the per-slot gemv on both sides, 16 tokens the expert tiles (whose
     invariant, at most one slot per expert and token, the masked entries must keep)."""
+    _needs_interpreter()
     monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_fused_moe_decode")
     layers = torch.nn.ModuleList([_moe("nvfp4", False, 0)])
     x = torch.randn(tokens, 32)
@@ -184,6 +286,65 @@ def test_a_replay_with_a_miss_reruns_eagerly_with_the_penalty_counts_restored(de
     r.graphs.cache = cache = llm.engine.expert_cache
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == want
     assert (cache.graph_steps, cache.graph_reruns) == (0, sp.max_tokens - 1)  # every decode step
+
+
+class StepReplay(DecodeGraphs):
+    """A faithful stand-in for the decode graphs on the CPU: each "replay" runs the step the
+    runner staged (its real batch, seen through a before_forward hook) with the expert cache
+    in its graph form, then samples as the graph does."""
+
+    cache: ExpertCache
+    staged: tuple = ()
+
+    def ready(self, num_seqs: int, mode=None) -> bool:
+        return True
+
+    def run(self, num_seqs: int, mode=None):
+        input_ids, batch = self.staged
+        self.cache.force_speculate = True
+        try:
+            logits = self.model.compute_logits(self.model(input_ids, batch))
+        finally:
+            self.cache.force_speculate = False
+        seq = self.inputs.seqs(num_seqs)
+        self.tokens[:num_seqs].copy_(sample_rows(logits, self.sampling, seq["rows"], seq["steps"], mode))
+        return self.tokens[:num_seqs], logits
+
+
+def _steps(llm: LLM, prompts) -> tuple[list[list[int]], list[dict]]:
+    engine = llm.engine
+    reqs = [engine.add_request(engine.tokenizer.encode(p), GREEDY) for p in prompts]
+    steps = []
+    while engine.has_unfinished():
+        before = engine.expert_cache.totals()
+        engine.step()
+        after = engine.expert_cache.totals()
+        steps.append({k: after[k] - before[k] for k in ("hits", "misses", "graph_steps", "graph_reruns")})
+    return [r.output_token_ids for r in reqs], steps
+
+
+@pytest.mark.parametrize("slots", [2, 6])
+def test_replays_stand_or_rerun_exactly_when_an_eager_step_hits_or_misses(slots):
+    """Without prefetch the slots evolve the same through graph_check as through eager
+    steps: each decode step has the eager step's hits and misses, its replay stands exactly
+    when the eager step hit in every layer and is rerun exactly when it missed, and the
+    tokens are the same (tests/gpu/test_expert_cache_gpu.py runs this against real graphs)."""
+    kw = dict(device="cpu", kv_cache_tokens=256, expert_offload=True, expert_cache_slots=slots,
+              expert_prefetch=False)
+    eager_tokens, eager = _steps(LLM("demo", **kw), PROMPTS)
+    llm = LLM("demo", **kw)
+    r = llm.engine.runner
+    r.graphs = StepReplay(r.model, r.inputs, r.sampling, r.kv_cache, 4, r.device)
+    r.graphs.cache = llm.engine.expert_cache
+    r.before_forward.append(lambda batch, ids: setattr(r.graphs, "staged", (ids, batch)))
+    tokens, steps = _steps(llm, PROMPTS)
+    assert tokens == eager_tokens and len(steps) == len(eager)
+    for i, (g, e) in enumerate(zip(steps, eager)):
+        assert (g["hits"], g["misses"]) == (e["hits"], e["misses"]), (i, g, e)
+        want = (0, 0) if i == 0 else ((0, 1) if e["misses"] else (1, 0))  # step 0: the prefill
+        assert (g["graph_steps"], g["graph_reruns"]) == want, (i, g, e)
+    assert sum(g["graph_reruns"] for g in steps) > 0
+    assert sum(g["graph_steps"] for g in steps) > 0 or slots == 2  # 2 slots: every step misses
 
 
 def test_record_routing_replays_to_the_engine_counts(tmp_path):

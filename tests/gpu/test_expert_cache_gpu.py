@@ -1,6 +1,11 @@
 """Expert offload on CUDA: pinned host experts, side-stream copies, the decode graph's hit
-path. Greedy tokens equal the resident engine's (graphs on, bf16); a step whose experts are
-all resident replays the graph with no implicit host sync (sync debug mode "error")."""
+path. Greedy tokens equal the resident engine's (graphs on, bf16); admits, and a step whose
+experts are all resident (a graph replay), run with no implicit host sync (sync debug mode
+"error").
+
+When greedy equality fails, the other tests say where: the layer through groups of slots
+against the resident layer (the fused kernels' roundings), then graphs on against graphs off
+at the same slot count (the replay, its miss check and the eager rerun), step by step."""
 
 from __future__ import annotations
 
@@ -9,8 +14,10 @@ import torch
 
 from lowbit.config import EngineConfig
 from lowbit.engine.engine import LLMEngine
+from lowbit.engine.expert_cache import ExpertCache
 from lowbit.engine.sampling import SamplingParams
 from lowbit.kernels.runtime import interpreting
+from lowbit.layers.moe import RouterSpec, SparseMoE
 from tests.engine.helpers import run_all, tokens_of
 
 pytestmark = [
@@ -47,6 +54,81 @@ def test_offload_greedy_equals_resident(slots, batch):
     assert t["graph_steps"] + t["graph_reruns"] > 0  # decode steps went through the graph
 
 
+def _layer() -> SparseMoE:
+    """A random bf16 MoE layer on the GPU: 8 experts of width 192 over 256, top-2."""
+    torch.manual_seed(0)
+    moe = SparseMoE(256, 8, 192, RouterSpec(top_k=2), "layer0")
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.05)
+    return moe.to("cuda", torch.bfloat16)
+
+
+def _offload(moe: SparseMoE, slots: int) -> ExpertCache:
+    cache = ExpertCache(torch.nn.ModuleList([moe]), torch.device("cuda"), offload=True, prefetch=False)
+    cache.allocate(slots, "lru")
+    return cache
+
+
+@pytest.mark.parametrize("tokens", [4, 12, 40])  # per-slot gemv, decode tiles, grouped tiles
+def test_grouped_experts_round_once_like_the_resident_layer(tokens):
+    """2 slots of 8 experts (top-2): the tokens' experts run in groups, each written in
+    float32 and summed, rounded to bf16 once; bitwise the resident op's output."""
+    moe = _layer()
+    x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = moe(x)
+        cache = _offload(moe, 2)
+        got = moe(x)
+    assert cache.layers[0].stats.misses > 2  # groups ran
+    assert torch.equal(got, want), int((got != want).sum())
+
+
+def test_admits_queue_without_a_host_sync():
+    """Admits, evictions included, queue their copies and slot-table writes on the side
+    stream and return: a prefetch overlaps the layer that queued it."""
+    layer = _offload(_layer(), 2).layers[0]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer.admit([0, 1])
+        layer.admit([5, 6])  # evicts both
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    layer.wait_copies()
+    table = layer.slot_table.tolist()
+    assert sorted(table[5:7]) == [0, 1] and table.count(-1) == 6
+    for e in (5, 6):
+        assert torch.equal(layer.slots["w13.w"][table[e]].cpu(), layer.host["w13.w"][e])
+
+
+def _steps(engine: LLMEngine, prompts) -> tuple[list[list[int]], list[dict]]:
+    """Greedy tokens, and each step's change of the cache's counters."""
+    reqs = [engine.add_request(p, GREEDY) for p in prompts]
+    cache, steps = engine.expert_cache, []
+    while engine.has_unfinished():
+        before = cache.totals()
+        engine.step()
+        after = cache.totals()
+        steps.append({k: after[k] - before[k] for k in ("hits", "misses", "graph_steps", "graph_reruns")})
+    return [r.output_token_ids for r in reqs], steps
+
+
+@pytest.mark.parametrize("batch,slots", [(1, 2), (1, 4), (4, 2), (4, 4)])
+def test_graph_replays_and_reruns_equal_eager_steps(batch, slots):
+    """No prefetch: the slots evolve the same with graphs on and off, so each step has the
+    same hits and misses; a decode step's replay stands exactly when its eager twin hit in
+    every layer, and is rerun eagerly exactly when it missed."""
+    kw = dict(expert_offload=True, expert_cache_slots=slots, expert_prefetch=False)
+    eager_tokens, eager = _steps(_engine(enforce_eager=True, **kw), PROMPTS[:batch])
+    graph_tokens, graph = _steps(_engine(**kw), PROMPTS[:batch])
+    assert len(graph) == len(eager)
+    for i, (g, e) in enumerate(zip(graph, eager)):
+        assert (g["hits"], g["misses"]) == (e["hits"], e["misses"]), (i, g, e)
+        want = (0, 0) if i == 0 else ((0, 1) if e["misses"] else (1, 0))  # step 0: the prefill
+        assert (g["graph_steps"], g["graph_reruns"]) == want, (i, g, e)
+    assert graph_tokens == eager_tokens
+
+
 def test_resident_steps_replay_without_a_host_sync():
     engine = _engine(expert_offload=True, expert_cache_slots=8)
     _tokens(engine, PROMPTS)  # the bucket's graph captured
@@ -55,12 +137,12 @@ def test_resident_steps_replay_without_a_host_sync():
     for p in PROMPTS:
         engine.add_request(p, GREEDY)
     engine.step()  # prefill, eager
-    before = engine.expert_cache.graph_steps
+    cache = engine.expert_cache
+    steps, reruns = cache.graph_steps, cache.graph_reruns  # the first run's reruns were misses
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(5):
             engine.step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert engine.expert_cache.graph_steps == before + 5
-    assert engine.expert_cache.graph_reruns == 0
+    assert (cache.graph_steps, cache.graph_reruns) == (steps + 5, reruns)
