@@ -21,6 +21,10 @@ a model whose layers read the batch through those tensors alone: a model says so
 torch's sync debug mode set to error: a layer that reads device values on the host makes
 that bucket run eagerly, with the reason as a WARNING (stderr), instead of breaking the
 capture; the other buckets keep their graphs.
+
+A replay the runner rejects (`graph_check`: an expert cache miss) is redone by `rerun`: the
+same step function, eagerly, on the same static inputs, so that every kernel sees the
+graph's shapes (bucket rows, the full block-table width) and rounds as a replay would.
 """
 
 from __future__ import annotations
@@ -139,3 +143,10 @@ class DecodeGraphs:
         assert (b, mode) in self.graphs, f"no decode graph for {num_seqs} sequences in {mode}"
         self.graphs[(b, mode)].replay()
         return self.tokens[:num_seqs], self.logits[(b, mode)][:num_seqs]
+
+    def rerun(self, num_seqs: int, mode=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step staged in the runner's inputs eagerly, with the graph's shapes: the
+        decode attention picks its splits from the rows and the table width, so a narrower
+        batch would round differently from the replays around it. (tokens [B], logits [B, V])"""
+        logits = self._step(self.bucket_for(num_seqs), mode)
+        return self.tokens[:num_seqs], logits[:num_seqs]

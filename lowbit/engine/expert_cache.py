@@ -27,6 +27,9 @@ Two ways through a layer:
              in a device counter and its entry weighted 0; expert uses are counted per expert.
              The runner reads both after the replay (`graph_check`): a step with a miss is
              rerun eagerly in fetch mode, a step without one updates the policy's recency.
+Rows past the step's live rows (a graph bucket's padding, in a replay or its eager rerun)
+neither fetch, count nor record their experts; in fetch mode an absent expert of theirs is
+masked as the graph form masks it, so the live rows compute what an accepted replay would.
 """
 
 from __future__ import annotations
@@ -227,21 +230,26 @@ class LayerCache:
         self.admit(needed)
         self.stats.hits, self.stats.misses = self.map.hits, self.map.misses
 
-    def fetch_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+    def fetch_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, live: int,
                       meanwhile=None) -> torch.Tensor:
-        """`meanwhile()` runs after this layer's copies are queued and before it waits for
+        """Admit the experts of the first `live` rows (the rest: a bucket's padding), then run.
+        `meanwhile()` runs after this layer's copies are queued and before it waits for
         them (the next layer's prefetch). Groups write float32 sums rounded once at the end:
         the resident op sums a token's experts in float32 and rounds once, so a group
         rounded to x.dtype on its own would round twice. With top-2 the two sums are the
         same float32 additions (a masked entry adds an exact zero); with more experts per
         token, ones split across groups add in group order."""
-        needed = torch.unique(ids).tolist()  # host read: eager steps only
+        needed = torch.unique(ids[:live]).tolist()  # host read: eager steps only
         if len(needed) <= self.num_slots:
             self.use(needed)
             if meanwhile is not None:
                 meanwhile()
             self.wait_copies()
-            return self.run(x, self.slot_ids(ids), w)
+            sid = self.slot_ids(ids)  # [T, A]
+            if live >= ids.shape[0]:
+                return self.run(x, sid, w)
+            hit = sid >= 0  # padding rows may route to absent experts: masked as in the graph
+            return self.run(x, distinct_slots(sid, hit, self.num_physical), w * hit)
         total = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # [T, D]
         part = torch.empty_like(total)
         for i in range(0, len(needed), self.num_slots):  # more experts than slots: in groups
@@ -339,6 +347,7 @@ class ExpertCache:
         self.layers = [LayerCache(m, i, device) for i, m in enumerate(self.moes)] if offload else []
         self.force_speculate = False  # tests: the graph path without a graph
         self.graph_steps = self.graph_reruns = 0  # replays accepted / sent back by graph_check
+        self.num_live = 1 << 62  # the step's real rows, on the host (live_rows: on the device)
         for m in self.moes:
             m.expert_hook = self
         if recorder is not None:
@@ -385,9 +394,10 @@ class ExpertCache:
         layer = self.layers[i] if self.layers else None
         if layer is not None and self.speculating():
             return layer.speculate_forward(x, ids, w)
-        guess = self._pregate(i, x) if (self.prefetch or self.recorder) and i + 1 < len(self.moes) else None
+        live = min(self.num_live, ids.shape[0])
+        guess = self._pregate(i, x[:live]) if (self.prefetch or self.recorder) and i + 1 < len(self.moes) else None
         if self.recorder is not None:
-            self.recorder.ids[i] = ids.tolist()
+            self.recorder.ids[i] = ids[:live].tolist()
             if guess is not None:
                 self.recorder.preds[i] = guess
             if i == len(self.moes) - 1:  # the step's last MoE layer: its line is complete
@@ -395,7 +405,7 @@ class ExpertCache:
         if layer is None:
             return moe.experts(x, ids, w)
         meanwhile = partial(self.layers[i + 1].prefetch, guess) if self.prefetch and guess is not None else None
-        return layer.fetch_forward(x, ids, w, meanwhile)
+        return layer.fetch_forward(x, ids, w, live, meanwhile)
 
     def _pregate(self, i: int, x: torch.Tensor) -> list[int]:
         """The next MoE layer's likely experts, from this layer's input through the next
@@ -411,8 +421,10 @@ class ExpertCache:
         return order[:int((mass > 0).sum())].tolist()  # host read: eager steps only
 
     def before_forward(self, batch, input_ids: torch.Tensor) -> None:
-        """The runner's hook: the step's real rows, which a padded graph replay reads."""
+        """The runner's hook: the step's real rows, which a padded graph replay (on the
+        device) and its eager rerun (on the host) read."""
         if self.layers:
+            self.num_live = batch.num_tokens
             self.live_rows.fill_(batch.num_tokens)
 
     def detach(self) -> None:

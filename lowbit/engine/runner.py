@@ -7,7 +7,8 @@ blocking copy (lowbit.engine.staging). A token the previous step sampled and the
 not read yet (a pending token, async scheduling) is staged as a placeholder and filled in
 on the device from that step's sampled tokens. launch: a decode-only step replays one CUDA
 graph from the token ids to the sampled tokens (embedding, every layer, final norm,
-lm_head, sampler) when graphs are on; anything else runs eagerly through the same sampler.
+lm_head, sampler) when graphs are on (a replay `graph_check` rejects runs again eagerly with
+the graph's shapes); anything else runs eagerly through the same sampler.
 The sampled tokens (and log-probabilities, for the requests that asked) start their way
 back through pinned buffers, two of them taken in turn so that a step can launch before
 the one before it is read; `PendingOutput.result()` is the step's one wait. `execute` is
@@ -175,9 +176,8 @@ class ModelRunner:
         mode = self.sampling.mode_for([r.params for r in reqs])
         if self.spec is not None and (self.spec.needs_hidden or any(r.draft_token_ids for r in reqs)):
             return PendingOutput(self._execute_spec(sched.scheduled, input_ids, batch, reqs, mode))
-        replayed = self._replay(batch, mode) if reqs and self._graph_ready(batch, len(reqs), mode) else None
-        if replayed is not None:
-            tokens, logits = replayed
+        if reqs and self._graph_ready(batch, len(reqs), mode):
+            tokens, logits = self._replay(batch, mode)
             out = RunnerOutput()
         else:
             hidden = self.model(input_ids, batch)
@@ -187,15 +187,16 @@ class ModelRunner:
             tokens, logits = self._sample_eager(sched.scheduled, batch, hidden, mode)
         return self._read_back(reqs, tokens, logits, out)
 
-    def _replay(self, batch: ForwardBatch, mode) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Replay the decode graph; None when `graph_check` rejects it: the sampler's counts
-        go back to before the replay and the step runs eagerly (it rewrites the same KV slots)."""
+    def _replay(self, batch: ForwardBatch, mode) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the decode graph. When `graph_check` rejects it, the sampler's counts go
+        back to before the replay and the step runs again eagerly with the graph's shapes
+        (it rewrites the same KV slots, and rounds as an accepted replay would)."""
         counts = self.sampling.snapshot() if self.graph_check is not None else None
         tokens, logits = self.graphs.run(batch.num_seqs, mode)
         if self.graph_check is None or self.graph_check():
             return tokens, logits
         self.sampling.restore(counts)
-        return None
+        return self.graphs.rerun(batch.num_seqs, mode)
 
     def _graph_ready(self, batch: ForwardBatch, num_sampled: int, mode) -> bool:
         return (self.graphs is not None and batch.mode.is_decode and num_sampled == batch.num_seqs

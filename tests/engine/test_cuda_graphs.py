@@ -45,3 +45,21 @@ def test_a_bucket_that_syncs_runs_eagerly_and_the_others_keep_their_graphs(caplo
     assert g.captured == [32, 8, 16] and list(g.eager) == [(32, None)]
     assert "up to 32 sequences run eagerly" in caplog.text
     assert not g.ready(300)  # above --max-num-seqs: no bucket
+
+
+class Stepping(Recording):
+    """Recording whose step function writes row numbers as tokens and logits."""
+
+    def _step(self, b: int, mode) -> torch.Tensor:
+        self.stepped = (b, mode)
+        self.tokens[:b].copy_(torch.arange(b))
+        return torch.arange(b, dtype=torch.float32)[:, None].expand(b, 3)
+
+
+def test_a_rerun_runs_the_captured_step_at_the_buckets_size():
+    """A rejected replay's rerun runs the step the capture recorded, padded to the bucket
+    (the attention's splits follow the rows), and returns the live rows only."""
+    g = Stepping(max_num_seqs=256, max_graph=16)
+    tokens, logits = g.rerun(5, "greedy")
+    assert g.stepped == (8, "greedy")
+    assert tokens.tolist() == list(range(5)) and logits.shape == (5, 3)

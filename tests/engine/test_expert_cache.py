@@ -16,8 +16,9 @@ from lowbit.engine.expert_cache import ExpertCache, distinct_slots, plan_slots
 from lowbit.engine.expert_policy import load_trace, simulate
 from lowbit.errors import LowbitError
 from lowbit.formats import FORMATS
+from lowbit.kernels import routes
+from lowbit.kernels.attention import reference_paged_attention
 from lowbit.kernels.runtime import interpreting
-from lowbit.kernels.sample_op import sample_rows
 from lowbit.layers.moe import RouterSpec, SparseMoE
 from lowbit.server.metrics import render
 
@@ -255,11 +256,30 @@ def test_speculated_layer_counts_misses_on_the_device():
     assert needed and int(layer.misses_dev) == 0  # graph_check resets the device counters
 
 
-class EagerReplay(DecodeGraphs):
-    """A stand-in for the decode graphs on the CPU: each "replay" runs the padded static
-    step eagerly with the expert cache in its graph form. Its tokens are wrong on the CPU
-    (the reference attention reads per-sequence metadata the static batch lacks), so only a
-    rejected replay can leave the engine's output right."""
+@pytest.fixture
+def device_read_attention(monkeypatch) -> list[tuple[int, int]]:
+    """The torch attention route made to read a decode call's lengths from the device
+    (seq_lens), as the graph-safe Triton route does, so that a step run on a graph's static
+    inputs computes on the CPU; each decode call's (rows, table width) recorded."""
+    route = routes.ops()["attention"].get("torch")
+    run, seen = route.run, []
+
+    def run_decode(call):
+        if not call.decode or call.pool is None:
+            return run(call)
+        B, W = call.block_tables.shape
+        seen.append((B, W))
+        return reference_paged_attention(call.q, call.pool, call.block_tables, list(range(B + 1)),
+                                         call.seq_lens.tolist(), call.scale, call.window, call.sinks)
+
+    monkeypatch.setattr(route, "run", run_decode)
+    return seen
+
+
+class StaticReplay(DecodeGraphs):
+    """A stand-in for the decode graphs on the CPU: each "replay" runs the captured step
+    function on the padded static inputs, eagerly, with the expert cache in its graph form;
+    with `device_read_attention` it computes what the graph would."""
 
     cache: ExpertCache
 
@@ -275,40 +295,44 @@ class EagerReplay(DecodeGraphs):
         return self.tokens[:num_seqs], logits[:num_seqs]
 
 
-def test_a_replay_with_a_miss_reruns_eagerly_with_the_penalty_counts_restored(demo_resident):
+def _stand_in(llm: LLM, max_num_seqs: int = 4) -> ExpertCache:
+    r = llm.engine.runner
+    r.graphs = StaticReplay(r.model, r.inputs, r.sampling, r.kv_cache, max_num_seqs, r.device)
+    r.graphs.cache = llm.engine.expert_cache
+    return r.graphs.cache
+
+
+def test_a_replay_with_a_miss_reruns_eagerly_with_the_penalty_counts_restored(device_read_attention):
     """One slot for top-2 routing: every replay misses, is discarded (the sampler's
     repetition counts restored), and the step runs again eagerly: the resident tokens."""
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3)
     want = [o.outputs[0].token_ids for o in LLM("demo", device="cpu", kv_cache_tokens=256).generate(PROMPTS, sp)]
     llm = LLM("demo", device="cpu", kv_cache_tokens=256, expert_offload=True, expert_cache_slots=1)
-    r = llm.engine.runner
-    r.graphs = EagerReplay(r.model, r.inputs, r.sampling, r.kv_cache, 4, r.device)
-    r.graphs.cache = cache = llm.engine.expert_cache
+    cache = _stand_in(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)] == want
     assert (cache.graph_steps, cache.graph_reruns) == (0, sp.max_tokens - 1)  # every decode step
 
 
-class StepReplay(DecodeGraphs):
-    """A faithful stand-in for the decode graphs on the CPU: each "replay" runs the step the
-    runner staged (its real batch, seen through a before_forward hook) with the expert cache
-    in its graph form, then samples as the graph does."""
-
-    cache: ExpertCache
-    staged: tuple = ()
-
-    def ready(self, num_seqs: int, mode=None) -> bool:
-        return True
-
-    def run(self, num_seqs: int, mode=None):
-        input_ids, batch = self.staged
-        self.cache.force_speculate = True
-        try:
-            logits = self.model.compute_logits(self.model(input_ids, batch))
-        finally:
-            self.cache.force_speculate = False
-        seq = self.inputs.seqs(num_seqs)
-        self.tokens[:num_seqs].copy_(sample_rows(logits, self.sampling, seq["rows"], seq["steps"], mode))
-        return self.tokens[:num_seqs], logits
+def test_a_rerun_has_the_graphs_shapes_over_a_long_generation(device_read_attention):
+    """The decode attention picks its splits from the rows and the table width, so a
+    rejected replay's rerun must see the bucket's padded rows and full width as the replay
+    did, or once contexts pass a few dozen tokens it rounds differently (on the GPU). Three
+    sequences pad to the bucket of 4; 70 tokens take the contexts past 64; the tokens are
+    the resident engine's."""
+    sp = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
+    prompts = PROMPTS + ["A third"]
+    kw = dict(device="cpu", kv_cache_tokens=512, max_model_len=256)
+    want = [o.outputs[0].token_ids for o in LLM("demo", **kw).generate(prompts, sp)]
+    llm = LLM("demo", expert_offload=True, expert_cache_slots=2, **kw)
+    cache, width = _stand_in(llm), llm.engine.runner.inputs.block_tables.shape[1]
+    device_read_attention.clear()
+    outs = llm.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert min(len(o.prompt_token_ids) for o in outs) + sp.max_tokens > 64
+    assert set(device_read_attention) == {(4, width)}  # never (3, the longest table's width)
+    replays = sp.max_tokens - 1  # every decode step, then each rejected one once more
+    assert cache.graph_reruns > 0
+    assert len(device_read_attention) == (replays + cache.graph_reruns) * llm.config.num_layers
 
 
 def _steps(llm: LLM, prompts) -> tuple[list[list[int]], list[dict]]:
@@ -323,21 +347,20 @@ def _steps(llm: LLM, prompts) -> tuple[list[list[int]], list[dict]]:
     return [r.output_token_ids for r in reqs], steps
 
 
-@pytest.mark.parametrize("slots", [2, 6])
-def test_replays_stand_or_rerun_exactly_when_an_eager_step_hits_or_misses(slots):
+@pytest.mark.parametrize("slots,prompts", [(2, PROMPTS), (6, PROMPTS), (6, PROMPTS + ["A third"])])
+def test_replays_stand_or_rerun_exactly_when_an_eager_step_hits_or_misses(slots, prompts, device_read_attention):
     """Without prefetch the slots evolve the same through graph_check as through eager
     steps: each decode step has the eager step's hits and misses, its replay stands exactly
     when the eager step hit in every layer and is rerun exactly when it missed, and the
-    tokens are the same (tests/gpu/test_expert_cache_gpu.py runs this against real graphs)."""
+    tokens are the same (tests/gpu/test_expert_cache_gpu.py runs this against real graphs).
+    Three sequences pad to the bucket of 4: the padding row's experts are neither counted
+    nor fetched, in the replay or in its rerun."""
     kw = dict(device="cpu", kv_cache_tokens=256, expert_offload=True, expert_cache_slots=slots,
               expert_prefetch=False)
-    eager_tokens, eager = _steps(LLM("demo", **kw), PROMPTS)
+    eager_tokens, eager = _steps(LLM("demo", **kw), prompts)
     llm = LLM("demo", **kw)
-    r = llm.engine.runner
-    r.graphs = StepReplay(r.model, r.inputs, r.sampling, r.kv_cache, 4, r.device)
-    r.graphs.cache = llm.engine.expert_cache
-    r.before_forward.append(lambda batch, ids: setattr(r.graphs, "staged", (ids, batch)))
-    tokens, steps = _steps(llm, PROMPTS)
+    _stand_in(llm)
+    tokens, steps = _steps(llm, prompts)
     assert tokens == eager_tokens and len(steps) == len(eager)
     for i, (g, e) in enumerate(zip(steps, eager)):
         assert (g["hits"], g["misses"]) == (e["hits"], e["misses"]), (i, g, e)

@@ -35,8 +35,8 @@ def _engine(**kw) -> LLMEngine:
                                   max_num_seqs=8, **kw))
 
 
-def _tokens(engine: LLMEngine, prompts) -> list[list[int]]:
-    reqs = [engine.add_request(p, GREEDY) for p in prompts]
+def _tokens(engine: LLMEngine, prompts, sp: SamplingParams = GREEDY) -> list[list[int]]:
+    reqs = [engine.add_request(p, sp) for p in prompts]
     out = run_all(engine)
     return [tokens_of(out[r.request_id]) for r in reqs]
 
@@ -52,6 +52,17 @@ def test_offload_greedy_equals_resident(slots, batch):
     assert t["misses"] > 0 and t["bytes_copied"] > 0
     assert cache.layers[0].host["w13.w"].is_pinned()
     assert t["graph_steps"] + t["graph_reruns"] > 0  # decode steps went through the graph
+
+
+def test_long_offload_generation_equals_resident_through_reruns():
+    """2 slots: most decode steps miss and rerun. A rerun runs with the graph's shapes (the
+    bucket of 4 for 3 sequences, the full table width), so its attention splits as the
+    replays do and 120 tokens (contexts past 128) stay the resident engine's."""
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    want = _tokens(_engine(), PROMPTS[:3], sp)
+    engine = _engine(expert_offload=True, expert_cache_slots=2)
+    assert _tokens(engine, PROMPTS[:3], sp) == want
+    assert engine.expert_cache.totals()["graph_reruns"] > sp.max_tokens // 2
 
 
 def _layer() -> SparseMoE:
