@@ -9,7 +9,7 @@ The two entry points the model layers call (signatures are stable):
         shape [..., N], dtype x.dtype.
 
     moe_experts(x, topk_ids, topk_weights, w13, w2, *, b13=None, b2=None, activation=None,
-                layer="") -> Tensor
+                shared=None, layer="") -> Tensor
         x [T, H]; topk_ids [T, A] int32 and topk_weights [T, A] float32 on x's device;
         w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], each dense, fp8 or a
         stacked quantized tensor as above; optional expert biases b13 [E, 2I] (gate half,
@@ -19,7 +19,9 @@ The two entry points the model layers call (signatures are stable):
         e = topk_ids[t, j], shape [T, H], dtype x.dtype, where act(g, u) is SiLU(g) * u, or
         for MoeActivation("swiglu_oai", limit=L, alpha=1.702) (gpt-oss)
         min(g, L) * sigmoid(alpha min(g, L)) * (clamp(u, -L, L) + 1).
-        Hybrid expert layouts take no biases and only SiLU (ValueError).
+        Hybrid expert layouts take no biases and only SiLU (ValueError). shared: the
+        block's shared gated MLP (lowbit.kernels.moe_layout.SharedMLP), added to y; a
+        route decides whether it rides in the routed launch.
 
 `layer` names the caller in the route counters. Which implementation runs is decided per
 call by lowbit.kernels.routes (LOWBIT_ROUTE_LINEAR / LOWBIT_ROUTE_MOE force one; docs/ROUTES.md).

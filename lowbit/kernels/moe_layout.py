@@ -175,25 +175,55 @@ def _stack(parts: list[LutView], table: torch.Tensor) -> LutWeight:
     return resolve(view)
 
 
-def shared_layout(w13, w2, gate, up, down, n_shared: int) -> HybridExperts | None:
+def shared_layout(w13, w2, gate, up, down, n_shared: int) -> HybridExperts | str:
     """Routed experts (stacks w13 / w2, or a one-group HybridExperts) plus a shared gated MLP
-    as one layout: routed experts 0 .. E-1, shared E .. E+n_shared-1. None when a weight is
-    not a LUT weight or the routed layout already has two groups (then the shared MLP runs
-    as its own dense launches)."""
+    as one layout: routed experts 0 .. E-1, shared E .. E+n_shared-1. Or the reason there is
+    none: a weight that is not a LUT weight, or a routed layout that already has two groups
+    (then the shared MLP runs as its own dense launches)."""
     try:
         if isinstance(w13, HybridExperts):
             if len(w13.groups) != 1:
-                return None
+                return "the routed experts already hold two formats"
             routed = w13.groups[0]
         else:
             routed = make_group(w13, w2)
         shared = shared_group(gate, up, down, n_shared)
-    except LowbitError:
-        return None
+    except LowbitError as e:
+        return str(e).rstrip(".")
     if shared.w13.n != routed.w13.n or shared.w2.n != routed.w2.n:
-        return None
+        return "shared and routed experts differ in width"
     e = routed.size
     return hybrid_experts([routed, shared], [list(range(e)), list(range(e, e + n_shared))])
+
+
+class SharedMLP:
+    """A MoE block's shared gated MLP (DeepSeek's shared experts) as the moe op takes it.
+
+    `mlp` owns the weights (gate_proj / up_proj / down_proj, each with a `.weight`: gate and
+    up [S, H], down [H, S], S = n_shared x I) and runs the MLP on its own: mlp(x [T, H]) ->
+    [T, H]. `fused` builds the routed + shared layout at first use and keeps it here, on the
+    block that holds both weight sets, until one of the weights is replaced."""
+
+    def __init__(self, mlp) -> None:
+        self.mlp = mlp
+        self._fused: tuple | None = None  # (the five weights it was made from, layout or reason)
+
+    def fused(self, w13, w2) -> HybridExperts | str:
+        """The layout of routed stacks w13 / w2 (w2 None: w13 is a HybridExperts) followed by
+        the shared experts, or the reason they cannot share the routed launch."""
+        m = self.mlp
+        weights = (w13, w2, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+        if self._fused is None or any(a is not b for a, b in zip(self._fused[0], weights)):
+            self._fused = (weights, _fuse(*weights))
+        return self._fused[1]
+
+
+def _fuse(w13, w2, gate, up, down) -> HybridExperts | str:
+    inter = w13.inter if isinstance(w13, HybridExperts) else w13.n // 2
+    width = gate.shape[0]
+    if width % inter:
+        return f"shared width {width} is not whole experts of width {inter}"
+    return shared_layout(w13, w2, gate, up, down, width // inter)
 
 
 class HybridTensor:

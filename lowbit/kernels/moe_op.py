@@ -5,6 +5,12 @@ expert_e(x) = W2_e act(W13_e x + b13_e) + b2_e: the biases b13 [E, 2I] and b2 [E
 optional, act is a MoeActivation (SiLU-gate, or gpt-oss's clamped SwiGLU); every route
 below takes them, except the hybrid layouts (refused: see moe_experts).
 Routes, in selection order (status and record in docs/ROUTES.md):
+  triton_moe_shared_slots   a block with shared experts (SharedMLP) whose routed and shared
+                            weights form one LUT layout: the shared MLP rides in the routed
+                            launch as n_shared extra experts of weight 1.0 (decode tiles for
+                            T <= 16 and <= 256 slots, grouped tiles above); its refusal is why
+                            a block does not fuse, and every later route then runs the routed
+                            experts and the shared MLP one after the other
   triton_fused_moe_decode   T <= 16 tokens, T * A <= 256 slots: LUT / fp8 / bf16 experts as
                             per-slot GEMVs (expert id read on the device) while slots < 2 E
                             (fewer than two tokens per expert on average); otherwise, and for
@@ -15,6 +21,8 @@ Routes, in selection order (status and record in docs/ROUTES.md):
 A hybrid layout (lowbit.kernels.moe_hybrid.HybridExperts: two formats and / or shared
 experts, passed as w13 with w2=None) takes the same routes: the decode route runs its tiles
 (no per-slot GEMV variant yet), the grouped route its grouped tiles, torch its twin.
+HybridTensor stacks with expert biases or the clamped SwiGLU run the torch route only: its
+reference runs each part's experts (reference_moe) and sums them.
 """
 
 from __future__ import annotations
@@ -35,9 +43,15 @@ from lowbit.kernels.moe import (
     reference_moe,
 )
 from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid
-from lowbit.kernels.moe_layout import HybridExperts, HybridTensor, layout_of
+from lowbit.kernels.moe_layout import (
+    HybridExperts,
+    HybridTensor,
+    SharedMLP,
+    layout_of,
+    with_shared_slots,
+)
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
-from lowbit.kernels.weights import DenseWeight, Fp8View, Resolved, resolve
+from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
 DECODE_MAX_TOKENS = 16
@@ -47,14 +61,15 @@ class MoeCall:
     x: torch.Tensor  # [T, H]
     ids: torch.Tensor  # [T, A] int32
     weights: torch.Tensor  # [T, A] float32
-    w13: Resolved | HybridExperts  # [E, 2I, H], or the whole hybrid layout
-    w2: Resolved | None  # [E, H, I]; None with a hybrid layout
+    w13: Resolved | HybridExperts | HybridTensor  # [E, 2I, H], or the whole hybrid layout
+    w2: Resolved | HybridTensor | None  # [E, H, I]; None with a hybrid layout
     forced: bool = False
     b13: torch.Tensor | None = None  # [E, 2I]
     b2: torch.Tensor | None = None  # [E, H]
     activation: MoeActivation = SILU
     num_experts: int | None = None  # the model's E when w13 stacks fewer slots (expert cache)
     out: torch.Tensor | None = None  # [T, H] x.dtype or float32: where y is written
+    shared: SharedMLP | None = None  # the block's shared experts, added to y
 
     @property
     def experts(self) -> int:
@@ -80,13 +95,57 @@ def _refusal(call: MoeCall) -> str | None:
         return f"activations are {call.x.dtype}"
     if call.ids.dtype not in (torch.int32, torch.int64):
         return f"topk_ids are {call.ids.dtype}, not int32/int64"
+    if isinstance(call.w13, HybridTensor):
+        return "hybrid stacks with expert biases or the clamped SwiGLU: no kernel takes them"
     if isinstance(call.w13, HybridExperts):
-        h = call.w13.hidden
-        if call.x.shape[1] != h:
-            return f"x has {call.x.shape[1]} columns, the experts {h}"
-        return fp8_refusal(call.x, *(w for g in call.w13.groups for w in (g.w13, g.w2)))
+        return _layout_refusal(call.x, call.w13)
     return (fp8_refusal(call.x, call.w13, call.w2) or moe_refusal(call.x, call.w13, call.w2)
             or bias_refusal(call.x, call.w13, call.w2, call.b13, call.b2))
+
+
+def _layout_refusal(x: torch.Tensor, layout: HybridExperts) -> str | None:
+    if x.shape[1] != layout.hidden:
+        return f"x has {x.shape[1]} columns, the experts {layout.hidden}"
+    return fp8_refusal(x, *(w for g in layout.groups for w in (g.w13, g.w2)))
+
+
+def _admit_shared(call: MoeCall) -> str | None:
+    """Whether the shared experts ride in the routed launch; the reason is why they do not."""
+    if call.shared is None:
+        return "no shared experts"
+    reason = triton_refusal(call.x, call.forced)
+    if reason is not None:
+        return reason
+    if call.b13 is not None or call.b2 is not None or call.activation.kind != "silu":
+        return "expert biases or the clamped SwiGLU: the hybrid kernels take neither"
+    if not isinstance(call.w13, (LutWeight, HybridExperts)):
+        return f"routed experts are {type(call.w13).__name__}: shared slots need LUT weights"
+    layout = call.shared.fused(call.w13, call.w2)
+    if isinstance(layout, str):
+        return layout
+    if call.x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"activations are {call.x.dtype}"
+    if call.ids.dtype not in (torch.int32, torch.int64):
+        return f"topk_ids are {call.ids.dtype}, not int32/int64"
+    return _layout_refusal(call.x, layout)
+
+
+def _run_shared(call: MoeCall) -> torch.Tensor:
+    layout = call.shared.fused(call.w13, call.w2)
+    routed = call.w13.num_experts if isinstance(call.w13, HybridExperts) else call.w13.lead[0]
+    ids, weights = with_shared_slots(call.ids, call.weights, routed, layout.num_experts - routed)
+    t, a = ids.shape  # [T, A + n_shared]
+    decode = t <= DECODE_MAX_TOKENS and t * a <= DECODE_MAX_SLOTS
+    return fused_moe_hybrid(call.x, ids, weights, layout, mode="decode" if decode else "grouped")
+
+
+def _then_shared(run):
+    """A route's run followed by the shared MLP on its own (the shared route refused)."""
+    def run_both(call: MoeCall) -> torch.Tensor:
+        y = run(call)
+        return y if call.shared is None else y + call.shared.mlp(call.x)
+
+    return run_both
 
 
 def _admit_decode(call: MoeCall) -> str | None:
@@ -133,6 +192,8 @@ def _run(mode: str):
 def _run_torch(call: MoeCall) -> torch.Tensor:
     if isinstance(call.w13, HybridExperts):
         return reference_hybrid(call.x, call.ids, call.weights, call.w13)
+    if isinstance(call.w13, HybridTensor):
+        return _reference_parts(call)
     # the reference computes in float32 from x.float() and rounds once at the end
     x = call.x if call.out is None else call.x.to(call.out.dtype)
     y = reference_moe(x, call.ids, call.weights, call.w13, call.w2, b13=call.b13,
@@ -140,43 +201,87 @@ def _run_torch(call: MoeCall) -> torch.Tensor:
     return y if call.out is None else call.out.copy_(y)
 
 
+def _reference_parts(call: MoeCall) -> torch.Tensor:
+    """The torch route for HybridTensor stacks: reference_moe over each part's stacks, the
+    entries of the other parts weighted 0 (skipped), summed in float32."""
+    w13, w2, x = call.w13, call.w2, call.x.float()
+    ids = call.ids.long()  # [T, A]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for part, members in w13.members.items():
+        m = torch.tensor(members, device=x.device)
+        local = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
+        local[m] = torch.arange(len(members), device=x.device)
+        mine = torch.zeros(w13.shape[0], dtype=torch.bool, device=x.device)
+        mine[m] = True
+        weights = torch.where(mine[ids], call.weights.float(), 0.0)
+        out += reference_moe(x, local[ids], weights, resolve(w13.parts[part]), resolve(w2.parts[part]),
+                             b13=None if call.b13 is None else call.b13[m],
+                             b2=None if call.b2 is None else call.b2[m], activation=call.activation)
+    return out.to(call.x.dtype)
+
+
+routes.register("moe", routes.Route(
+    "triton_moe_shared_slots", routes.DEFAULT,
+    BENCH + " (shared-slot rows of `python -m lowbit.bench.kernels --sections moe_mixed` still "
+    "to be taken; the only route that reads routed and shared experts in one launch pair)",
+    _admit_shared, _run_shared))
 routes.register("moe", routes.Route(
     "triton_fused_moe_decode", routes.DEFAULT,
     BENCH + " (Qwen3-30B-A3B and Mixtral C1-C16: 22-1476 us, 2-277x the torch bf16 expert "
-    "loop except Mixtral C16 nvfp4, 0.96x)", _admit_decode, _run("decode")))
+    "loop except Mixtral C16 nvfp4, 0.96x)", _admit_decode, _then_shared(_run("decode"))))
 routes.register("moe", routes.Route(
     "triton_moe_grouped", routes.DEFAULT,
     "docs/BENCHMARKS.md#decode-graph (batched decode and prefill through the engine; the torch "
-    "loop reads expert ids on the host, so it cannot be captured)", _refusal, _run("grouped")))
+    "loop reads expert ids on the host, so it cannot be captured)", _refusal, _then_shared(_run("grouped"))))
 routes.register("moe", routes.Route(
-    "torch", routes.DEFAULT, "reference (admits every call)", lambda call: None, _run_torch),
-    reference=True)
+    "torch", routes.DEFAULT, "reference (admits every call)", lambda call: None,
+    _then_shared(_run_torch)), reference=True)
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13, w2,
                 *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                 activation: MoeActivation | None = None, num_experts: int | None = None,
-                out: torch.Tensor | None = None, layer: str = "") -> torch.Tensor:
+                out: torch.Tensor | None = None, shared: SharedMLP | None = None,
+                layer: str = "") -> torch.Tensor:
     """y [T, H] in x.dtype. See lowbit.kernels for the contract; w13 may also be a
     HybridExperts layout (then w2 is None and the ids index its experts), or w13 and w2
-    HybridTensor stacks (quantized per expert group), turned into a layout once. Hybrid
-    layouts take neither expert biases nor an activation other than SiLU (ValueError).
-    num_experts: the model's expert count when w13 / w2 stack only some of them (an expert
-    cache's slots), so that the route picks the kernels and launch configs it would pick for
-    the model. out: [T, H] in x.dtype or float32 (not with hybrid layouts), written instead
-    of a new tensor; float32 keeps y unrounded (an expert cache sums groups of experts)."""
+    HybridTensor stacks (quantized per expert group), turned into a layout once. A layout
+    takes neither expert biases nor an activation other than SiLU (ValueError); HybridTensor
+    stacks with them run the torch route. num_experts: the model's expert count when w13 /
+    w2 stack only some of them (an expert cache's slots), so that the route picks the kernels
+    and launch configs it would pick for the model. out: [T, H] in x.dtype or float32 (not
+    with hybrid layouts or shared experts), written instead of a new tensor; float32 keeps y
+    unrounded (an expert cache sums groups of experts). shared: the block's shared experts,
+    added to y; the routes decide whether they ride in the routed launch."""
     activation = SILU if activation is None else activation
+    extras = b13 is not None or b2 is not None or activation.kind != "silu"
+    assert out is None or shared is None, "shared experts are added to a new tensor"
     if isinstance(w13, (HybridTensor, HybridExperts)):
-        if b13 is not None or b2 is not None or activation.kind != "silu":
-            raise ValueError("hybrid expert layouts take no expert biases and only the SiLU "
-                             "activation; keep such experts in one format per stack")
         assert out is None, "hybrid layouts write a new tensor"
-        if isinstance(w13, HybridTensor):
+        if extras and isinstance(w13, HybridExperts):
+            raise ValueError("hybrid expert layouts take no expert biases and only the SiLU "
+                             "activation; pass the HybridTensor stacks (the torch route runs "
+                             "them) or keep such experts in one format per stack")
+        if isinstance(w13, HybridTensor) and extras:
+            _check_stacks(w13, w2, b13, b2)
+        elif isinstance(w13, HybridTensor):
             w13, w2 = layout_of(w13, w2), None
-        return routes.dispatch("moe", MoeCall(x, topk_ids, topk_weights, w13, None), layer)
+        call = MoeCall(x, topk_ids, topk_weights, w13, w2, b13=b13, b2=b2, activation=activation,
+                       shared=shared)
+        return routes.dispatch("moe", call, layer)
     call = MoeCall(x, topk_ids, topk_weights, resolve(w13), resolve(w2), b13=b13, b2=b2,
-                   activation=activation, num_experts=num_experts, out=out)
+                   activation=activation, num_experts=num_experts, out=out, shared=shared)
     reason = bias_refusal(x, call.w13, call.w2, b13, b2)
     if reason is not None:
         raise ValueError(f"moe_experts: {reason}")
     return routes.dispatch("moe", call, layer)
+
+
+def _check_stacks(w13: HybridTensor, w2: HybridTensor, b13: torch.Tensor | None,
+                  b2: torch.Tensor | None) -> None:
+    if not isinstance(w2, HybridTensor) or w13.members != w2.members:
+        raise ValueError("hybrid w13 and w2 must both be HybridTensor stacks that split the "
+                         "experts the same way")
+    for name, b, n in (("b13", b13, w13.shape[1]), ("b2", b2, w2.shape[1])):
+        if b is not None and tuple(b.shape) != (w13.shape[0], n):
+            raise ValueError(f"moe_experts: {name} is {list(b.shape)}, expected [{w13.shape[0]}, {n}]")

@@ -1,8 +1,9 @@
-"""The SparseMoE block with DeepSeek-style shared experts fused into the routed launch.
+"""The moe op with DeepSeek-style shared experts (`shared=` a SharedMLP).
 
-With the moe route forced to a Triton route (interpreter on the CPU), the block appends the
-shared MLP as extra always-selected expert slots; its output must match the unfused block
-(routed experts + a separate shared GatedMLP) on the same quantized weights.
+The `triton_moe_shared_slots` route (forced here: the interpreter on the CPU) appends the
+shared MLP as extra always-selected expert slots of the routed launch; its output must
+match the routed experts + a separate shared GatedMLP on the same quantized weights. When
+it refuses, its reason is counted and the next route runs the two one after the other.
 """
 
 import os
@@ -12,16 +13,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from lowbit.errors import LowbitError  # noqa: E402
 from lowbit.formats import get_format  # noqa: E402
+from lowbit.kernels import routes  # noqa: E402
 from lowbit.kernels.runtime import interpreting  # noqa: E402
-from lowbit.layers.moe import RouterSpec, SparseMoE  # noqa: E402
+from lowbit.layers.moe import RouterSpec, SparseMoE, route  # noqa: E402
 from tests.kernels.cases import rel_err  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 on the CPU")
 D, E, INTER = 64, 6, 64  # INTER: whole nf3 blocks (64), so a shared width splits into experts
+LAYER = "model.layers.0.mlp.experts"
 
 
-def _block(fmt: str, n_shared: int) -> SparseMoE:
+def _block(fmt: str, n_shared: int, dense_down: bool = False) -> SparseMoE:
     torch.manual_seed(0)
     moe = SparseMoE(D, E, INTER, RouterSpec(top_k=2), "model.layers.0.mlp", shared_inter=n_shared * INTER)
     f = get_format(fmt)
@@ -29,9 +33,15 @@ def _block(fmt: str, n_shared: int) -> SparseMoE:
     for name in ("w13", "w2"):
         p = getattr(moe.experts, name)
         moe.experts.set_quantized_weight(name, f.quantize(torch.randn(p.shape) * 0.1))
-    for lin in (moe.shared_experts.gate_proj, moe.shared_experts.up_proj, moe.shared_experts.down_proj):
+    sh = moe.shared_experts
+    sh.down_proj.weight.data.normal_(0, 0.1)
+    for lin in (sh.gate_proj, sh.up_proj) + (() if dense_down else (sh.down_proj,)):
         lin.set_quantized_weight(f.quantize(torch.randn(lin.weight.shape) * 0.1))
     return moe
+
+
+def _moe_routes() -> list[str]:
+    return [c["route"] for c in routes.counters()["route_calls"] if c["op"] == "moe"]
 
 
 @pytest.mark.parametrize("fmt,n_shared", [("nvfp4", 1), ("nf3", 2)])
@@ -40,10 +50,44 @@ def test_shared_experts_fused(monkeypatch, fmt, n_shared):
     x = torch.randn(3, D)
     monkeypatch.setenv("LOWBIT_ROUTE_MOE", "torch")
     unfused = moe(x)  # the torch route: routed experts, then the shared MLP separately
-    assert moe._fused_shared(x) is None
-    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_fused_moe_decode")
+    assert moe.shared._fused is None  # the torch route never builds the layout
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_moe_shared_slots")
     monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "torch")
-    layout = moe._fused_shared(x)
-    assert layout is not None and layout.num_experts == E + n_shared
+    routes.reset_counters()
     fused = moe(x)
+    assert _moe_routes() == ["triton_moe_shared_slots"]
+    layout = moe.shared._fused[1]
+    assert layout.num_experts == E + n_shared and len(layout.groups) == 2
     assert rel_err(fused, unfused) < 3e-2  # bf16 tensor-core operands vs float32 throughout
+    moe(x)
+    assert moe.shared._fused[1] is layout  # made once, kept on the block
+
+
+def test_unfused_block_adds_the_shared_mlp_and_counts_why(monkeypatch):
+    moe = _block("nvfp4", 1)
+    x = torch.randn(3, D)
+    monkeypatch.delenv("LOWBIT_ROUTE_MOE", raising=False)
+    routes.reset_counters()
+    y = moe(x)  # auto on the CPU: the shared route refuses, the torch route runs both
+    assert _moe_routes() == ["torch"]
+    why = {(r["route"], r["reason"]) for r in routes.counters()["route_refusals"]
+           if r["op"] == "moe" and r["layer"] == LAYER}
+    assert any(route == "triton_moe_shared_slots" and "on cpu" in reason for route, reason in why), why
+    ids, w = route(x, moe.gate.weight.float(), None, moe.spec, None)
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "torch")
+    routed = moe.experts(x, ids, w)  # no shared experts passed: routed only
+    torch.testing.assert_close(y, routed + moe.shared_experts(x), rtol=0, atol=0)
+
+
+def test_a_block_that_cannot_fuse_says_why(monkeypatch):
+    moe = _block("nvfp4", 1, dense_down=True)
+    dense = moe.shared_experts.down_proj
+    x = torch.randn(2, D)
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_moe_shared_slots")
+    with pytest.raises(LowbitError, match="shared expert weight must be a 2D LUT weight"):
+        moe(x)
+    # the layout follows the weights: quantizing the dense one lets the block fuse
+    dense.set_quantized_weight(get_format("nvfp4").quantize(torch.randn(D, INTER) * 0.1))
+    monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "torch")
+    moe(x)
+    assert moe.shared._fused[0][4] is dense.weight
