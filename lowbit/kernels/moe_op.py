@@ -5,7 +5,9 @@ expert_e(x) = W2_e act(W13_e x + b13_e) + b2_e: the biases b13 [E, 2I] and b2 [E
 optional, act is a MoeActivation (SiLU-gate, or gpt-oss's clamped SwiGLU); every route
 below takes them, except the hybrid layouts (refused: see moe_experts).
 Routes, in selection order (status and record in docs/ROUTES.md):
-  triton_moe_shared_slots   a block with shared experts (SharedMLP) whose routed and shared
+  triton_moe_shared_slots   (MEASURED_NEGATIVE: 1.08-1.30x slower than the routed route + the
+                            shared MLP at DeepSeek-V3 C1-C16, H200) a block with shared
+                            experts (SharedMLP) whose routed and shared
                             weights form one LUT layout: the shared MLP rides in the routed
                             launch as n_shared extra experts of weight 1.0 (decode tiles for
                             T <= 16 and <= 256 slots, grouped tiles above); its refusal is why
@@ -221,9 +223,9 @@ def _reference_parts(call: MoeCall) -> torch.Tensor:
 
 
 routes.register("moe", routes.Route(
-    "triton_moe_shared_slots", routes.DEFAULT,
-    BENCH + " (shared-slot rows of `python -m lowbit.bench.kernels --sections moe_mixed` still "
-    "to be taken; the only route that reads routed and shared experts in one launch pair)",
+    "triton_moe_shared_slots", routes.MEASURED_NEGATIVE,
+    BENCH + " (H200, DeepSeek-V3 nvfp4, moe_mixed rows: 540 / 1,938 / 6,892 us at C1 / C4 / C16 "
+    "against 423 / 1,488 / 6,363 for the routed launch + the shared MLP as three gemvs)",
     _admit_shared, _run_shared))
 routes.register("moe", routes.Route(
     "triton_fused_moe_decode", routes.DEFAULT,
