@@ -27,8 +27,14 @@ def loaded_tiny(tiny_model):
 
 @pytest.fixture
 def make_engine(tiny_model, loaded_tiny):
+    engines = []
+
     def make(**overrides) -> LLMEngine:
         args = {"kv_cache_tokens": 4096, **overrides}
-        return LLMEngine(EngineConfig(model=str(tiny_model), **args), loaded=loaded_tiny)
+        engines.append(LLMEngine(EngineConfig(model=str(tiny_model), **args), loaded=loaded_tiny))
+        return engines[-1]
 
-    return make
+    yield make
+    for engine in engines:  # an expert cache hooks the shared model's MoE layers: unhook them
+        if getattr(engine, "expert_cache", None) is not None:
+            engine.expert_cache.detach()
