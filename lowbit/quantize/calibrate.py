@@ -132,8 +132,10 @@ def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: 
     return sums
 
 
-def _expert_inputs(mod: Experts, pname: str, sums: HessianSums, x: Tensor, ids: Tensor, w: Tensor) -> None:
-    """x [T, D], ids [T, A]: each expert's w13 and w2 inputs over the tokens routed to it."""
+def _expert_inputs(mod: Experts, pname: str, sums: HessianSums, x: Tensor, ids: Tensor, w: Tensor,
+                   *_shared) -> None:
+    """x [T, D], ids [T, A]: each expert's w13 and w2 inputs over the tokens routed to it
+    (a shared-experts argument after them is not read here)."""
     for e in torch.unique(ids).tolist():  # host sync: calibration only
         hit = ids == e  # [T, A]
         tok = hit.any(-1).nonzero()[:, 0]
