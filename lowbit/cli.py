@@ -135,7 +135,8 @@ def _fmt_bytes(b: int) -> str:
 def cmd_quantize(args: argparse.Namespace) -> int:
     manifest = quantize_model(args.model, args.format, args.out, quantize_lm_head=args.quantize_lm_head,
                               max_shard_size=args.max_shard_size, device=args.device, dtype=args.dtype,
-                              calib=args.calib, damp=args.damp, bpw=args.bpw, formats=args.formats)
+                              calib=args.calib, damp=args.damp, bpw=args.bpw, formats=args.formats,
+                              sensitivity=args.sensitivity, sensitivity_from=args.sensitivity_from)
     print(summary_table(manifest))
     print(f"wrote {args.out}")
     return 0
@@ -208,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "most B bits per weight (scales included)")
     q.add_argument("--formats", default=None, metavar="F1,F2,...",
                    help=f"with --bpw: the candidate formats (default {DEFAULT_FORMATS})")
+    q.add_argument("--sensitivity", default=None, choices=["kl", "proxy"],
+                   help="with --bpw: score candidates by the measured KL increase on calibration tokens "
+                        "(kl, the default with --calib) or by the Hessian-weighted rounding error (proxy)")
+    q.add_argument("--sensitivity-from", default=None, metavar="ARTIFACT",
+                   help="with --bpw: reuse the candidate scores of an earlier --bpw artifact of the same model, "
+                        "--calib and --damp instead of scoring again")
     q.add_argument("--out", required=True, help="artifact directory to create")
     q.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head too (kept dense by default)")
     q.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (e.g. 2GB, 500MB)")

@@ -4,20 +4,24 @@ Shape legend: E experts, N rows, K input columns; F candidate formats, C budget 
 
 Each tensor the plan quantizes (every Linear weight and expert stack w13 / w2) is rounded in
 every candidate format; its cost is the stored bytes of that payload (codes, scales,
-tables: QuantizedTensor.nbytes, what the artifact writes) and its error a proxy for the
-output damage: with Hessians H = X^T X / n from calibration text, trace((W - Q) H (W - Q)^T)
-(for a stack, summed over experts weighted by each one's mean squared routing weight per
-calibration token, its share of the layer's output), else ||W - Q||^2. The choice minimises
-the summed error subject to sum(bytes) * 8 <= B * (weights of those tensors), as a
-multiple-choice knapsack
-solved exactly over bytes rounded up to cells of `unit` bytes (so the budget holds exactly
-by the true byte count; the cell size depends on the candidates only, so more budget never
-gives a larger error).
+tables: QuantizedTensor.nbytes, what the artifact writes; the `dense` candidate costs the
+tensor in the artifact's dtype) and its error one of two sensitivities:
+- kl: the measured KL increase of the model's next-token distribution on calibration
+  tokens with that tensor alone rounded (lowbit.quantize.sensitivity);
+- proxy: with Hessians H = X^T X / n from calibration text, trace((W - Q) H (W - Q)^T)
+  (for a stack, summed over experts weighted by each one's mean squared routing weight per
+  calibration token, its share of the layer's output), else ||W - Q||^2.
+The choice minimises the summed error subject to sum(bytes) * 8 <= B * (weights of those
+tensors), as a multiple-choice knapsack solved exactly over bytes rounded up to cells of
+`unit` bytes (so the budget holds exactly by the true byte count; the cell size depends on
+the candidates only, so more budget never gives a larger error).
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,8 +32,10 @@ from lowbit.errors import LowbitError
 from lowbit.formats import Format, QuantizedTensor
 from lowbit.quantize.calibrate import HessianSums
 from lowbit.quantize.gptq_vq import calibrated_rounding, has_calibrated_rounding
+from lowbit.quantize.sensitivity import KLProbe
 
-CELLS = 16384  # budget cells over the costliest assignment: rounding loss <= tensors / CELLS of it
+DENSE = "dense"  # the candidate that keeps a tensor unquantized, in the artifact's dtype
+CELLS = 65536  # budget cells over the costliest assignment: rounding loss <= tensors / CELLS of it
 
 
 @dataclass
@@ -117,14 +123,15 @@ def plan_table(tensors: list[TensorChoices], chosen: dict[str, Candidate], bpw: 
 
 
 def plan_record(tensors: list[TensorChoices], chosen: dict[str, Candidate], bpw: float,
-                formats: list[Format], proxy: str) -> dict:
+                candidates: list[str], sensitivity: dict) -> dict:
     """What lowbit.json keeps under "allocation"."""
     sizes = {t.name: t.weights for t in tensors}
     w, b = sum(sizes.values()), sum(c.nbytes for c in chosen.values())
     return {"bpw_budget": bpw, "bits_per_weight": round(8 * b / w, 6), "weights": w, "bytes": b,
-            "formats": [f.name for f in formats], "proxy": proxy,
+            "formats": candidates, "sensitivity": sensitivity,
             "tensors": {n: {"format": c.format, "bits": round(8 * c.nbytes / sizes[n], 6),
-                            "bytes": c.nbytes, "proxy_error": c.error} for n, c in chosen.items()}}
+                            "bytes": c.nbytes, "error": c.error} for n, c in chosen.items()},
+            "candidates": {t.name: {c.format: [c.nbytes, c.error] for c in t.candidates} for t in tensors}}
 
 
 def round_weight(fmt: Format, w: Tensor, h: Tensor | None, damp: float) -> QuantizedTensor:
@@ -134,24 +141,49 @@ def round_weight(fmt: Format, w: Tensor, h: Tensor | None, damp: float) -> Quant
     return fmt.quantize(w)
 
 
-def tensor_choices(model: nn.Module, formats: list[Format], sums: HessianSums | None,
-                   damp: float, quantize_lm_head: bool = False) -> tuple[list[TensorChoices], dict[str, str]]:
-    """Every tensor some candidate format takes, rounded in each one that takes it; and the
-    dense reasons of the tensors none takes."""
+def tensor_choices(model: nn.Module, formats: list[Format], sums: HessianSums | None, damp: float,
+                   quantize_lm_head: bool = False, probe: KLProbe | None = None,
+                   dense_bits: int | None = None,
+                   table: dict | None = None) -> tuple[list[TensorChoices], dict[str, str]]:
+    """Every tensor some candidate format takes, rounded in each one that takes it and scored
+    by `probe` (measured KL) or else the proxy, or looked up in `table` (an earlier plan's
+    `candidates`: name -> format -> [bytes, error]); plus a `dense` candidate of
+    `dense_bits` per weight; and the dense reasons of the tensors no format takes."""
     plans = [plan_quantization(model, f.name, quantize_lm_head) for f in formats]
     out: list[TensorChoices] = []
-    for pname, (mod, attr) in swappable(model).items():
-        fmts = [f for f, p in zip(formats, plans) if pname in p.quantized]
-        if not fmts:
-            continue
+    todo = [(p, ma) for p, ma in swappable(model).items() if any(p in plan.quantized for plan in plans)]
+    for i, (pname, (mod, attr)) in enumerate(todo):
+        t0 = time.perf_counter()
         w = getattr(mod, attr).data
         h = sums.mean(pname).to(w.device) if sums is not None and sums.seen(pname) else None
         share = sums.output_weight(pname) if h is not None else None
         t = TensorChoices(pname, w.numel())
-        for f in fmts:
-            qt = round_weight(f, w, h, damp)
-            t.candidates.append(Candidate(f.name, qt.nbytes, proxy_error(w, qt, h, share)))
+        for f, plan in zip(formats, plans):
+            if pname in plan.quantized:
+                t.candidates.append(_looked_up(table, pname, f.name) if table is not None else
+                                    _scored(f, w, h, share, damp, probe, mod, attr))
+        if dense_bits is not None:
+            t.candidates.append(Candidate(DENSE, w.numel() * dense_bits // 8, 0.0))
         out.append(t)
+        if probe is not None and table is None:
+            print(f"sensitivity {i + 1}/{len(todo)} {pname}: {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                  flush=True)
     taken = {t.name for t in out}
     dense = {n: r for p in plans for n, r in p.dense.items() if n not in taken}
     return out, dense
+
+
+def _scored(f: Format, w: Tensor, h: Tensor | None, share: Tensor | None, damp: float,
+            probe: KLProbe | None, mod: nn.Module, attr: str) -> Candidate:
+    qt = round_weight(f, w, h, damp)
+    err = probe.delta_kl(mod, attr, qt) if probe is not None else proxy_error(w, qt, h, share)
+    return Candidate(f.name, qt.nbytes, err)
+
+
+def _looked_up(table: dict, pname: str, fmt: str) -> Candidate:
+    try:
+        nbytes, err = table[pname][fmt]
+    except KeyError:
+        raise LowbitError(f"the earlier scores have none for {pname} in {fmt}: drop {fmt} from --formats, "
+                          "or score again without --sensitivity-from.") from None
+    return Candidate(fmt, int(nbytes), float(err))

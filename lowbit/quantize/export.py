@@ -6,6 +6,7 @@ artifact."""
 from __future__ import annotations
 
 import datetime
+import json
 import shlex
 import sys
 import time
@@ -22,7 +23,15 @@ from lowbit.checkpoint.tokenizer import Tokenizer
 from lowbit.errors import LowbitError
 from lowbit.formats import SCALAR_FORMATS, VQ_FORMAT_NAMES, Format, get_format
 from lowbit.layers.linear import set_quantized
-from lowbit.quantize.allocate import allocate, plan_record, plan_table, round_weight, tensor_choices
+from lowbit.quantize.allocate import (
+    DENSE,
+    Candidate,
+    allocate,
+    plan_record,
+    plan_table,
+    round_weight,
+    tensor_choices,
+)
 from lowbit.quantize.calibrate import (
     Calibration,
     HessianSums,
@@ -30,8 +39,9 @@ from lowbit.quantize.calibrate import (
     collect_hessians,
 )
 from lowbit.quantize.gptq import DAMP
+from lowbit.quantize.sensitivity import WINDOW, KLProbe
 
-DEFAULT_FORMATS = "nf3,lut3,nf4,lut4,nvfp4,int4-g32,fp8"  # the --bpw candidates
+DEFAULT_FORMATS = "vq2,nf3,vq3,lut3,nf4,vq4,lut4,nvfp4,int4-g32,fp8,dense"  # the --bpw candidates
 
 
 def default_device() -> str:
@@ -42,14 +52,18 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
                    max_shard_size: str = "2GB", device: str | None = None,
                    dtype: str = "bfloat16", command: str | None = None,
                    calib: str | Path | None = None, damp: float = DAMP,
-                   bpw: float | None = None, formats: str | None = None) -> dict:
+                   bpw: float | None = None, formats: str | None = None,
+                   sensitivity: str | None = None, sensitivity_from: str | Path | None = None) -> dict:
     """Write the artifact for `model` in format `fmt` (or, with `bpw`, a format per weight
     from `formats` under that budget) at `out`; return its manifest with the run's wall
     time added under totals.seconds. With `calib` (a text file) every weight is rounded by
     GPTQ on the Hessians of that text (lowbit.quantize.calibrate) instead of to its nearest
-    code."""
+    code. `sensitivity` (kl or proxy; default kl with `calib`, else proxy) scores the
+    candidates of `bpw`; `sensitivity_from` (an earlier `bpw` artifact of the same model,
+    calibration and damping) lends its scores instead of scoring again."""
     t0 = time.perf_counter()
     candidates = _check_budget_args(fmt, bpw, formats)
+    sensitivity = _check_sensitivity(sensitivity, bpw, calib, sensitivity_from)
     calibration = Calibration.read(calib) if calib is not None else None  # fails before loading
     if not 0 <= damp < 1:
         raise LowbitError(f"--damp {damp}: give a fraction of the mean Hessian diagonal in [0, 1), e.g. 0.01.")
@@ -69,8 +83,14 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
     }
     extra = None
     if bpw is not None:
+        table = None
+        if sensitivity_from is not None:
+            table, sensitivity = _earlier_scores(Path(sensitivity_from), provenance["source_digest"], calibration,
+                                                 damp, sensitivity)
         loaded, plan, rounding, extra = _budgeted(path, bpw, candidates, calibration, device, dtype,
-                                                  quantize_lm_head, damp)
+                                                  quantize_lm_head, damp, sensitivity, table)
+        if table is not None:
+            extra["allocation"]["sensitivity"]["scores_from"] = str(sensitivity_from)
         fmt = "mixed"
         if rounding is not None:
             provenance["rounding"] = rounding
@@ -90,8 +110,9 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
     return manifest
 
 
-def _check_budget_args(fmt: str | None, bpw: float | None, formats: str | None) -> list[Format]:
-    """The --bpw candidate formats ([] without --bpw); refusals of flags that do not go together."""
+def _check_budget_args(fmt: str | None, bpw: float | None, formats: str | None) -> list[str]:
+    """The --bpw candidates ([] without --bpw): format names and `dense`; refusals of flags
+    that do not go together."""
     if bpw is None:
         if formats is not None:
             raise LowbitError("--formats lists the candidates of --bpw; give --bpw B too, or use --format F.")
@@ -106,42 +127,110 @@ def _check_budget_args(fmt: str | None, bpw: float | None, formats: str | None) 
     names = [n.strip() for n in (formats or DEFAULT_FORMATS).split(",") if n.strip()]
     if not names:
         raise LowbitError("--formats is empty; list candidate formats, e.g. nf3,lut3,nf4,lut4.")
-    return [get_format(n) for n in dict.fromkeys(names)]
+    for n in names:
+        if n != DENSE:
+            get_format(n)  # an unknown name says so here
+    return list(dict.fromkeys(names))
 
 
-def _budgeted(path: Path, bpw: float, formats: list[Format], calibration: Calibration | None,
-              device: str, dtype: str, quantize_lm_head: bool,
-              damp: float) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
+def _check_sensitivity(sensitivity: str | None, bpw: float | None, calib: str | Path | None,
+                       sensitivity_from: str | Path | None) -> str | None:
+    """kl or proxy for --bpw (None without it, or where the earlier artifact decides)."""
+    if bpw is None:
+        if sensitivity is not None or sensitivity_from is not None:
+            raise LowbitError("--sensitivity scores the candidates of --bpw; give --bpw B too.")
+        return None
+    if sensitivity is None and sensitivity_from is not None:
+        return None
+    if sensitivity is None:
+        return "kl" if calib is not None else "proxy"
+    if sensitivity not in ("kl", "proxy"):
+        raise LowbitError(f"--sensitivity {sensitivity}: give kl (measured KL increase) or proxy (Hessian error).")
+    if sensitivity == "kl" and calib is None:
+        raise LowbitError("--sensitivity kl measures on the calibration text: give --calib FILE too, "
+                          "or use --sensitivity proxy.")
+    return sensitivity
+
+
+def _earlier_scores(src: Path, digest: str, calibration: Calibration | None, damp: float,
+                    sensitivity: str | None) -> tuple[dict, str]:
+    """The candidate scores of an earlier --bpw artifact, if they were measured on the same
+    weights, calibration and damping; and their method."""
+    try:
+        manifest = json.loads((src / "lowbit.json").read_text())
+        table, method = manifest["allocation"]["candidates"], manifest["allocation"]["sensitivity"]["method"]
+    except (OSError, ValueError, KeyError):
+        raise LowbitError(f"--sensitivity-from {src}: not an artifact of `lowbit quantize --bpw` with its scores; "
+                          "give such a directory, or drop the flag to score again.") from None
+    rounding = manifest["provenance"].get("rounding") or {}
+    same = (manifest["provenance"].get("source_digest") == digest
+            and (rounding.get("calibration") or {}).get("sha256") == (calibration and calibration.sha256)
+            and (calibration is None or rounding.get("damp") == damp))
+    if not same:
+        raise LowbitError(f"--sensitivity-from {src}: its scores come from other weights, calibration text or "
+                          "--damp; give the same ones, or drop the flag to score again.")
+    if sensitivity not in (None, method):
+        raise LowbitError(f"--sensitivity-from {src} holds {method} scores, not {sensitivity}: drop one of the flags.")
+    return table, method
+
+
+def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibration | None,
+              device: str, dtype: str, quantize_lm_head: bool, damp: float,
+              sensitivity: str, table: dict | None) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
     """Load the dense model in float32, round every planned weight in every candidate
-    format (GPTQ with --calib), allocate the budget, install the chosen roundings."""
+    format (GPTQ with --calib) and score it (or take the scores of `table`), allocate the
+    budget, install the chosen roundings."""
     loaded = load_model(path, dtype="float32", device=device)
-    sums, rounding = None, None
+    formats = [get_format(n) for n in candidates if n != DENSE]
+    target = parse_dtype(dtype)
+    sums, rounding, probe, ids = None, None, None, []
     if calibration is not None:
-        sums, rounding = _hessians(loaded, path, formats, calibration, device, quantize_lm_head)
+        sums, rounding, ids = _hessians(loaded, path, formats, calibration, device, quantize_lm_head)
         rounding["damp"] = damp
+    if sensitivity == "kl":
+        probe = KLProbe.build(loaded.model, ids, device, window=min(WINDOW, loaded.config.max_position_embeddings))
     t0 = time.perf_counter()
-    choices, dense = tensor_choices(loaded.model, formats, sums, damp, quantize_lm_head)
+    dense_bits = target.itemsize * 8 if DENSE in candidates else None
+    choices, dense = tensor_choices(loaded.model, formats, sums, damp, quantize_lm_head, probe, dense_bits, table)
+    scored = time.perf_counter() - t0
     chosen = allocate(choices, bpw)
     print(plan_table(choices, chosen, bpw))
     targets = swappable(loaded.model)
     for pname, c in chosen.items():
         mod, attr = targets[pname]
+        if c.format == DENSE:
+            dense[pname] = f"kept dense by the --bpw plan ({dtype})"
+            continue
         w = getattr(mod, attr).data
         h = sums.mean(pname).to(w.device) if sums is not None and sums.seen(pname) else None
         set_quantized(mod, attr, round_weight(get_format(c.format), w, h, damp))
-    target = parse_dtype(dtype)
+    record = _sensitivity_record(sensitivity, sums, probe, chosen, scored)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
     if rounding is not None:
         rounding["rounding_seconds"] = round(time.perf_counter() - t0, 2)
-    proxy = "hessian: trace((W-Q) H (W-Q)^T), experts by output share" if sums is not None else "weight: ||W-Q||^2"
-    plan = QuantPlan({n: get_format(c.format) for n, c in chosen.items()}, dense)
-    return loaded, plan, rounding, {"allocation": plan_record(choices, chosen, bpw, formats, proxy)}
+    plan = QuantPlan({n: get_format(c.format) for n, c in chosen.items() if c.format != DENSE}, dense)
+    return loaded, plan, rounding, {"allocation": plan_record(choices, chosen, bpw, candidates, record)}
+
+
+def _sensitivity_record(method: str, sums: HessianSums | None, probe: KLProbe | None,
+                        chosen: dict[str, Candidate], seconds: float) -> dict:
+    """How the candidates were scored; for kl, the plan's summed KL increases against its
+    measured KL (the plan is installed), on the same tokens."""
+    if probe is None:
+        return {"method": "proxy", "error": "trace((W-Q) H (W-Q)^T), experts by output share" if sums is not None
+                else "||W-Q||^2", "seconds": round(seconds, 2)}
+    predicted, measured = sum(c.error for c in chosen.values()), probe.kl()
+    print(f"sensitivity kl: plan KL on {len(probe.x):,} calibration tokens {measured:.5f}, "
+          f"sum of per-weight increases {predicted:.5f}")
+    return {"method": "kl", "error": "KL increase with the weight alone rounded",
+            "tokens": len(probe.x), "window": probe.window, "seconds": round(seconds, 2),
+            "forward_seconds": round(probe.seconds, 2), "plan_kl_predicted": predicted, "plan_kl_measured": measured}
 
 
 def _hessians(loaded: LoadedModel, path: Path, formats: list[Format], calibration: Calibration,
-              device: str, quantize_lm_head: bool) -> tuple[HessianSums, dict]:
-    """Hessians of every weight some candidate takes, and the rounding record."""
+              device: str, quantize_lm_head: bool) -> tuple[HessianSums, dict, list[int]]:
+    """Hessians of every weight some candidate takes, the rounding record, and the tokens."""
     plan = QuantPlan()
     for f in formats:
         plan.quantized.update(plan_quantization(loaded.model, f.name, quantize_lm_head).quantized)
@@ -153,7 +242,7 @@ def _hessians(loaded: LoadedModel, path: Path, formats: list[Format], calibratio
     return sums, {"method": "gptq (scalar and vector formats; nearest for the others)",
                   "calibration": {"file": calibration.path.name, "sha256": calibration.sha256,
                                   "tokens": len(ids)},
-                  "hessian_seconds": round(time.perf_counter() - t0, 2)}
+                  "hessian_seconds": round(time.perf_counter() - t0, 2)}, ids
 
 
 def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dtype: str,

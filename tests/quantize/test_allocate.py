@@ -107,7 +107,7 @@ def test_bpw_with_format_or_formats_alone_is_refused(tmp_path, capsys):
 def test_bpw_artifact_stores_the_planned_bytes_and_generates(tiny_moe_dir, tmp_path, capsys, calib):
     art = tmp_path / "art"
     argv = ["quantize", str(tiny_moe_dir), "--bpw", "6", "--formats", "nvfp4,nf4,fp8", "--out", str(art),
-            "--device", "cpu"]
+            "--device", "cpu", "--sensitivity", "proxy"]
     if calib:
         (tmp_path / "calib.txt").write_text(TEXT)
         argv += ["--calib", str(tmp_path / "calib.txt")]
@@ -117,7 +117,8 @@ def test_bpw_artifact_stores_the_planned_bytes_and_generates(tiny_moe_dir, tmp_p
     manifest = json.loads((art / "lowbit.json").read_text())
     plan = manifest["allocation"]
     assert plan["bpw_budget"] == 6 and 8 * plan["bytes"] <= 6 * plan["weights"]
-    assert plan["proxy"].startswith("hessian" if calib else "weight")
+    assert plan["sensitivity"]["method"] == "proxy"  # asked for: kl is the default with --calib
+    assert plan["sensitivity"]["error"].startswith("trace" if calib else "||W-Q||")
     assert len({e["format"] for e in plan["tensors"].values()}) >= 2  # a real mix at 6 bits
     for name, e in plan["tensors"].items():
         assert manifest["tensors"][name]["format"] == e["format"]
