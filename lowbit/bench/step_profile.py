@@ -32,6 +32,20 @@ def _kernel_events(prof) -> list:
             and not e.name.startswith(("Memcpy", "Memset", "[memory]"))]
 
 
+def _summary(prof, steps: int, layers: int, step_us: float, top: int) -> dict:
+    """Kernels per step (and per layer), their GPU time, the wall time against it, and the
+    `top` kernels by time (name, launches and us per step)."""
+    kernels = _kernel_events(prof)
+    names, times = Counter(), Counter()
+    for e in kernels:
+        names[e.name] += 1
+        times[e.name] += e.device_time
+    busy = sum(times.values()) / steps
+    return {"steps": steps, "kernels": len(kernels) / steps, "per_layer": len(kernels) / steps / layers,
+            "kernel_us": busy, "step_us": step_us, "overhead": step_us / max(busy, 1e-9),
+            "top": [(n[:80], names[n] / steps, times[n] / steps) for n, _ in times.most_common(top)]}
+
+
 def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64) -> dict | None:
     if engine.device.type != "cuda":
         return None
@@ -57,19 +71,7 @@ def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64) ->
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    kernels = _kernel_events(prof)
-    busy = sum(e.device_time for e in kernels) / steps  # us per step
-    names = Counter()
-    times = Counter()
-    for e in kernels:
-        names[e.name] += 1
-        times[e.name] += e.device_time
-    layers = engine.arch.num_layers
-    top = [(n[:80], names[n] / steps, times[n] / steps) for n, _ in times.most_common(10)]
-    return {"batch": batch, "steps": steps, "kernels": len(kernels) / steps,
-            "per_layer": len(kernels) / steps / layers, "kernel_us": busy,
-            "step_us": 1e6 * wall / steps, "overhead": 1e6 * wall / steps / max(busy, 1e-9),
-            "top": top}
+    return {"batch": batch, **_summary(prof, steps, engine.arch.num_layers, 1e6 * wall / steps, 10)}
 
 
 def profile_prefill(engine, tokens: int = 512, repeats: int = 2) -> dict | None:
@@ -95,17 +97,7 @@ def profile_prefill(engine, tokens: int = 512, repeats: int = 2) -> dict | None:
     with torch.profiler.profile(activities=acts) as prof:
         run()
         torch.cuda.synchronize()
-    kernels = _kernel_events(prof)
-    names, times = Counter(), Counter()
-    for e in kernels:
-        names[e.name] += 1
-        times[e.name] += e.device_time
-    busy = sum(times.values())
-    layers = engine.arch.num_layers
-    top = [(n[:80], names[n], times[n]) for n, _ in times.most_common(12)]
-    return {"batch": tokens, "steps": 1, "kernels": len(kernels), "per_layer": len(kernels) / layers,
-            "kernel_us": busy, "step_us": 1e6 * wall, "overhead": 1e6 * wall / max(busy, 1e-9),
-            "top": top, "prefill": True}
+    return {"batch": tokens, **_summary(prof, 1, engine.arch.num_layers, 1e6 * wall, 12), "prefill": True}
 
 
 def format_profile(p: dict) -> str:
