@@ -48,6 +48,9 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = _opt(None, "KV pool size in blocks; wins over --kv-cache-tokens")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prompt prefixes")
     enforce_eager: bool = _opt(False, "never capture CUDA graphs")
+    prefill_graphs: bool = _opt(True, "capture prefill and mixed steps in CUDA graphs too, one per (token, "
+                                      "sequence) bucket at its first step (off: they run eagerly, "
+                                      "launch-bound; decode graphs stay on)")
     async_scheduling: bool = _opt(True, "schedule and launch step N+1 while the device runs step N, then read "
                                         "step N's tokens (off: each step waits for its tokens before the next "
                                         "is scheduled); steps that cannot overlap run synchronously")

@@ -166,6 +166,15 @@ def graph_status(engine) -> str:
     return text
 
 
+def prefill_graph_status(engine) -> str:
+    """What prefill and mixed steps run as: graphs (per token and sequence bucket) or eager."""
+    runner = engine.runner
+    graphs = getattr(runner, "prefill_graphs", None)
+    if graphs is None:
+        return f"prefill CUDA graphs OFF: {getattr(runner, 'prefill_graphs_off', 'not in this engine')}"
+    return graphs.status()
+
+
 def route_summary() -> dict:
     """Which route ran each op (calls per route) and the fallbacks warned about."""
     calls: dict[str, dict[str, int]] = {}
@@ -244,7 +253,8 @@ def usable_depths(depths: list[int], prompt: list[int], gen: list[int], max_len:
 def run_cells(s: Session, prompt: list[int], gen: list[int], depths: list[int],
               repeats: int, batches: tuple[int, ...] = (1,)) -> list[Cell]:
     # warm-up: first calls allocate, compile, capture graphs
-    _timed(f"warm-up pp{min(prompt)}", s.prefill, min(prompt))
+    for p in sorted(set(prompt)):  # each prompt length's prefill graphs are captured here
+        _timed(f"warm-up pp{p}", s.prefill, p)
     for b in batches:
         _timed(f"warm-up tg2 x{b}", s.decode, 2, b)
     cells = []
@@ -319,7 +329,8 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "kv_cache_tokens": cfg.kv_cache_tokens, "repeats": repeats, "time_to_ready_s": s.time_to_ready_s,
             "memory_after_load": mem_loaded, "memory": mem, "copy_bandwidth_Bps": bw,
             "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw),
-            "graphs": graph_status(s.llm.engine), "async": async_status(s.llm.engine),
+            "graphs": graph_status(s.llm.engine), "prefill_graphs": prefill_graph_status(s.llm.engine),
+            "async": async_status(s.llm.engine),
             "routes": route_summary(), "step_profiles": profiles,
             "expert_cache": expert_cache_summary(s.llm.engine)}
 
@@ -357,7 +368,7 @@ def summary_md(rec: dict) -> str:
             f"({'device' if 'peak_device_bytes' in mem else 'RSS'}); copy bandwidth "
             f"{rec['copy_bandwidth_Bps'] / 1e9:.1f} GB/s; active weight bytes per token "
             f"{rec['weight_bytes']['active'] / 2**20:.1f} MiB; {rec['repeats']} repeats, mean ± sd")
-    lines = [foot, rec.get("graphs", ""), rec.get("async", "")]
+    lines = [foot, rec.get("graphs", ""), rec.get("prefill_graphs", ""), rec.get("async", "")]
     ec = rec.get("expert_cache")
     if ec:
         h2d = ec.get("h2d_bandwidth_Bps")

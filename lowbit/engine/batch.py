@@ -37,6 +37,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor | None = None  # [T] int64 pool row of each new token
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32, padded with 0
     seq_lens: torch.Tensor | None = None  # [B] int32, context + new tokens
+    query_start_dev: torch.Tensor | None = None  # [B + 1] int32, query_start on the device
 
     @property
     def num_seqs(self) -> int:

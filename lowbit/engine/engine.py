@@ -128,7 +128,7 @@ class LLMEngine:
                                    self.config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.config.max_num_seqs,
                                   self.max_model_len, self.config.enforce_eager or bool(self.config.record_routing),
-                                  self.config.max_num_batched_tokens)
+                                  self.config.max_num_batched_tokens, self.config.prefill_graphs)
         if self.expert_cache is not None:
             self.runner.graph_check = self.expert_cache.graph_check
             self.runner.before_forward.append(self.expert_cache.before_forward)

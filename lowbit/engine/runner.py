@@ -37,6 +37,7 @@ import torch
 from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
+from lowbit.engine.prefill_graphs import PrefillGraphs, prefill_graphs_wanted
 from lowbit.engine.request import Request, TokenLogprob
 from lowbit.engine.sampling import SamplingState, token_logprobs
 from lowbit.engine.scheduler import SchedulerOutput
@@ -110,7 +111,7 @@ class LazySlots(Sequence):
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
                  max_num_seqs: int, max_model_len: int, enforce_eager: bool = False,
-                 max_num_batched_tokens: int | None = None) -> None:
+                 max_num_batched_tokens: int | None = None, prefill_graphs: bool = True) -> None:
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.before_forward: list[Callable[[ForwardBatch, torch.Tensor], None]] = []
         # after a graph replay: False sends the step to run again eagerly (an expert cache miss)
@@ -124,12 +125,22 @@ class ModelRunner:
         pad = Padding(kv_cache.scratch_row, kv_cache.scratch_block, self.sampling.scratch_row)
         self.inputs = StepInputs(max_tokens, max_num_seqs, max_blocks, pad, device)
         self.graphs: DecodeGraphs | None = None
+        self._prefill_bucket: tuple[int, int] | None = None  # the staged step's prefill graph bucket
         self.graphs_off = graphs_wanted(model, device, enforce_eager)
         if self.graphs_off is None:  # each bucket is captured at its first decode step
             self.graphs = DecodeGraphs(model, self.inputs, self.sampling, kv_cache, max_num_seqs, device)
         elif device.type == "cuda":
             log.warning("decode CUDA graphs are off (every decode step runs eagerly, slowly): %s",
                         self.graphs_off)
+        self.prefill_graphs: PrefillGraphs | None = None
+        self.prefill_graphs_off = self.graphs_off or ("--no-prefill-graphs" if not prefill_graphs
+                                                      else prefill_graphs_wanted(model))
+        if self.prefill_graphs_off is None:
+            self.prefill_graphs = PrefillGraphs(model, self.inputs, self.sampling, kv_cache, max_tokens,
+                                                max_num_seqs, device, self.graphs)
+        elif self.graphs_off is None:
+            log.warning("prefill CUDA graphs are off (prefill steps run eagerly, launch-bound): %s",
+                        self.prefill_graphs_off)
         pin = device.type == "cuda"
         # two read-back buffers, taken in turn: step N's is still unread when step N+1 launches
         self._tokens_host = [torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)]
@@ -179,6 +190,14 @@ class ModelRunner:
         if reqs and self._graph_ready(batch, len(reqs), mode):
             tokens, logits = self._replay(batch, mode)
             out = RunnerOutput()
+        elif self._prefill_bucket is not None and self.prefill_graphs.ready(self._prefill_bucket, mode):
+            tokens, logits = self.prefill_graphs.run(self._prefill_bucket, mode)
+            if not reqs:
+                return PendingOutput(RunnerOutput())
+            if len(reqs) < batch.num_seqs:  # the staged picks: the sequences that sample
+                sel = self.inputs.seqs()["picks"][:len(reqs)]
+                tokens, logits = tokens.index_select(0, sel), logits.index_select(0, sel)
+            out = RunnerOutput()
         else:
             hidden = self.model(input_ids, batch)
             out = self._prompt_logprobs_all(sched.scheduled, batch, hidden)
@@ -215,12 +234,23 @@ class ModelRunner:
             vals["positions"] += range(start, start + n)
             vals["slot_mapping"] += [req.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             vals["seq_lens"].append(start + n)
-            vals["rows"].append(self._seat(req))
+            row = self._seat(req)
+            if start + n == req.num_known_tokens:
+                vals["picks"].append(len(vals["rows"]))
+            vals["rows"].append(row)
+            vals["sample_rows"].append(row if start + n == req.num_known_tokens else self.sampling.scratch_row)
             vals["steps"].append(req.num_tokens + req.num_pending_tokens)  # the sampled token's index
             starts.append(starts[-1] + n)
+            vals["last_index"].append(starts[-1] - 1)
             context.append(start)
+        vals["query_start"] = starts
         graph_bucket = self._bucket(scheduled, starts)
-        self.inputs.stage(vals, [r.block_table for r, _ in scheduled], pad_to=graph_bucket, pending=pending)
+        self._prefill_bucket = self._prefill_bucket_for(scheduled, starts) if not graph_bucket else None
+        pad_tokens = None
+        if self._prefill_bucket is not None:
+            pad_tokens, graph_bucket = self._prefill_bucket
+        self.inputs.stage(vals, [r.block_table for r, _ in scheduled], pad_to=graph_bucket, pending=pending,
+                          pad_tokens=pad_tokens)
         self.inputs.upload()
         if pending:
             self.inputs.fill_pending(self.last_sampled.tokens)
@@ -229,7 +259,7 @@ class ModelRunner:
         width = max(len(r.block_table) for r, _ in scheduled)
         batch = ForwardBatch(tok["positions"], starts, context, LazySlots(scheduled, bs, self.device),
                              self.kv_cache, tok["slot_mapping"], self.inputs.block_tables[:b, :width],
-                             seq["seq_lens"])
+                             seq["seq_lens"], query_start_dev=seq["query_start"])
         return tok["input_ids"], batch
 
     def _sampled_index(self, req: Request) -> int:
@@ -243,6 +273,18 @@ class ModelRunner:
         if self.graphs is None or starts[-1] != len(scheduled):
             return 0
         return self.graphs.bucket_for(len(scheduled)) or 0
+
+    def _prefill_bucket_for(self, scheduled: list[tuple[Request, int]], starts: list[int]) -> tuple[int, int] | None:
+        """The prefill graph bucket (T', B') a step that is not a pure decode pads to, or None
+        when it runs eagerly: no prefill graphs, or a step that needs host work between layers
+        (an expert cache's hooks, speculative drafts, prompt log-probabilities)."""
+        if self.prefill_graphs is None or self.before_forward or self.spec is not None:
+            return None
+        if starts[-1] == len(scheduled):  # one token a sequence: the decode graphs' shape
+            return None
+        if any(r.wants_prompt_logprobs for r, _ in scheduled):
+            return None
+        return self.prefill_graphs.bucket_for(starts[-1], len(scheduled))
 
     def _sample_eager(self, scheduled: list[tuple[Request, int]], batch: ForwardBatch,
                       hidden: torch.Tensor, mode) -> tuple[torch.Tensor, torch.Tensor]:

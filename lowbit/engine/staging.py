@@ -13,9 +13,19 @@ host, is staged as a placeholder; `fill_pending` then overwrites it on the devic
 step's sampled tokens (K pairs: flat index in input_ids, index in the sampled tokens), after
 the upload and before the forward or graph replay, with no host sync.
 
+Sequence fields beside the per-sequence metadata: query_start [B + 1] (int32, the flat
+index of each sequence's first new token), last_index [B] (its last new token: the row the
+logits are taken from) and sample_rows [B] (its sampler row when it samples this step, else
+the scratch row), which a captured prefill step reads; picks [<= B] (the sequences that
+sample, in order: where their tokens sit in a prefill graph's output).
+
 Rows past the step's B (graph padding) are filled so that a padded row is harmless: token
 0 at position 0, writing the pool's scratch row, reading one token of the scratch block,
-and sampling into the sampler's scratch row.
+and sampling into the sampler's scratch row. A decode bucket pads tokens and sequences
+alike (padded sequence i owns padded token i). A prefill bucket pads them apart
+(`pad_tokens`): the padded tokens form one padded sequence B, a fresh prompt of
+pad_tokens - T tokens over the scratch block, so every row of the padded step is computed
+from finite inputs; the sequences after it are empty.
 """
 
 from __future__ import annotations
@@ -33,16 +43,18 @@ class Padding:
 
 
 class StepInputs:
-    FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "rows", "steps")
+    TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping")
+    SEQ_FIELDS = ("seq_lens", "rows", "steps", "query_start", "last_index", "sample_rows", "picks")
+    FIELDS = TOKEN_FIELDS + SEQ_FIELDS
     PENDING = ("pending_at", "pending_src")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, padding: Padding,
                  device: torch.device) -> None:
         self.device, self.pad = device, padding
         pin = device.type == "cuda"
-        sizes = {"input_ids": max_tokens, "positions": max_tokens, "slot_mapping": max_tokens,
-                 "seq_lens": max_seqs, "rows": max_seqs, "steps": max_seqs}
-        dtypes = {"seq_lens": torch.int32}
+        sizes = {**{f: max_tokens for f in self.TOKEN_FIELDS}, **{f: max_seqs for f in self.SEQ_FIELDS},
+                 "query_start": max_seqs + 1}
+        dtypes = {"seq_lens": torch.int32, "query_start": torch.int32}
         self.host = {f: torch.zeros(n, dtype=dtypes.get(f, torch.long), pin_memory=pin)
                      for f, n in sizes.items()}
         self.dev = {f: torch.zeros(n, dtype=dtypes.get(f, torch.long), device=device)
@@ -57,25 +69,33 @@ class StepInputs:
         self.num_tokens = self.num_seqs = self.width = self.num_pending = 0
 
     def stage(self, values: dict[str, list[int]], tables: list[list[int]], pad_to: int = 0,
-              pending: list[tuple[int, int]] = ()) -> None:
-        """Fill the pinned buffers: token fields [T], sequence fields [B], tables [B][<=W],
-        pending (flat index, sampled index) pairs [K]; with pad_to (a graph bucket), token
-        and sequence fields are padded to pad_to rows."""
+              pending: list[tuple[int, int]] = (), pad_tokens: int | None = None) -> None:
+        """Fill the pinned buffers: token fields [T], sequence fields [B] (query_start
+        [B + 1]), tables [B][<=W], pending (flat index, sampled index) pairs [K]. With pad_to
+        (a graph bucket) token and sequence fields are padded to pad_to rows; with
+        pad_tokens too (a prefill bucket) tokens are padded to pad_tokens rows instead, the
+        padded tokens forming sequence B (pad_to > B then)."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload has left the pinned buffers
         self.num_pending = len(pending)
         for f, vals in zip(self.PENDING, zip(*pending)):
             self.host[f][:self.num_pending] = torch.as_tensor(vals, dtype=torch.long)
         t, b = len(values["input_ids"]), len(tables)
-        n_tok, n_seq = max(t, pad_to), max(b, pad_to)
+        n_tok, n_seq = max(t, pad_to if pad_tokens is None else pad_tokens), max(b, pad_to)
         fill = {"input_ids": 0, "positions": 0, "slot_mapping": self.pad.scratch_row,
-                "seq_lens": 1, "rows": self.pad.sampler_row, "steps": 0}
+                "seq_lens": 1, "rows": self.pad.sampler_row, "steps": 0, "last_index": 0,
+                "sample_rows": self.pad.sampler_row, "query_start": n_tok, "picks": 0}
         for f in self.FIELDS:
-            n = n_tok if f in ("input_ids", "positions", "slot_mapping") else n_seq
+            n = n_tok if f in self.TOKEN_FIELDS else n_seq + (f == "query_start")
             vals = values[f]
             buf = self.host[f]
             buf[:len(vals)] = torch.as_tensor(vals, dtype=buf.dtype)
             buf[len(vals):n] = fill[f]
+        if pad_tokens is None and n_seq > b:  # decode padding: padded sequence i owns token i
+            self.host["query_start"][b + 1:n_seq + 1] = torch.arange(t + 1, t + 1 + n_seq - b)
+        elif n_tok > t:  # prefill padding: the padded tokens are sequence b's prompt
+            assert n_seq > b, "a padded prefill step needs a padded sequence"
+            self.host["seq_lens"][b] = n_tok - t
         width = max(len(row) for row in tables)
         self.host_tables[:n_seq, :width] = self.pad.scratch_block
         for i, row in enumerate(tables):
@@ -86,7 +106,7 @@ class StepInputs:
         """Non-blocking copies of the staged rows into the device buffers."""
         nb = self.device.type == "cuda"
         for f in self.FIELDS:
-            n = self.num_tokens if f in ("input_ids", "positions", "slot_mapping") else self.num_seqs
+            n = self.num_tokens if f in self.TOKEN_FIELDS else self.num_seqs + (f == "query_start")
             self.dev[f][:n].copy_(self.host[f][:n], non_blocking=nb)
         for f in self.PENDING:
             self.dev[f][:self.num_pending].copy_(self.host[f][:self.num_pending], non_blocking=nb)
@@ -106,8 +126,9 @@ class StepInputs:
     def tokens(self, n: int | None = None) -> dict[str, torch.Tensor]:
         """Device views of the token fields, n rows (default: the staged count)."""
         n = self.num_tokens if n is None else n
-        return {f: self.dev[f][:n] for f in ("input_ids", "positions", "slot_mapping")}
+        return {f: self.dev[f][:n] for f in self.TOKEN_FIELDS}
 
     def seqs(self, n: int | None = None) -> dict[str, torch.Tensor]:
+        """Device views of the sequence fields, n rows (query_start n + 1)."""
         n = self.num_seqs if n is None else n
-        return {f: self.dev[f][:n] for f in ("seq_lens", "rows", "steps")}
+        return {f: self.dev[f][:n + (f == "query_start")] for f in self.SEQ_FIELDS}

@@ -30,10 +30,15 @@ launch except the grid bounds named below):
       one program reads G x S partials in turn (H200, Qwen3-30B-A3B decode at B = 1, S = 66:
       15.7 us a layer against 6.3 for split + reduce), so FOLD is off unless a config asks.
   _decode_reduce_kernel grid (B, H). Merges the S partials and the sink (FOLD off).
-  _prefill_kernel       grid (B, ceil(max_q / TPB), Hkv). Rows of a tile are TPB query
+  _prefill_kernel       grid (ceil(T / TPB) + B, Hkv). Rows of a tile are TPB query
       tokens x G heads (row r: token r // G, head r % G), so K/V are read once per kv head;
       causal and window masks per row; keys loop from the window's start to the tile's
-      last token. max_q is host-side (prefill steps are never graph-captured).
+      last token. Program p finds its sequence and tile from the device query_start: the
+      tiles of sequence b are ceil(q_len_b / TPB), numbered in sequence order (a cumulative
+      sum over the B + 1 starts in each program); programs past the last tile exit. The
+      bound sum_b ceil(q_len_b / TPB) <= ceil(T / TPB) + B needs only T and B, so a captured
+      prefill step (lowbit.engine.prefill_graphs, T and B padded to a bucket) replays for
+      any lengths that fit it.
 Invariants: Dk == Dv; BD = D padded to a power of two >= 16 (masked); masked loads never
 touch rows past a sequence's end (pools are torch.empty: those rows may hold anything);
 every live query row sees at least its own key, so its max logit is finite.
@@ -296,17 +301,25 @@ def _decode_reduce_kernel(part_ptr, ml_ptr, sinks_ptr, out_ptr, S, stride_ot, st
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, cuq_ptr, sinks_ptr, out_ptr,
     qk_scale, window, stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
-    stride_bt, stride_ot, stride_oh,
+    stride_bt, stride_ot, stride_oh, B,
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, TPB: tl.constexpr, FP8: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
+    BN: tl.constexpr, TPB: tl.constexpr, BB: tl.constexpr, FP8: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    t0 = tl.program_id(1) * TPB
-    kh = tl.program_id(2)
+    p = tl.program_id(0)
+    kh = tl.program_id(1)
+    i = tl.arange(0, BB)
+    imask = i < B
+    lo_i = tl.load(cuq_ptr + i, mask=imask, other=0)
+    tiles = (tl.load(cuq_ptr + i + 1, mask=imask, other=0) - lo_i + TPB - 1) // TPB  # [BB], 0 past B
+    ends = tl.cumsum(tiles, 0)  # one past each sequence's last tile
+    b = tl.sum((ends <= p).to(tl.int32), 0)  # the sequence whose tiles hold p (>= B: none)
+    first = tl.sum(tl.where(i < b, tiles, 0), 0)
+    t0 = (p - first) * TPB
+    b = tl.minimum(b, B - 1)  # keeps the loads below in bounds; the test below drops the program
     q0 = tl.load(cuq_ptr + b)
     q_len = tl.load(cuq_ptr + b + 1) - q0
-    if t0 < q_len:
+    if (p < tl.sum(tiles, 0)) & (t0 < q_len):
         ctx = tl.load(lens_ptr + b) - q_len  # cached tokens before this step's queries
         r = tl.arange(0, BM)
         tok = t0 + r // G
@@ -413,11 +426,12 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
 
 
 def paged_prefill(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  query_start: torch.Tensor, max_q_len: int, scale: float, window: int | None = None,
+                  query_start: torch.Tensor, scale: float, window: int | None = None,
                   sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
                   config: dict | None = None) -> torch.Tensor:
     """Varlen queries over each sequence's cached prefix: q [T, H, D] -> [T, H, D].
-    query_start [B + 1] int32 on the device; max_q_len >= every sequence's query count."""
+    query_start [B + 1] int32 on the device, query_start[B] <= T; rows past it are not
+    written. The grid depends on T and B only (no host length)."""
     out = torch.empty_like(q) if out is None else out
     H, Hkv, D = _check(q, pool, block_tables, seq_lens, out)
     assert query_start.dtype == torch.int32 and query_start.shape == (block_tables.shape[0] + 1,)
@@ -426,12 +440,14 @@ def paged_prefill(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq
     BM = max(cfg["BM"], 16, triton.next_power_of_2(G))
     TPB = BM // G
     kv, strides, flags, qk_scale, win = _common(q, pool, scale, window, sinks)
-    grid = (block_tables.shape[0], triton.cdiv(max_q_len, TPB), Hkv)
+    B = block_tables.shape[0]
+    grid = (triton.cdiv(q.shape[0], TPB) + B, Hkv)
     _prefill_kernel[grid](
         q, *kv, block_tables, seq_lens, query_start, sinks if sinks is not None else seq_lens, out,
         qk_scale, win, q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0),
-        out.stride(1), G=G, D=D, BD=max(16, triton.next_power_of_2(D)), BS=pool.block_size, BM=BM,
-        BN=cfg["BN"], TPB=TPB, **flags, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        out.stride(1), B, G=G, D=D, BD=max(16, triton.next_power_of_2(D)), BS=pool.block_size, BM=BM,
+        BN=cfg["BN"], TPB=TPB, BB=triton.next_power_of_2(B + 1), **flags, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
 
 

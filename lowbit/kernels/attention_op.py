@@ -6,7 +6,8 @@ Shape legend: T new tokens, B sequences, H/Hkv heads, Dk/Dv head dims, R pool ro
                                           already in the pool (kv_write runs first)
 Routes of `attention`, in selection order (status and record in docs/ROUTES.md):
   triton_paged_decode    split-KV decode, one query per sequence (decode steps only); graph-safe
-  triton_paged_prefill   varlen queries over the cached prefix (any step)
+  triton_paged_prefill   varlen queries over the cached prefix (any step); graph-safe when the
+                         batch carries query_start on the device (a captured prefill step)
   triton_paged           decode kernel on decode steps, prefill kernel on the others (OPT-IN:
                          the two routes above already cover every step)
   torch                  reference: gather each sequence's rows, float32 softmax; reads host
@@ -19,8 +20,8 @@ Routes of `latent_attention` (MLA over the latent cache, lowbit.layers.attention
                          heads of one sequence sharing each latent tile; graph-safe
   torch                  reference: per sequence, the cache's `update` and float32 attention
                          over the gathered latent; host lengths (prefill and mixed steps)
-`decode_graph_refusal(op)` says whether a captured decode step of a model calling `op` for
-its attention would run a graph-safe route.
+`decode_graph_refusal(op)` / `prefill_graph_refusal(op)` say whether a captured decode /
+prefill step of a model calling `op` for its attention would run a graph-safe route.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ ENGINE_RECORD = ("docs/BENCHMARKS.md#decode-graph (engine tg at the Qwen3-30B-A3
                  "route kept decode eager at 15.1 tok/s bf16; with this route graphs capture: 224-235)")
 GRAPH_SAFE_DECODE = ("triton_paged_decode", "triton_paged")  # routes a captured decode may run
 GRAPH_SAFE_LATENT_DECODE = ("triton_latent_decode",)
+GRAPH_SAFE_PREFILL = ("triton_paged_prefill", "triton_paged")  # read the staged query_start
+DECODE_ONLY = ("triton_paged_decode", "triton_latent_decode")
 LATENT_RECORD = ("docs/BENCHMARKS.md#decode-graph (DeepSeek-V2-Lite bf16, H200: the torch route keeps "
                  "decode eager at 13.4 tok/s, 61.8 ms a step for 5.0 ms of kernels; this route is what "
                  "lets the step be captured; its own engine record is still to be taken)")
@@ -84,6 +87,7 @@ class AttentionCall:
     cache: object | None = None  # the contiguous cache, or None (no context: prefill only)
     cache_slots: list | None = None  # [B] each sequence's slot in the cache
     layer_idx: int = 0
+    query_start_dev: torch.Tensor | None = None  # [B + 1] int32, the staged starts (graph-safe)
 
 
 def _refusal(call: AttentionCall) -> str | None:
@@ -132,10 +136,11 @@ def _run_decode(call: AttentionCall) -> torch.Tensor:
 
 
 def _run_prefill(call: AttentionCall) -> torch.Tensor:
-    qs = call.query_start
-    max_q = max(qs[i + 1] - qs[i] for i in range(len(qs) - 1))
-    return paged_prefill(call.q, call.pool, call.block_tables, call.seq_lens,
-                         _starts_on_device(qs, call.q.device), max_q, call.scale, call.window, call.sinks)
+    starts = call.query_start_dev
+    if starts is None:
+        starts = _starts_on_device(call.query_start, call.q.device)
+    return paged_prefill(call.q, call.pool, call.block_tables, call.seq_lens, starts, call.scale,
+                         call.window, call.sinks)
 
 
 def _run_paged(call: AttentionCall) -> torch.Tensor:
@@ -305,3 +310,19 @@ def decode_graph_refusal(op: str = "attention") -> str | None:
             break
     return (f"decode {op} runs the torch route, which reads host lengths "
             f"(force {env}={safe[-1]} to capture decode graphs)")
+
+
+def prefill_graph_refusal(op: str = "attention") -> str | None:
+    """Why a captured prefill or mixed step would not run a graph-safe route of `op`, or
+    None. MLA's `latent_attention` has no graph-safe prefill route (its prefill is torch)."""
+    safe = {"attention": GRAPH_SAFE_PREFILL, "latent_attention": ()}[op]
+    env = f"{routes.ENV_PREFIX}{op.upper()}"
+    forced = routes.forced_name(op)
+    if forced is not None:
+        return None if forced in safe else f"{env}={forced} is not a graph-safe prefill route"
+    for route in routes.ops()[op].routes:
+        if route.status == routes.DEFAULT and route.name not in DECODE_ONLY:
+            if route.name in safe:
+                return None
+            break
+    return f"prefill {op} runs the torch route, which reads host lengths"

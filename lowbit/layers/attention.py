@@ -51,7 +51,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, spec: At
     call = attention_op.AttentionCall(q, pool, batch.block_tables, batch.seq_lens, batch.query_start,
                                       batch.context_lens, batch.mode.is_decode, spec.scale, spec.window,
                                       spec.sinks, k=k, v=v, cache=batch.kv_cache,
-                                      cache_slots=batch.cache_slots, layer_idx=spec.layer_idx)
+                                      cache_slots=batch.cache_slots, layer_idx=spec.layer_idx,
+                                      query_start_dev=batch.query_start_dev)
     return attention_op.paged_attention(call, layer=layer)
 
 

@@ -205,7 +205,8 @@ def test_engines_that_cannot_overlap_say_why(make_engine, flags, why):
 def test_pending_tokens_are_filled_in_on_the_device():
     inputs = StepInputs(8, 4, 2, Padding(0, 0, 4), torch.device("cpu"))
     values = {"input_ids": [5, 6, 0, 7, 0], "positions": [0, 1, 9, 3, 4], "slot_mapping": [0] * 5,
-              "seq_lens": [2, 10, 5], "rows": [0, 1, 2], "steps": [2, 10, 5]}
+              "seq_lens": [2, 10, 5], "rows": [0, 1, 2], "steps": [2, 10, 5], "query_start": [0, 2, 3, 5],
+              "last_index": [1, 2, 4], "sample_rows": [0, 1, 2], "picks": [0, 1, 2]}
     inputs.stage(values, [[1], [1], [1]], pending=[(2, 1), (4, 0)])
     inputs.upload()
     inputs.fill_pending(torch.tensor([11, 22, 33]))

@@ -106,7 +106,7 @@ def test_paged_prefill_real_sizes(case):
     sk = torch.randn(H, device="cuda") if sinks else None
     out = torch.full_like(q, float("nan"))
     paged_prefill(q, pool, tables, torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                  torch.tensor(starts, dtype=torch.int32, device="cuda"), max(new), D ** -0.5, window,
+                  torch.tensor(starts, dtype=torch.int32, device="cuda"), D ** -0.5, window,
                   sk, out=out)
     ref = reference_paged_attention(q, pool, tables, starts, lens, D ** -0.5, window, sk)
     assert _rel(out, ref) < RTOL

@@ -128,10 +128,36 @@ def test_paged_prefill_matches_twin(heads, window, sinks, kv):
         sk = _sinks(sinks, H)
         out = poisoned(starts[-1], H, D, dtype=torch.bfloat16)
         paged_prefill(q, pool, tables, torch.tensor(lens, dtype=torch.int32),
-                      torch.tensor(starts, dtype=torch.int32), max(qlens), D ** -0.5, window, sk,
+                      torch.tensor(starts, dtype=torch.int32), D ** -0.5, window, sk,
                       out=out, config=cfg)
         ref = reference_paged_attention(q, pool, tables, starts, lens, D ** -0.5, window, sk)
         assert rel_err(out, ref) < TOL[torch.bfloat16], (ctx, qlens)
+
+
+def test_paged_prefill_padded_grid():
+    """The grid a captured prefill step uses: T padded past the last start, empty sequences
+    (a graph's padded rows) between live ones, and a 1-token decode row. Live rows match
+    the twin; rows past query_start[B] and the empty sequences write nothing."""
+    H, Hkv, D = 4, 2, 32
+    ctx, qlens = [0, 9, 0, 30, 0, 4], [0, 5, 0, 17, 0, 1]
+    lens = [max(c + n, 1) for c, n in zip(ctx, qlens)]
+    pool, tables = make_pool(lens, Hkv, D, torch.bfloat16, torch.bfloat16, seed=21)
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    live, pad = starts[-1], 11
+    q = torch.randn(live + pad, H, D).bfloat16()
+    out = poisoned(live + pad, H, D, dtype=torch.bfloat16)
+    paged_prefill(q, pool, tables, torch.tensor(lens, dtype=torch.int32),
+                  torch.tensor(starts, dtype=torch.int32), D ** -0.5, None, None, out=out,
+                  config=dict(BM=16, BN=16))
+    assert torch.isnan(out[live:].float()).all(), "rows past the last sequence were written"
+    keep = [b for b, n in enumerate(qlens) if n]
+    sub = [0]
+    for b in keep:
+        sub.append(sub[-1] + qlens[b])
+    ref = reference_paged_attention(q[:live], pool, tables[keep], sub, [lens[b] for b in keep], D ** -0.5)
+    assert rel_err(out[:live], ref) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -149,7 +175,7 @@ def test_other_compute_dtypes(dtype):
     q = torch.randn(9, H, D).to(dtype)  # 4 new tokens of sequence 0, 5 of sequence 1
     out = poisoned(9, H, D, dtype=dtype)
     starts = [0, 4, 9]
-    paged_prefill(q, pool, tables, seq_lens, torch.tensor(starts, dtype=torch.int32), 5, 0.2, 7, None,
+    paged_prefill(q, pool, tables, seq_lens, torch.tensor(starts, dtype=torch.int32), 0.2, 7, None,
                   out=out, config=dict(BM=16, BN=16))
     assert rel_err(out, reference_paged_attention(q, pool, tables, starts, lens, 0.2, 7)) < TOL[dtype]
 

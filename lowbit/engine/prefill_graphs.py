@@ -1,0 +1,172 @@
+"""CUDA graphs for prefill and mixed steps: one graph per (token bucket, sequence bucket, sampler mode).
+
+A step of T new tokens over B sequences that is not a pure decode step (a prompt, a chunk of
+one, chunks beside decodes) launches about 28 kernels a layer from Python; run eagerly, the
+launches cost more than the kernels (H200, Qwen3-30B-A3B shape, bf16, 512 tokens: 18.5 ms
+of kernels in a 71 ms step). A captured step replays them with no host work.
+
+What a graph covers: embedding, every layer, the final norm, lm_head over each sequence's
+last token (`last_index`), the sampler over those rows (`sample_rows`: a sequence that does
+not sample this step samples into the scratch row, and its token is dropped). It reads the
+runner's persistent buffers (lowbit.engine.staging.StepInputs) and writes tokens [B'] and
+logits [B', V] into buffers shared by every prefill graph (a graph only lives until the
+next replay reads its outputs, and graphs never replay at once).
+
+Buckets: T pads to the next of 16, 32, ..., 512, then multiples of 512, then
+--max-num-batched-tokens; B (plus one when T is padded: the padded tokens are one padded
+prompt, see staging) pads to the next power of two, then --max-num-seqs. Nothing in a
+layer reads a host length on this path: the attention op's prefill route takes the staged
+query_start, and its grid depends on T and B alone (lowbit.kernels.attention,
+_prefill_kernel); every other op's shapes are T, B and the weights'.
+
+A bucket is captured at its first step (a warm-up step first, with torch's sync debug
+mode set to error, as the decode graphs do). At most `max_graphs` are kept: past that,
+steps of a new shape run eagerly, with a WARNING once. Steps that need host-side work
+between layers run eagerly: prompt log-probabilities (every row's logits), speculative
+verification, an expert cache (it routes on the host), and models whose attention op has
+no graph-safe prefill route (MLA's latent prefill runs the torch route).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lowbit.engine.batch import ForwardBatch
+from lowbit.engine.staging import StepInputs
+from lowbit.kernels.attention_op import prefill_graph_refusal
+from lowbit.kernels.sample_op import sample_rows
+
+log = logging.getLogger("lowbit")
+
+MAX_GRAPHS = 48
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    small = [t for t in (16, 32, 64, 128, 256, 512) if t < max_tokens]
+    return small + list(range(1024, max_tokens, 512)) + [max_tokens]
+
+
+def seq_buckets(max_seqs: int) -> list[int]:
+    out = [b for b in (1 << i for i in range(max_seqs.bit_length())) if b < max_seqs]
+    return out + [max_seqs]
+
+
+def prefill_graphs_wanted(model: torch.nn.Module) -> str | None:
+    """None when prefill steps of `model` can be captured, else why not (decode graphs on)."""
+    return prefill_graph_refusal(getattr(model, "attention_op", "attention"))
+
+
+class PrefillGraphs:
+    def __init__(self, model: torch.nn.Module, inputs: StepInputs, sampling, kv_cache, max_tokens: int,
+                 max_num_seqs: int, device: torch.device, pool_owner, max_graphs: int = MAX_GRAPHS) -> None:
+        self.model, self.inputs, self.sampling, self.kv_cache = model, inputs, sampling, kv_cache
+        self.device, self.pool_owner, self.max_graphs = device, pool_owner, max_graphs
+        self.token_buckets = token_buckets(max_tokens)
+        self.seq_buckets = seq_buckets(max_num_seqs)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.eager: dict[tuple, str] = {}  # (T', B', mode) -> why its steps run eagerly
+        self.full = False  # max_graphs reached (warned once)
+        self.replays = 0
+        self.tokens: torch.Tensor | None = None  # [max B'] sampled tokens of the last replay
+        self.logits: torch.Tensor | None = None  # [max B', V] float32
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+        """(T', B') a step of num_tokens over num_seqs pads to, or None (too large)."""
+        t = next((x for x in self.token_buckets if x >= num_tokens), None)
+        if t is None:
+            return None
+        b = next((x for x in self.seq_buckets if x >= num_seqs + (t > num_tokens)), None)
+        return None if b is None else (t, b)
+
+    def ready(self, bucket: tuple[int, int], mode=None) -> bool:
+        """Whether the step staged for `bucket` replays a graph (capturing it first if new)."""
+        key = (*bucket, mode)
+        if key in self.graphs:
+            return True
+        if key in self.eager:
+            return False
+        if len(self.graphs) >= self.max_graphs:
+            if not self.full:
+                self.full = True
+                log.warning("%d prefill CUDA graphs are captured (the limit): prefill steps of new "
+                            "shapes run eagerly (slow), e.g. %d tokens over %d sequences", self.max_graphs, *bucket)
+            return False
+        reason = self.capture(*bucket, mode)
+        if reason is not None:
+            self.eager[key] = reason
+            log.warning("prefill steps of up to %d tokens over %d sequences run eagerly (slow): %s",
+                        *bucket, reason)
+            return False
+        return True
+
+    def _step(self, t: int, b: int, mode) -> None:
+        """The captured work: ids -> hidden -> last rows' logits -> tokens."""
+        tok, seq = self.inputs.tokens(t), self.inputs.seqs(b)
+        batch = ForwardBatch(tok["positions"], [0] + [t] * b, [0] * b, [None] * b, self.kv_cache,
+                             tok["slot_mapping"], self.inputs.block_tables[:b], seq["seq_lens"],
+                             query_start_dev=seq["query_start"])
+        hidden = self.model(tok["input_ids"], batch)
+        logits = self.model.compute_logits(hidden.index_select(0, seq["last_index"]))  # [b, V] float32
+        if self.logits is None or self.logits.shape[1] != logits.shape[1]:
+            raise AssertionError("output buffers are allocated before the warm-up")
+        self.logits[:b].copy_(logits)
+        self.tokens[:b].copy_(sample_rows(logits, self.sampling, seq["sample_rows"], seq["steps"], mode))
+
+    def _outputs(self, vocab: int) -> None:
+        if self.logits is None:
+            n = self.seq_buckets[-1]
+            self.logits = torch.zeros(n, vocab, dtype=torch.float32, device=self.device)
+            self.tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+
+    def capture(self, t: int, b: int, mode=None) -> str | None:
+        self._outputs(self.model.config.vocab_size)
+        reason = self._warm_up(t, b, mode)
+        if reason is not None:
+            return reason
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool_owner.pool):
+                self._step(t, b, mode)
+        except AssertionError as e:  # a route that reads host lengths was picked in capture
+            return f"a prefill step of {t} tokens cannot be captured ({e})"
+        self.pool_owner.pool = graph.pool()
+        self.graphs[(t, b, mode)] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured the prefill CUDA graph for %d tokens over %d sequences (%s)", t, b, mode)
+        return None
+
+    def _warm_up(self, t: int, b: int, mode) -> str | None:
+        """One eager step with the bucket's shapes: it computes the staged step (the replay
+        then rewrites the same K/V), and a host sync in it would break the capture."""
+        torch.cuda.synchronize(self.device)
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        counts = self.sampling.snapshot()
+        try:
+            self._step(t, b, mode)
+        except RuntimeError as e:
+            if "synchroniz" not in str(e):
+                raise
+            return f"a prefill step of {t} tokens reads device values on the host ({e})"
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+            self.sampling.restore(counts)
+        return None
+
+    def run(self, bucket: tuple[int, int], mode=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the staged step; (tokens [B'], logits [B', V]) of every padded sequence."""
+        t, b = bucket
+        self.graphs[(t, b, mode)].replay()
+        self.replays += 1
+        return self.tokens[:b], self.logits[:b]
+
+    def status(self) -> str:
+        shapes = sorted({(t, b) for t, b, _ in self.graphs})
+        text = f"prefill CUDA graphs on ({self.replays} replays; captured (tokens, seqs): {shapes or 'none yet'})"
+        if self.eager:
+            text += "; eager: " + "; ".join(f"{t}x{b}: {why}" for (t, b, _), why in sorted(self.eager.items(), key=str))
+        if self.full:
+            text += f"; limit of {self.max_graphs} graphs reached (new shapes eager)"
+        return text

@@ -1,0 +1,107 @@
+"""Prefill and mixed steps as CUDA graphs on the default routes: the same tokens as the
+eager prefill, no host sync inside a replayed step, one graph per (token, sequence) bucket.
+
+The model is the small random qwen3_moe of tests/gpu/test_attention_gpu.py (8 experts, top-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.kernels.runtime import interpreting
+from tests.gpu.test_attention_gpu import _moe_dir
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET=1 is set: GPU tests run compiled kernels"),
+]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return _moe_dir(tmp_path_factory.mktemp("moe") / "m")
+
+
+def _engine(path, **kw):
+    from lowbit.config import EngineConfig
+    from lowbit.engine.engine import LLMEngine
+
+    cfg = dict(model=str(path), device="cuda", dtype="bfloat16", kv_cache_tokens=16384,
+               max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024)
+    return LLMEngine(EngineConfig(**{**cfg, **kw}))
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(32, 127, (int(torch.randint(5, 600, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _run(engine, prompts, params, stagger: int = 3) -> list[list[int]]:
+    """Requests arrive `stagger` steps apart, so chunks run beside decodes (mixed steps)."""
+    reqs, pending = [], list(prompts)
+    while pending or engine.has_unfinished():
+        if pending:
+            reqs.append(engine.add_request(pending.pop(0), params))
+        for _ in range(stagger):
+            if engine.has_unfinished():
+                engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+@pytest.mark.parametrize("sampler", [dict(temperature=0.0), dict(temperature=0.9, seed=7, repetition_penalty=1.1)])
+def test_prefill_graph_tokens_equal_eager_tokens(moe_dir, sampler):
+    from lowbit import SamplingParams
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True, **sampler)
+    prompts = _prompts(7, seed=1)
+    outs = {}
+    for on in (True, False):
+        engine = _engine(moe_dir, prefill_graphs=on)
+        assert (engine.runner.prefill_graphs is not None) == on, engine.runner.prefill_graphs_off
+        outs[on] = _run(engine, prompts, params)
+        if on:
+            pg = engine.runner.prefill_graphs
+            assert not pg.eager, pg.eager
+            assert pg.replays > 0 and any(b > 1 for _, b, _ in pg.graphs), pg.status()
+    assert outs[True] == outs[False]
+
+
+def test_replayed_prefill_steps_do_not_sync(moe_dir):
+    """Four long prompts in 256-token steps; the second time round (same lengths, new
+    tokens, so the same shapes) the chunk steps replay graphs under torch's sync debug
+    mode set to error (the first step, which seats the requests, runs before it)."""
+    from lowbit import SamplingParams
+
+    engine = _engine(moe_dir)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(32, 127, (n,), generator=g).tolist() for n in (300, 410, 520, 333)]
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.has_unfinished():
+        engine.step()
+    pg = engine.runner.prefill_graphs
+    captured, replays = set(pg.graphs), pg.replays
+    reqs = [engine.add_request(p[::-1], params) for p in prompts]
+    engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert set(pg.graphs) == captured and pg.replays >= replays + 4, pg.status()
+    while engine.has_unfinished():
+        engine.step()
+    assert all(len(r.output_token_ids) == 4 for r in reqs)
+
+
+def test_mla_prefill_stays_eager():
+    from lowbit.engine.prefill_graphs import prefill_graphs_wanted
+
+    model = torch.nn.Module()
+    model.attention_op = "latent_attention"
+    assert "torch" in prefill_graphs_wanted(model)
