@@ -234,7 +234,7 @@ def peak_memory(device: str) -> dict[str, int]:
 
 
 def context_needed(prompt: list[int], gen: list[int], depths: list[int]) -> int:
-    return max(depths) + max(prompt + [n + 2 for n in gen])  # tg: 1 prompt token, n + 1 out
+    return max(depths) + max([p + 1 for p in prompt] + [n + 2 for n in gen])  # pp: 1 out; tg: 1 in, n + 1 out
 
 
 def usable_depths(depths: list[int], prompt: list[int], gen: list[int], max_len: int,

@@ -159,10 +159,10 @@ class SamplingState:
                   "repetition_penalty": params.repetition_penalty,
                   "presence_penalty": params.presence_penalty,
                   "frequency_penalty": params.frequency_penalty}
-        for name, v in values.items():
-            getattr(self, name)[row] = v
-        self.top_k[row] = max(params.top_k, 0)
-        self.seed[row] = _int64(_pick_seed(seed if seed is not None else params.seed, params.greedy))
+        for name, v in values.items():  # fill_ on a one-row view: a kernel, not a host-to-device copy
+            getattr(self, name)[row:row + 1].fill_(v)
+        self.top_k[row:row + 1].fill_(max(params.top_k, 0))
+        self.seed[row:row + 1].fill_(_int64(_pick_seed(seed if seed is not None else params.seed, params.greedy)))
         if params.has_penalties and self.counts is None:
             self._allocate_penalties()
         if self.counts is not None:
@@ -185,9 +185,9 @@ class SamplingState:
     def release(self, row: int) -> None:
         """The row's request ended or was preempted: back to the neutral (greedy) row."""
         for name, neutral in self.FLOATS.items():
-            getattr(self, name)[row] = neutral
-        self.top_k[row] = 0
-        self.seed[row] = 0
+            getattr(self, name)[row:row + 1].fill_(neutral)
+        self.top_k[row:row + 1].fill_(0)
+        self.seed[row:row + 1].fill_(0)
 
     def mode_for(self, params: list[SamplingParams]) -> SampleMode:
         """The static sampler mode of a batch of these requests' rows."""
