@@ -1,7 +1,7 @@
 """Import structure, read statically by scripts/import_graph.py: distributed wraps the
-layers below it from outside, its own modules form no cycle, and the directories whose
-imports were moved to module top stay within their budget of imports inside functions,
-each with a comment saying why it is local."""
+layers below it from outside, formats never imports kernels, no modules form a cycle, and
+the directories whose imports were moved to module top stay within their budget of imports
+inside functions, each with a comment saying why it is local."""
 
 from __future__ import annotations
 
@@ -54,6 +54,13 @@ def test_checkpoint_knows_nothing_of_processes(imports):
     bad = [f"{i.module}:{i.line}" for i in imports
            if _under(i.module, "lowbit.checkpoint") and _under(i.target, "lowbit.distributed")]
     assert not bad
+
+
+def test_formats_do_not_import_kernels(imports):
+    """Arrows point down: kernels read the containers of lowbit.formats, never the reverse."""
+    bad = [f"{i.module}:{i.line} -> {i.target}" for i in imports
+           if _under(i.module, "lowbit.formats") and _under(i.target, "lowbit.kernels")]
+    assert not bad, "lowbit.formats sits below lowbit.kernels; it must not import it:\n" + "\n".join(bad)
 
 
 def test_no_import_cycle_anywhere(imports):

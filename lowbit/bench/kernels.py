@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lowbit.formats.views import DenseWeight, Fp8View
 from lowbit.kernels import router_op
 from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv, reference_linear
 from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8
@@ -50,7 +51,7 @@ from lowbit.kernels.moe_op import MoeActivation
 from lowbit.kernels.router_op import RouterSpec, gate_logits, reference_route
 from lowbit.kernels.runtime import triton
 from lowbit.kernels.samples import BENCH_LUT_FORMATS, BENCH_SHAPES, random_fp8_view, random_lut_view
-from lowbit.kernels.weights import DenseWeight, Fp8View, resolve
+from lowbit.kernels.weights import resolve
 
 SHAPES = BENCH_SHAPES
 MS = (1, 4, 8, 16)

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from lowbit.checkpoint.quant_plan import quantized_weights
 from lowbit.errors import LowbitError
 from lowbit.formats import FORMATS, QuantizedTensor
-from lowbit.kernels.moe_layout import HybridTensor
+from lowbit.formats.hybrid import HybridTensor
 
 MANIFEST = "lowbit.json"
 INDEX = "model.safetensors.index.json"
@@ -111,7 +111,7 @@ def artifact_entries(model: nn.Module, source_dtype: torch.dtype) -> tuple[dict,
 
 
 def _hybrid_weights(model: nn.Module) -> dict:
-    """Expert stacks held by parts in two formats (lowbit.kernels.moe_layout.HybridTensor)."""
+    """Expert stacks held by parts in two formats (lowbit.formats.hybrid.HybridTensor)."""
     return {f"{name}.{attr}" if name else attr: v for name, mod in model.named_modules()
             for attr, v in vars(mod).items() if isinstance(v, HybridTensor)}
 

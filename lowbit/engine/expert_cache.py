@@ -9,7 +9,7 @@ Per MoE layer:
   slot_table  [E] int32 expert id -> slot, -1 when not resident (on the device)
 The MoE op never sees the host stacks: the layer's routed ids [T, A] are remapped through
 the slot table (a device gather) and the op reads slot stacks built once over `slots`
-(lowbit.kernels.weights' DenseWeight / LutWeight / Fp8View with S leading rows). A LUT
+(lowbit.formats.views' DenseWeight / LutWeight / Fp8View with S leading rows). A LUT
 stack's tables (and the decode factors derived from them) are small and stay whole on the
 device; the slot copy of an expert's table index keeps pointing into them.
 
@@ -50,10 +50,11 @@ from lowbit.engine.expert_policy import (
 )
 from lowbit.errors import LowbitError
 from lowbit.formats.base import LutView, QuantizedTensor
-from lowbit.kernels.moe_layout import HybridTensor
+from lowbit.formats.hybrid import HybridTensor
+from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
 from lowbit.kernels.moe_op import MoeActivation, moe_experts
 from lowbit.kernels.router_op import gate_logits
-from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, resolve
+from lowbit.kernels.weights import resolve
 from lowbit.layers.moe import SparseMoE
 
 log = logging.getLogger("lowbit")

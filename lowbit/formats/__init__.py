@@ -1,4 +1,5 @@
-"""Weight formats: one file per family, the registry, and the LUT view the kernels read.
+"""Weight formats: one file per family, the registry, and the containers the kernels read
+(the LUT view in base.py, views.py, hybrid.py).
 
 docs/FORMATS.md is the normative spec; tests/vectors/ holds its conformance vectors.
 """

@@ -218,6 +218,8 @@ class QuantizedTensor:
         self.shape = tuple(int(s) for s in shape)
         self.payload = dict(payload)
         fmt.check_payload(self.payload, self.shape)
+        # (payload fingerprint, kernel-side form): kept here by lowbit.kernels.weights.resolve
+        self._resolved: tuple | None = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return self.format.decode(self.payload, self.shape, dtype)

@@ -53,9 +53,9 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.kernels import launch
-from lowbit.kernels.dequant_gemm import _semaphore
 from lowbit.kernels.runtime import (
     interpreting,
+    semaphore,
     sm_count,
     tl,
     triton,
@@ -411,7 +411,7 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
     ml = torch.empty(B * H * S * 2 if S > 1 else 1, dtype=torch.float32, device=q.device)
     sinks_arg = sinks if sinks is not None else seq_lens
     fold = S > 1 and cfg.get("FOLD", False)
-    sem = _semaphore(q.device, B * Hkv) if fold else seq_lens
+    sem = semaphore(q.device, B * Hkv) if fold else seq_lens
     SP = triton.next_power_of_2(S)
     launch.run(_decode_split_kernel, (B, Hkv, S),
         q, *kv, block_tables, seq_lens, sinks_arg, out, part, ml, sem, qk_scale, win, S,

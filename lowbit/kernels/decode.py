@@ -20,15 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
 from lowbit.kernels.runtime import HAS_TRITON, tl, triton
-from lowbit.kernels.weights import (
-    DECODE_E2M1,
-    DECODE_FP8,
-    SCALE_KIND_IDS,
-    DenseWeight,
-    Fp8View,
-    LutWeight,
-)
+from lowbit.kernels.weights import DECODE_E2M1, DECODE_FP8, SCALE_KIND_IDS
 
 DECODE_DENSE = 4
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
 from lowbit.kernels import launch
 from lowbit.kernels.decode import (
     dequant_tile,
@@ -36,13 +37,13 @@ from lowbit.kernels.decode import (
 from lowbit.kernels.runtime import (
     interpreting,
     round_for_dot,
+    semaphore,
     sm_count,
     tl,
     triton,
 )
-from lowbit.kernels.weights import DECODE_NAMES, DenseWeight, Fp8View, LutWeight
+from lowbit.kernels.weights import DECODE_NAMES
 
-_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -420,23 +421,6 @@ def fmt_key(w: LutWeight | Fp8View) -> str:
             + ("+offs" if v.offsets is not None else ""))
 
 
-_OUTGROWN: list[torch.Tensor] = []  # counters replaced by larger ones, kept alive (below)
-
-
-def _semaphore(device: torch.device, n: int) -> torch.Tensor:
-    """At least n int32 split-K counters on device, all zero between launches (each launch
-    resets the ones it used). A larger request gets a new tensor; the old one stays alive,
-    because CUDA graphs captured earlier keep its address and would otherwise replay into
-    freed memory."""
-    sem = _SEMAPHORES.get(device)
-    if sem is None or sem.numel() < n:
-        if sem is not None:
-            _OUTGROWN.append(sem)
-        sem = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _SEMAPHORES[device] = sem
-    return sem
-
-
 def _out(out: torch.Tensor | None, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -535,7 +519,7 @@ def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
     split, w_split = split_plan(cfg, kw, grid_n * grid_m)
     y = _out(out, m, n, x)
     ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
-    sem = _semaphore(x.device, grid_n * grid_m)
+    sem = semaphore(x.device, grid_n * grid_m)
     launch.run(_gemv_kernel, (grid_n, split, grid_m),
         x, y, x if bias is None else bias, ws, sem,
         codes, a.table, a.tidx, a.ab, a.scales, a.offs,
@@ -566,7 +550,7 @@ def lut_gemm(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split, k_split = gemm_split_plan(cfg, k, tiles)
     ws = torch.empty(split if split > 1 else 1, m, n, dtype=torch.float32, device=x.device)
-    sem = _semaphore(x.device, tiles)
+    sem = semaphore(x.device, tiles)
     launch.run(_gemm_kernel, (tiles, split),
         x, y, x if bias is None else bias, ws, sem,
         a.codes, a.table, a.tidx, a.ab, a.scales, a.offs,

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.formats.views import Fp8View
 from lowbit.kernels import launch
 from lowbit.kernels.runtime import interpreting, tl, triton
-from lowbit.kernels.weights import Fp8View
 
 E4M3_MAX = 448.0
 

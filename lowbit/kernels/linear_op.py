@@ -20,12 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from lowbit.formats.views import DenseWeight, Fp8View, LutWeight, VqWeight
 from lowbit.kernels import launch, routes
 from lowbit.kernels.dequant_gemm import fmt_key, gemv_refusal, lut_gemm, lut_gemv, reference_linear
 from lowbit.kernels.fp8_gemm import fp8_w8a8, w8a8_refusal
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
 from lowbit.kernels.vq_gemv import vq_gemv, vq_gemv_refusal
-from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, VqWeight, resolve
+from lowbit.kernels.weights import Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
 

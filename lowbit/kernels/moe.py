@@ -34,16 +34,18 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
 from lowbit.kernels import launch
 from lowbit.kernels.decode import WeightArgs, dequant_tile, weight_args
-from lowbit.kernels.dequant_gemm import _gemv_codes, _gemv_kernel, _semaphore, gated_act, split_plan
+from lowbit.kernels.dequant_gemm import _gemv_codes, _gemv_kernel, gated_act, split_plan
 from lowbit.kernels.runtime import (
     interpreting,
     round_for_dot,
+    semaphore,
     tl,
     triton,
 )
-from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, expert_dense
+from lowbit.kernels.weights import Resolved, expert_dense
 
 ACTIVATIONS = ("silu", "swiglu_oai")
 
@@ -400,7 +402,7 @@ def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
     split, w_split = split_plan(cfg, kw, grid_n * s)
     parts = split if split > 1 or combine else 1
     ws = torch.empty(parts, s, n, dtype=torch.float32, device=x.device)
-    sem = _semaphore(x.device, grid_n * s)
+    sem = semaphore(x.device, grid_n * s)
     launch.run(
         _gemv_kernel, (grid_n, split, s),
         x, y, _bias_arg(bias, x), ws, sem, codes, a.table, a.tidx, a.ab, a.scales, a.offs,

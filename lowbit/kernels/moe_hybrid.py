@@ -29,6 +29,7 @@ from dataclasses import replace
 import torch
 
 from lowbit.formats.base import lut_view_decode
+from lowbit.formats.views import LutWeight
 from lowbit.kernels import launch
 from lowbit.kernels.decode import dequant_tile, weight_args
 from lowbit.kernels.moe import (
@@ -46,7 +47,6 @@ from lowbit.kernels.runtime import (
     tl,
     triton,
 )
-from lowbit.kernels.weights import LutWeight
 
 
 # -- kernels ---------------------------------------------------------------------------

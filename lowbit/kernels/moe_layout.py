@@ -6,8 +6,9 @@ I expert width. A layout is one or two groups, each a stacked LUT weight pair (w
 scales g13 / g2 float32 [Eg, 2] (gate half, up half; w2: both equal) that replace the LUT
 views' own global_scale, and a device descriptor expert_group / expert_local int32 [E].
 Invariant: every layer expert belongs to exactly one group; all groups share H and I.
-Kernels: lowbit.kernels.moe_hybrid. Pure torch (no triton import), so the quantizer and
-the artifact reader can build layouts anywhere.
+Kernels: lowbit.kernels.moe_hybrid. A layout is made from the groups' stacked weights, or
+from a lowbit.formats.hybrid.HybridTensor pair (`layout_of`). Pure torch (no triton
+import), so layouts can be built anywhere.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.formats.base import LutView
-from lowbit.kernels.weights import LutWeight, resolve
+from lowbit.formats.hybrid import HybridTensor
+from lowbit.formats.views import LutWeight
+from lowbit.kernels.weights import resolve
 
 
 @dataclass
@@ -224,60 +227,6 @@ def _fuse(w13, w2, gate, up, down) -> HybridExperts | str:
     if width % inter:
         return f"shared width {width} is not whole experts of width {inter}"
     return shared_layout(w13, w2, gate, up, down, width // inter)
-
-
-class HybridTensor:
-    """An expert stack [E, N, K] held in two formats: parts {"hot": QuantizedTensor [Eh, N, K],
-    "cold": QuantizedTensor [Ec, N, K]} and members {part: layer expert ids, in stack order}.
-    What an Experts module holds after a hybrid quantization (lowbit.quantize.policy.HybridSpec);
-    the artifact stores each part's payload under `<parameter>.<part>.<payload name>`."""
-
-    def __init__(self, shape: tuple[int, ...], parts: dict, members: dict[str, list[int]]):
-        self.shape = tuple(int(s) for s in shape)
-        self.parts, self.members = dict(parts), {k: list(v) for k, v in members.items()}
-        self.format = _HybridName("hybrid(" + ",".join(f"{k}={q.format.name}" for k, q in self.parts.items()) + ")")
-        ids = sorted(i for m in self.members.values() for i in m)
-        if ids != list(range(self.shape[0])) or set(self.parts) != set(self.members):
-            raise LowbitError(f"hybrid stack {list(self.shape)}: every expert must sit in exactly one part.")
-        for k, q in self.parts.items():
-            if tuple(q.shape) != (len(self.members[k]), *self.shape[1:]):
-                raise LowbitError(f"hybrid part {k} is {list(q.shape)}, expected {len(self.members[k])} experts.")
-        self._layout: tuple | None = None
-
-    def _where(self, e: int) -> tuple[str, int]:
-        for k, m in self.members.items():
-            if e in m:
-                return k, m.index(e)
-        raise LowbitError(f"expert index {e} is out of range for {self.shape[0]} experts.")
-
-    def __getitem__(self, e: int):
-        part, local = self._where(int(e))
-        return self.parts[part][local]
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.stack([self[e].dequantize(dtype) for e in range(self.shape[0])])
-
-    def to(self, device) -> HybridTensor:
-        return HybridTensor(self.shape, {k: q.to(device) for k, q in self.parts.items()}, self.members)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(q.nbytes for q in self.parts.values())
-
-    @property
-    def bits_per_weight(self) -> float:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return self.nbytes * 8 / n
-
-
-@dataclass
-class _HybridName:
-    name: str
 
 
 def layout_of(w13: HybridTensor, w2: HybridTensor) -> HybridExperts:

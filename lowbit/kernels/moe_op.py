@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
 from lowbit.kernels import launch, routes
 from lowbit.kernels.dequant_gemm import gemv_refusal
 from lowbit.kernels.moe import (
@@ -53,7 +54,7 @@ from lowbit.kernels.moe_layout import (
     with_shared_slots,
 )
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
-from lowbit.kernels.weights import DenseWeight, Fp8View, LutWeight, Resolved, resolve
+from lowbit.kernels.weights import Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
 DECODE_MAX_TOKENS = 16

@@ -37,8 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.kernels import launch, routes
-from lowbit.kernels.dequant_gemm import _semaphore
-from lowbit.kernels.runtime import tl, triton, triton_refusal
+from lowbit.kernels.runtime import semaphore, tl, triton, triton_refusal
 
 RECORD = "docs/BENCHMARKS.md#decode-graph"
 MAX_EXPERTS = 1024
@@ -399,7 +398,7 @@ def _run_fused(call: RouterCall, config: dict | None = None) -> tuple[torch.Tens
     ws = torch.empty(T, E, dtype=torch.float32, device=x.device)
     bias = ws if call.bias is None else call.bias.float().contiguous()
     launch.run(_gate_topk_kernel, (T, nb),
-        x, gw, gw if call.gate_b is None else call.gate_b, ws, _semaphore(x.device, T), bias,
+        x, gw, gw if call.gate_b is None else call.gate_b, ws, semaphore(x.device, T), bias,
         ids, w, D, E, nb, x.stride(0), float(spec.scaling), BE=cfg["BE"], BD=cfg["BD"],
         HAS_GB=call.gate_b is not None, **_rank_consts(spec, E, call.bias is not None),
         num_warps=cfg["num_warps"])

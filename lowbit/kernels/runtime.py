@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from lowbit.formats.views import Fp8View, LutWeight
+
 
 class _NoTriton:
     """Stands in for `triton` and `triton.language` where triton is not installed (it is a
@@ -114,8 +116,6 @@ def device_name(index: int = 0) -> str:
 def uses_fp8(w) -> bool:
     """Whether a resolved weight's decode reads float8_e4m3 values (fp8 codes, or LUT codes
     under e4m3 block scales as in nvfp4)."""
-    from lowbit.kernels.weights import Fp8View, LutWeight
-
     return isinstance(w, Fp8View) or (isinstance(w, LutWeight) and w.view.scale_kind == "e4m3")
 
 
@@ -124,3 +124,21 @@ def fp8_refusal(t: torch.Tensor, *weights) -> str | None:
     if t.is_cuda and any(uses_fp8(w) for w in weights) and capability(t.device.index or 0) < (8, 9):
         return "float8_e4m3 weights or scales need compute capability 8.9 or newer in Triton"
     return None
+
+
+_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # counters replaced by larger ones, kept alive (below)
+
+
+def semaphore(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 split-K counters on device, all zero between launches (each launch
+    resets the ones it used). A larger request gets a new tensor; the old one stays alive,
+    because CUDA graphs captured earlier keep its address and would otherwise replay into
+    freed memory."""
+    sem = _SEMAPHORES.get(device)
+    if sem is None or sem.numel() < n:
+        if sem is not None:
+            _OUTGROWN.append(sem)
+        sem = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _SEMAPHORES[device] = sem
+    return sem

@@ -13,7 +13,7 @@ from torch import Tensor
 from lowbit.formats.base import LutView
 from lowbit.formats.codes import e2m1_table
 from lowbit.formats.nf import NF3_TABLE, NF4_TABLE
-from lowbit.kernels.weights import Fp8View
+from lowbit.formats.views import Fp8View
 
 TABLES = ("random", "e2m1", "int", "nf")
 

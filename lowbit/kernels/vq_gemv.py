@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from lowbit.formats.views import VqWeight
 from lowbit.kernels.runtime import tl, triton
-from lowbit.kernels.weights import VqWeight
 
 GEMV_MAX_M = 16  # rows a launch takes (BM = 4 per program, more programs along M)
 DEFAULT_CONFIG = {"BN": 32, "BG": 32, "num_warps": 4}

@@ -1,33 +1,37 @@
 """Kernel-side weights: what a route reads, resolved once per weight object.
 
+One path from a stored payload to what a kernel reads:
+  QuantizedTensor (payload) -> LutView / Fp8View / VqWeight / DenseWeight (containers in
+  lowbit.formats.views and lowbit.formats.base) -> resolve() (here) -> LutWeight (the
+  kernel's decode decisions).
+
 Shape legend: L leading dims (stacked experts), N rows (outputs), K logical columns
 (inputs), Kp = K padded to whole blocks, B codes per scale, T tables.
 
 A weight reaches `lowbit.kernels.linear` / `moe_experts` as one of
   - a plain tensor [L, N, K] (bf16 / fp16 / fp32: "dense"; float8_e4m3fn: fp8, scale 1);
-  - an object with `lut_view()` (a 3/4-bit scalar format): `LutView` from
-    lowbit.formats.base, w[n,k] = table[ti[n], code[n,k]] * scale(n, k//B) * g + offset(n, k//B);
+  - an object with `lut_view()` (a 3/4-bit scalar format): `LutView`,
+    w[n,k] = table[ti[n], code[n,k]] * scale(n, k//B) * g + offset(n, k//B);
   - a quantized tensor whose payload holds float8_e4m3fn codes (fp8, fp8-block, mxfp8):
     `Fp8View`, w[n,k] = code[n,k] * scale(n // block_rows, k // block_cols);
   - a quantized tensor in a vector codebook format (vq2, vq3, vq4): `VqWeight`.
-`resolve()` turns it into a `DenseWeight`, `LutWeight`, `Fp8View` or `VqWeight`. A `LutWeight` adds what
-the kernels decide per weight: how to turn a code into a value (a table gather, or
+`resolve()` turns it into a `DenseWeight`, `LutWeight`, `Fp8View` or `VqWeight`. A `LutWeight`
+adds what the kernels decide per weight: how to turn a code into a value (a table gather, or
 arithmetic when every table is affine in the code or a multiple of E2M1) with the
 per-table factors. That classification reads the table on the host once per weight
-object (cached): warm a model up before capturing it in a CUDA graph.
+object: the result is kept on the object (`_resolved`, with the payload fingerprint it was
+made from), so warm a model up before capturing it in a CUDA graph.
 """
 
 from __future__ import annotations
-
-import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lowbit.errors import LowbitError
 from lowbit.formats.base import LutView, lut_view_decode
-from lowbit.formats.codes import e2m1_table, e8m0_decode
+from lowbit.formats.codes import e2m1_table
+from lowbit.formats.views import DenseWeight, Fp8View, LutWeight, VqWeight
 from lowbit.formats.vq import VqFormat, vq_decode
 
 DECODE_GATHER = 0  # value = table[ti[n], code] (any table)
@@ -36,127 +40,6 @@ DECODE_E2M1 = 2  # value = alpha[t] * e2m1(code) * 2**14 (via the float16 bit pa
 DECODE_FP8 = 3  # value = float(code) for float8_e4m3fn codes
 DECODE_NAMES = {DECODE_GATHER: "gather", DECODE_AFFINE: "affine", DECODE_E2M1: "e2m1"}
 SCALE_KIND_IDS = {"f32": 0, "f16": 1, "bf16": 2, "e4m3": 3, "e8m0": 4}
-
-
-@dataclass
-class DenseWeight:
-    w: Tensor  # [L, N, K] floating point
-
-    @property
-    def lead(self) -> tuple[int, ...]:
-        return tuple(self.w.shape[:-2])
-
-    @property
-    def n(self) -> int:
-        return self.w.shape[-2]
-
-    @property
-    def kp(self) -> int:
-        return self.w.shape[-1]
-
-    def dense(self, k: int) -> Tensor:
-        return self.w[..., :k].float()
-
-
-@dataclass
-class Fp8View:
-    """float8_e4m3fn codes [L, N, Kc] (Kc >= K) and scales [L, ceil(N/br), ceil(Kc/bc)].
-
-    block_rows is 1 (one scale row per weight row) or 128 (fp8-block); block_cols is
-    the codes per scale along K (32 for mxfp8, 128 for fp8-block, Kc for per-channel).
-    """
-
-    codes: Tensor
-    scales: Tensor
-    scale_kind: str  # "f32" or "e8m0"
-    block_rows: int
-    block_cols: int
-
-    @property
-    def lead(self) -> tuple[int, ...]:
-        return tuple(self.codes.shape[:-2])
-
-    @property
-    def n(self) -> int:
-        return self.codes.shape[-2]
-
-    @property
-    def kp(self) -> int:
-        return self.codes.shape[-1]
-
-    def dense(self, k: int) -> Tensor:
-        """Reference decode: float32 [L, N, k]."""
-        s = self.scales.float() if self.scale_kind == "f32" else e8m0_decode(self.scales)
-        s = s.repeat_interleave(self.block_rows, -2)[..., : self.n, :]
-        s = s.repeat_interleave(self.block_cols, -1)[..., : self.kp]
-        return (self.codes.float() * s)[..., :k]
-
-
-@dataclass
-class LutWeight:
-    """A LutView plus the kernel's decode choice. alpha_beta: float32 [T, 2] per-table
-    (alpha, beta) for the arithmetic decodes, None for the gather."""
-
-    view: LutView
-    decode: int
-    alpha_beta: Tensor | None
-
-    @property
-    def lead(self) -> tuple[int, ...]:
-        return tuple(self.view.codes.shape[:-2])
-
-    @property
-    def n(self) -> int:
-        return self.view.codes.shape[-2]
-
-    @property
-    def kp(self) -> int:
-        return self.view.codes.shape[-1] * 8 // self.view.bits
-
-    def dense(self, k: int) -> Tensor:
-        return lut_view_decode(self.view)[..., :k]
-
-    @property
-    def nbytes(self) -> int:
-        v = self.view
-        parts = (v.codes, v.scales, v.table, v.table_index, v.offsets)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
-
-
-@dataclass
-class VqWeight:
-    """A vector codebook weight (lowbit.formats.vq): codes uint8 [L, N, G * IB / 8], scales
-    bfloat16 [L, N, Kp / 64], codebook float32 [C, D] on the codes' device;
-    w[n, D g + j] = codebook[code[n, g], j] * scale(n, D g // 64)."""
-
-    codes: Tensor
-    scales: Tensor
-    codebook: Tensor
-    index_bits: int
-    name: str
-
-    @property
-    def dim(self) -> int:
-        return self.codebook.shape[-1]
-
-    @property
-    def lead(self) -> tuple[int, ...]:
-        return tuple(self.codes.shape[:-2])
-
-    @property
-    def n(self) -> int:
-        return self.codes.shape[-2]
-
-    @property
-    def kp(self) -> int:
-        return self.scales.shape[-1] * 64
-
-    def dense(self, k: int) -> Tensor:
-        return vq_decode(self.codes, self.scales, self.codebook, self.index_bits)[..., :k]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales))
 
 
 Resolved = DenseWeight | LutWeight | Fp8View | VqWeight
@@ -209,7 +92,6 @@ def expert_dense(w: Resolved, e: int, k: int) -> Tensor:
                   None if v.table_index is None else v.table_index[e:e + 1], v.scales[e:e + 1],
                   v.scale_kind, v.global_scale, None if v.offsets is None else v.offsets[e:e + 1])
     return lut_view_decode(one)[0, :, :k]
-_CACHE: dict[int, tuple[weakref.ref, tuple, Resolved]] = {}
 
 
 def classify_table(table: Tensor, bits: int) -> tuple[int, Tensor | None]:
@@ -290,7 +172,7 @@ def _fingerprint(w) -> tuple:
 
 
 def resolve(w, decode: str | None = None) -> Resolved:
-    """The kernel-side view of weight w; cached per object while its payload is unchanged.
+    """The kernel-side view of weight w; kept on w while its payload is unchanged.
 
     decode="gather" forces the table gather even where arithmetic would do (tests, bench).
     """
@@ -298,14 +180,13 @@ def resolve(w, decode: str | None = None) -> Resolved:
         return w
     if isinstance(w, (Tensor, LutView, Fp8View)) or decode is not None:
         return _resolve_uncached(w, decode)
-    key, fp = id(w), _fingerprint(w)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is w and hit[1] == fp:
-        return hit[2]
+    fp = _fingerprint(w)
+    hit = getattr(w, "_resolved", None)
+    if hit is not None and hit[0] == fp:
+        return hit[1]
     out = _resolve_uncached(w, None)
     try:
-        ref = weakref.ref(w, lambda _r, key=key: _CACHE.pop(key, None))
-    except TypeError:
-        return out
-    _CACHE[key] = (ref, fp, out)
+        w._resolved = (fp, out)
+    except AttributeError:  # an object that takes no new attributes is resolved on each call
+        pass
     return out

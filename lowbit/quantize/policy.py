@@ -11,7 +11,7 @@ from torch import nn
 from lowbit.checkpoint.quant_plan import QuantPlan, swappable
 from lowbit.errors import LowbitError
 from lowbit.formats import Format, get_format
-from lowbit.kernels.moe_layout import HybridTensor
+from lowbit.formats.hybrid import HybridTensor
 from lowbit.layers.moe import Experts
 
 

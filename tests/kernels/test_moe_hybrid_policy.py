@@ -10,7 +10,7 @@ from lowbit.checkpoint.artifact import write_artifact
 from lowbit.checkpoint.loader import load_model
 from lowbit.engine.batch import ForwardBatch
 from lowbit.errors import LowbitError
-from lowbit.kernels.moe_layout import HybridTensor
+from lowbit.formats.hybrid import HybridTensor
 from lowbit.layers.moe import Experts
 from lowbit.quantize.policy import HybridSpec, plan_hybrid, router_frequency
 

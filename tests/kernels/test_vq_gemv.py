@@ -8,10 +8,11 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.formats import get_format
+from lowbit.formats.views import VqWeight
 from lowbit.kernels import routes
 from lowbit.kernels.linear_op import linear
 from lowbit.kernels.vq_gemv import reference_vq_linear, vq_gemv
-from lowbit.kernels.weights import VqWeight, resolve
+from lowbit.kernels.weights import resolve
 from tests.kernels.cases import guarded, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small ops: one thread (conftest)

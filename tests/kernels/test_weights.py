@@ -7,14 +7,12 @@ import torch
 from lowbit.formats import get_format
 from lowbit.formats.codes import e2m1_table
 from lowbit.formats.nf import NF4_TABLE
+from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
 from lowbit.kernels import launch
 from lowbit.kernels.weights import (
     DECODE_AFFINE,
     DECODE_E2M1,
     DECODE_GATHER,
-    DenseWeight,
-    Fp8View,
-    LutWeight,
     classify_table,
     resolve,
 )

@@ -10,9 +10,9 @@ import torch  # noqa: E402
 
 from lowbit.errors import LowbitError  # noqa: E402
 from lowbit.formats import get_format  # noqa: E402
+from lowbit.formats.hybrid import HybridTensor  # noqa: E402
 from lowbit.kernels import routes  # noqa: E402
 from lowbit.kernels.moe import MoeActivation, reference_moe  # noqa: E402
-from lowbit.kernels.moe_layout import HybridTensor  # noqa: E402
 from lowbit.kernels.weights import resolve  # noqa: E402
 from lowbit.layers.moe import Experts  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 from lowbit.checkpoint.loader import load_model  # noqa: E402
 from lowbit.engine.batch import ForwardBatch  # noqa: E402
-from lowbit.kernels.weights import LutWeight  # noqa: E402
+from lowbit.formats.views import LutWeight  # noqa: E402
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
