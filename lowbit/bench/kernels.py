@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from lowbit.formats.views import DenseWeight, Fp8View
 from lowbit.kernels import router_op
-from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv, reference_linear
+from lowbit.kernels.dequant_gemm import lut_dequant_mm, lut_gemm, lut_gemv, reference_linear
 from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8
 from lowbit.kernels.moe import fused_moe, fused_moe_gemv, reference_moe, torch_act
 from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid
@@ -224,6 +224,46 @@ def linear_section(copy_tbps: float, quick: bool) -> list[dict]:
                 print(_fmt(rows[-1]), flush=True)
         del peers, ours
         torch.cuda.empty_cache()
+    return rows
+
+
+PREFILL_SHAPES = ((5120, 2048), (2048, 4096), (4096, 14336))  # Qwen3-30B-A3B qkv, o_proj; a dense FFN
+PREFILL_MS = (64, 128, 256, 512, 2048, 8192)
+
+
+def prefill_linear_section(copy_tbps: float, quick: bool) -> list[dict]:
+    """Prefill-sized linears: the in-register-decode gemm against decode-once + cuBLAS
+    (route triton_lut_dequant), with cuBLAS on a bf16 weight of the shape as the ceiling."""
+    rows = []
+    shapes = ((96, 256),) if SMOKE else (PREFILL_SHAPES[:1] if quick else PREFILL_SHAPES)
+    for n, k in shapes:
+        dense = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        ours = {}
+        for fmt in ("nvfp4", "int4_g128"):
+            w = resolve(random_lut_view(n, k, device=DEV, seed=1, **LUT_FORMATS[fmt]))
+            ours[f"{fmt} gemm"] = (w, lut_gemm)
+            ours[f"{fmt} dequant+cuBLAS"] = (w, lut_dequant_mm)
+        ours["fp8 dequant+cuBLAS"] = (resolve(random_fp8_view(n, k, layout="block", device=DEV, seed=1)),
+                                      lut_dequant_mm)
+        for m in ((64,) if SMOKE else PREFILL_MS):
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            t = timed([lambda x=x, d=dense: F.linear(x, d)])
+            base = t["us"]
+            rows.append(_row("prefill", f"{n}x{k}", m, "torch bf16", t, n * k * 2, copy_tbps, None, base))
+            print(_fmt(rows[-1]), flush=True)
+            for name, (w, fn) in ours.items():
+                try:
+                    y = fn(x, w)
+                    ref = reference_linear(x, w, dot_dtype=torch.bfloat16)
+                    err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+                    t = timed([lambda fn=fn, w=w, x=x: fn(x, w)])
+                except Exception as exc:  # noqa: BLE001 - keep the other rows
+                    print(f"  FAIL {name} M={m}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                    continue
+                rows.append(_row("prefill", f"{n}x{k}", m, name, t, payload_bytes(w), copy_tbps, err, base))
+                print(_fmt(rows[-1]), flush=True)
+        del dense, ours
+        torch.cuda.empty_cache() if DEV == "cuda" else None
     return rows
 
 
@@ -455,7 +495,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="one linear shape, one MoE model")
-    ap.add_argument("--sections", default="linear,moe,moe_mixed,router")
+    ap.add_argument("--sections", default="linear,moe,moe_mixed,router",
+                    help="any of linear, moe, moe_mixed, router, prefill_linear")
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     a = ap.parse_args()
     if a.smoke:
@@ -475,7 +516,7 @@ def main() -> None:
           f"{result['ceilings']['bf16_TFLOPs']:.0f} TFLOP/s bf16", flush=True)
     copy = result["ceilings"]["copy_TBps"]
     sections = {"linear": linear_section, "moe": moe_section, "moe_mixed": moe_mixed_section,
-                "router": router_section}
+                "router": router_section, "prefill_linear": prefill_linear_section}
     for name in a.sections.split(","):
         result["rows"] += sections[name](copy, a.quick)
         (out / "kernels.json").write_text(json.dumps(result, indent=1))

@@ -99,6 +99,13 @@ class PagedKVCache:
         if self.is_fp8:
             self.k_scale[layer] = torch.empty(*shape, k.shape[1], device=self.device)
             self.v_scale[layer] = torch.empty(*shape, v.shape[1], device=self.device)
+        # the scratch block is read by padded graph rows beyond the one row they write:
+        # zeros, not whatever the allocator hands back (stale bytes can be NaN, and a NaN
+        # row routes to no expert)
+        scratch = slice(self.scratch_row, None)
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t[layer] is not None:
+                t[layer][scratch].zero_()
 
     def update(self, layer: int, slot: SeqSlots, start: int, k: torch.Tensor, v: torch.Tensor):
         """Store k/v [L, Hkv, D] at positions start..start+L; return K/V [start+L, Hkv, D]."""

@@ -6,6 +6,8 @@ Routes, in selection order (see lowbit.kernels.routes; status and record in docs
   triton_lut_gemv    CUDA-core dequantizing GEMV of LUT weights, M <= 16 where the device's
                      tuned configs measured it faster than the gemm, else M <= 4 (M <= 16
                      when forced)
+  triton_lut_dequant M >= DEQUANT_MIN_M (fp8: M > 4): the weight decoded to bf16 / fp16 in
+                     one launch, then cuBLAS; a transient of N x K x 2 bytes (<= 256 MiB)
   triton_lut_gemm    tensor-core tiles with in-register decode, bf16/fp16 activations
   triton_fp8_w8a16   the gemv (M <= 4; forced: gemv to 16, gemm above) on fp8 weights
   triton_fp8_w8a8    fp8 x fp8 tensor-core GEMM with per-token activation scales (sm_89+)
@@ -22,7 +24,14 @@ from torch.nn import functional as F
 
 from lowbit.formats.views import DenseWeight, Fp8View, LutWeight, VqWeight
 from lowbit.kernels import launch, routes
-from lowbit.kernels.dequant_gemm import fmt_key, gemv_refusal, lut_gemm, lut_gemv, reference_linear
+from lowbit.kernels.dequant_gemm import (
+    fmt_key,
+    gemv_refusal,
+    lut_dequant_mm,
+    lut_gemm,
+    lut_gemv,
+    reference_linear,
+)
 from lowbit.kernels.fp8_gemm import fp8_w8a8, w8a8_refusal
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
 from lowbit.kernels.vq_gemv import vq_gemv, vq_gemv_refusal
@@ -96,6 +105,25 @@ def _admit_gemm(kinds: tuple[type, ...]):
     return admit
 
 
+DEQUANT_MIN_M = 128  # LUT weights: decode once + cuBLAS from here (docs/BENCHMARKS.md#kernels)
+DEQUANT_MAX_BYTES = 256 << 20  # the transient bf16 weight
+
+
+def _admit_dequant(call: LinearCall) -> str | None:
+    reason = _common_refusal(call, (LutWeight, Fp8View))
+    if reason is not None:
+        return reason
+    if call.x.dtype not in (torch.bfloat16, torch.float16):
+        return f"the library GEMM reads bf16 / fp16 activations, got {call.x.dtype}"
+    floor = AUTO_GEMV_MAX_M + 1 if isinstance(call.weight, Fp8View) else DEQUANT_MIN_M
+    if call.m < floor and not call.forced:
+        return f"M = {call.m} < {floor}: decoding inside the GEMM tiles reads less"
+    size = call.weight.n * call.x.shape[1] * call.x.element_size()
+    if size > DEQUANT_MAX_BYTES:
+        return f"the decoded weight would take {size >> 20} MiB > {DEQUANT_MAX_BYTES >> 20} MiB"
+    return None
+
+
 def _admit_lut_gemv(call: LinearCall) -> str | None:
     return _admit_gemv((LutWeight,))(call)
 
@@ -162,6 +190,10 @@ routes.register("linear", routes.Route(
     "triton_lut_gemv", routes.DEFAULT,
     BENCH + " (M = 1: 8.0-38.0 us, M = 4: 14.1-87.2 us; the torch route's bound: 111 / 111 / 24 us)",
     _admit_lut_gemv, _run_gemv))
+routes.register("linear", routes.Route(
+    "triton_lut_dequant", routes.DEFAULT, BENCH + " (prefill linears, LUT weights at M >= 128 and "
+    "fp8 at M > 4: one decode launch to bf16, then cuBLAS)",
+    _admit_dequant, lambda call: lut_dequant_mm(call.x, call.weight, call.bias)))
 routes.register("linear", routes.Route(
     "triton_lut_gemm", routes.DEFAULT, BENCH + " (M = 16: 59-177 us; the torch route it replaces "
     "above M = 4 decodes every weight to float32 per call: docs/BENCHMARKS.md#decode-graph)",

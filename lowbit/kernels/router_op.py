@@ -237,7 +237,9 @@ def _rank_row(x, t, g, j, e, valid, bias_ptr, ids_ptr, w_ptr, scaling, G: tl.con
     choice = scores
     if HAS_BIAS:
         choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0)
-    choice = tl.where(valid, choice, float("-inf"))
+    # a NaN score is never picked: a NaN row (a broken model, stale padding) still names
+    # experts 0.. in range, where the argmax sentinel BG * BGS would index past the stack
+    choice = tl.where(valid & (choice == choice), choice, float("-inf"))
     if G > 1:
         choice = tl.where(_group_mask(choice, g, j, G, TOPK_GROUP, TOP2, BG, BGS), choice, float("-inf"))
     slots = tl.arange(0, BA)

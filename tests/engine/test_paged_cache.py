@@ -31,6 +31,28 @@ def test_paged_update_matches_the_contiguous_cache(block_size):
     assert paged.k[0] is None  # layers allocate on their first write
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_scratch_block_is_zero_whatever_the_allocator_returns(monkeypatch, dtype):
+    """Padded graph rows read the scratch block past the one row they write: it must hold
+    finite zeros even when the allocator hands back stale bytes (here NaN everywhere)."""
+    real_empty = torch.empty
+
+    def stale_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", stale_empty)
+    cache = PagedKVCache(1, num_blocks=3, block_size=4, dtype=dtype, device="cpu")
+    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    cache.update(0, SeqSlots.build([1], 0, 2, 4, "cpu"), 0, k, v)
+    tensors = [cache.k[0], cache.v[0]] + ([cache.k_scale[0], cache.v_scale[0]] if cache.is_fp8 else [])
+    for t in tensors:
+        assert t.shape[0] == 4 * 4
+        scratch = t[cache.scratch_row:].float()
+        assert scratch.shape[0] == 4 and torch.equal(scratch, torch.zeros_like(scratch))
+    assert torch.isnan(cache.k[0][:4].float()).all()  # the stand-in did hand back NaN
+
+
 def test_fp8_cache_round_trips_within_fp8_precision():
     gen = torch.Generator().manual_seed(1)
     cache = PagedKVCache(1, num_blocks=4, block_size=4, dtype=torch.float8_e4m3fn, device="cpu")

@@ -67,6 +67,28 @@ def test_gemm_real_size(case):
         assert rel_err(out, ref) < 1e-3, (case, m)
 
 
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_dequantize_real_size(case):
+    """The decode launch of route triton_lut_dequant: bit-equal to the twin's decode rounded
+    to bf16 (round-to-nearest-even on the GPU) in a NaN-poisoned buffer; the routed linear
+    at M = 512 picks it and matches the twin's GEMM."""
+    from lowbit.kernels import routes
+    from lowbit.kernels.dequant_gemm import dequantize, reference_linear
+    from lowbit.kernels.runtime import round_for_dot
+
+    n, k = 5120, 2048 if case in ODD_CASES else 3000
+    w = make_weight(case, n, k, seed=6, device=DEV)
+    out = poisoned(n, k, dtype=torch.bfloat16, device=DEV)
+    dequantize(w, k, torch.bfloat16, out=out)
+    assert torch.equal(out, round_for_dot(w.dense(k), torch.bfloat16).bfloat16()), case
+    routes.reset_counters()
+    x = torch.randn(512, k, device=DEV, dtype=torch.bfloat16)
+    y = linear(x, w)
+    ran = {c["route"] for c in routes.counters()["route_calls"] if c["op"] == "linear"}
+    assert ran == {"triton_lut_dequant"}, ran
+    assert rel_err(y, reference_linear(x.float(), w, dot_dtype=torch.bfloat16)) < 1e-2, case
+
+
 @pytest.mark.parametrize("layout", ["channel", "block"])
 def test_w8a8(layout):
     from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8

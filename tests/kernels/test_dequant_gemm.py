@@ -14,8 +14,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from lowbit.kernels.dequant_gemm import gemm_split_plan, lut_gemm, lut_gemv, reference_linear  # noqa: E402
-from lowbit.kernels.runtime import interpreting  # noqa: E402
+from lowbit.kernels.dequant_gemm import (  # noqa: E402
+    dequantize,
+    gemm_split_plan,
+    lut_dequant_mm,
+    lut_gemm,
+    lut_gemv,
+    reference_linear,
+)
+from lowbit.kernels.runtime import interpreting, round_for_dot  # noqa: E402
 from tests.kernels.cases import ALL_CASES, LUT_CASES, make_weight, poisoned, rel_err  # noqa: E402
 
 N, K = 40, 200  # neither a power of two; K is not a multiple of any block
@@ -112,3 +119,22 @@ def test_odd_shapes(case):
     out = poisoned(257, n, dtype=torch.float32)
     lut_gemm(x, w, None, config=dict(BM=64, BN=16, BK=64), out=out)
     assert rel_err(out, reference_linear(x.float(), w, dot_dtype=torch.bfloat16)) < 1e-4, case
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_dequantize_is_the_twins_decode_rounded(case):
+    """The decode launch writes every element of a NaN-poisoned [N, K] buffer with the
+    twin's float32 decode rounded to bf16 / fp16 (what lut_gemm feeds tl.dot), over odd N
+    and K; lut_dequant_mm then matches the twin's GEMM on the same rounding."""
+    for n, k in ((N, K), (37, 199)):
+        w = make_weight(case, n, k, seed=zlib.crc32(case.encode()) % 977 + n)
+        for dtype in (torch.bfloat16, torch.float16):
+            out = poisoned(n, k, dtype=dtype)
+            dequantize(w, k, dtype, out=out)
+            want = round_for_dot(w.dense(k), dtype).to(dtype)
+            assert torch.equal(out, want), (case, n, k, dtype)
+        x = torch.randn(33, k).bfloat16()
+        bias = torch.randn(n).bfloat16()
+        got = lut_dequant_mm(x, w, bias)
+        ref = reference_linear(x.float(), w, bias.float(), dot_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and rel_err(got, ref) < BF16_RTOL, case

@@ -114,6 +114,32 @@ def test_grouped_sort_has_no_host_read():
     assert torch.equal(flat[order.long()], torch.sort(flat).values) and tiles == 4 + 6
 
 
+@pytest.mark.parametrize("s,e,bm", [(1, 8, 16), (51, 60, 16), (4096, 128, 64), (1000, 256, 32),
+                                    (5, 512, 16), (300, 7, 64)])
+def test_counting_sort_is_torch_stable_sort(s, e, bm):
+    """The two-launch counting sort against torch.sort(stable=True) and bincount on fresh
+    random ids, odd slot and expert counts, several blocks; then with ids outside 0..E-1
+    (a NaN routing row): those slots are counted and placed nowhere, the rest still sort."""
+    from lowbit.kernels.moe import sort_by_expert
+
+    g = torch.Generator().manual_seed(s * 7 + e)
+    ids = torch.randint(0, e, (s,), generator=g).to(torch.int32)
+    for bad in (False, True):
+        if bad:
+            ids[::3] = e  # the router's old argmax sentinel
+            ids[1::7] = -1
+        order, tile_end, seg_start, counts, tiles = sort_by_expert(ids, e, bm)
+        ok = (ids >= 0) & (ids < e)
+        want = torch.bincount(ids[ok].long(), minlength=e)
+        assert torch.equal(counts.long(), want)
+        assert torch.equal(seg_start.long(), torch.cumsum(want, 0) - want)
+        assert torch.equal(tile_end.long(), torch.cumsum((want + bm - 1) // bm, 0))
+        placed = int(ok.sum())
+        stable = torch.sort(torch.where(ok, ids, e + 1), stable=True).indices[:placed]
+        assert torch.equal(order[:placed].long(), stable)
+        assert tiles == -(-s // bm) + min(e, s)
+
+
 def _oss_extras(x, ids, w13, w2, seed: int) -> dict:
     """gpt-oss extras for this routing: biases b13 [E, 2I], b2 [E, H] of the pre-activations'
     and outputs' scale, and a clamp limit at the 60th percentile of |routed pre-activation|;

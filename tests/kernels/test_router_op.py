@@ -74,6 +74,20 @@ def test_ties_go_to_the_lowest_index(forced):
     torch.testing.assert_close(w.sum(-1), torch.ones(2))
 
 
+@pytest.mark.parametrize("spec", [RouterSpec(8), RouterSpec(8, "sigmoid", True, 8, 4, "top2sum", 2.5)])
+def test_nan_rows_name_experts_in_range(forced, spec):
+    """A NaN logits row (a broken model, stale graph padding) must not name expert E: the
+    MoE's expert sort would index past the stack. The finite rows are untouched."""
+    logits, bias = _case(4, 64, seed=5, biased=spec.scoring == "sigmoid")
+    logits[0] = float("nan")
+    logits[2, 17] = float("nan")
+    ids, w = route_topk(logits, spec, bias)
+    assert ids.min().item() >= 0 and ids.max().item() < 64
+    want_ids, want_w = reference_route(logits[[1, 3]], spec, bias)
+    assert torch.equal(ids[[1, 3]], want_ids)
+    torch.testing.assert_close(w[[1, 3]], want_w, rtol=0, atol=1e-6)
+
+
 def test_strided_logits_and_no_tokens(forced):
     wide, _ = _case(4, 96, seed=1, biased=False)
     _check(wide[:, :64], RouterSpec(4), None)  # row stride 96
