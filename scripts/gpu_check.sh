@@ -11,7 +11,7 @@
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
 #   attention  python -m lowbit.bench.attention: paged decode attention vs SDPA
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
-#              $QUANT, default routes and flags (what a user gets): pp/tg cells, batched
+#              $QUANT (ENGINE_FORMATS overrides the list), default routes and flags (what a user gets): pp/tg cells, batched
 #              decode, kernels per decode step from a profile, graph status, route calls
 # Writes under $OUT (default ./gpu_out); the last lines printed are the summary tables.
 set -uo pipefail
@@ -85,7 +85,7 @@ fi
 if has engine; then
   # one log for both formats ($OUT holds at most 8 files): the [latency] progress lines
   # stream in as they come (a capped run still shows its last step), the table comes last
-  for fmt in bf16 "$QUANT"; do
+  for fmt in ${ENGINE_FORMATS:-bf16 $QUANT}; do
     cap=$T_ENGINE_BF16; [ "$fmt" != bf16 ] && cap=$T_ENGINE_Q
     echo "== engine latency: $fmt (default routes, cap ${cap} s)" | tee -a "$OUT/engine.log"
     q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
@@ -95,4 +95,5 @@ if has engine; then
     rc=${PIPESTATUS[0]}
     [ "$rc" = 124 ] && echo "engine latency $fmt: stopped by its ${cap} s cap" | tee -a "$OUT/engine.log"
   done
+  cp "$RES"/*-latency-*.json "$OUT"/ 2>/dev/null  # the records, for bench/records
 fi
