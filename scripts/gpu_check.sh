@@ -13,7 +13,8 @@
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
 #              $QUANT (ENGINE_FORMATS overrides the list), default routes and flags (what a user gets): pp/tg cells, batched
 #              decode, kernels per decode step from a profile, graph status, route calls
-# Writes under $OUT (default ./gpu_out); the last lines printed are the summary tables.
+# Writes under $OUT (default ./gpu_out); the last lines printed are the summary tables. The
+# records (*-latency-*.json, kernel JSON) are in $OUT/results.tar.gz: $OUT returns at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -95,5 +96,4 @@ if has engine; then
     rc=${PIPESTATUS[0]}
     [ "$rc" = 124 ] && echo "engine latency $fmt: stopped by its ${cap} s cap" | tee -a "$OUT/engine.log"
   done
-  cp "$RES"/*-latency-*.json "$OUT"/ 2>/dev/null  # the records, for bench/records
 fi
