@@ -18,6 +18,10 @@
 5. Router (router): the gate GEMM + top-k at T = 1, 4, 16, 64 for Qwen3-30B-A3B and
    DeepSeek-V3: cuBLAS (the activation's float32 copy, the GEMM) + triton_topk, the Triton
    gate GEMV + triton_topk (two launches, the default), and triton_gate_topk (one launch).
+6. Prefill linears (prefill_linear): in-register-decode gemm against decode-once + cuBLAS.
+7. Grouped MoE (moe_grouped): Qwen3-30B-A3B at T = 32, 64, 512, 2048 (batched decode and
+   prefill chunks) in bf16, nvfp4 (exact bf16x2 tiles, and the float32 decode chain they
+   replace) and int4 g128.
 Times: CUDA-graph replays of back-to-back calls that rotate through weight copies (linear)
 or routings (MoE) holding more bytes than L2, three repeats: median, min and max (GPU
 time, no host launch overhead; the torch expert loop reads ids on the host, so it is timed
@@ -41,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.formats.views import DenseWeight, Fp8View
-from lowbit.kernels import router_op
+from lowbit.kernels import launch, router_op
 from lowbit.kernels.dequant_gemm import lut_dequant_mm, lut_gemm, lut_gemv, reference_linear
 from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8
 from lowbit.kernels.moe import fused_moe, fused_moe_gemv, reference_moe, torch_act
@@ -356,6 +360,50 @@ def _moe_batches(c: int, e: int, top: int, h: int, hot: int = 0) -> list:
     return out
 
 
+GROUPED_T = (32, 64, 512, 2048)
+
+
+def moe_grouped_section(copy_tbps: float, quick: bool) -> list[dict]:
+    """The grouped MoE (route triton_moe_grouped: batched decode above 16 tokens, prefill) at
+    the Qwen3-30B-A3B shape: bf16 experts, nvfp4 with exact bf16x2 tiles (the default) and
+    with the float32 decode chain (E2M1_BF16 off), int4 g128; launch configs as the engine
+    looks them up. Bytes: the experts a routing uses; the ratio is against bf16."""
+    e, top, h, inter = (8, 2, 64, 32) if SMOKE else MOE_MODELS["qwen3-30b-a3b"]
+    rows = []
+    stacks = {"bf16": (resolve(torch.randn(e, 2 * inter, h, device=DEV, dtype=torch.bfloat16) * 0.02),
+                       resolve(torch.randn(e, h, inter, device=DEV, dtype=torch.bfloat16) * 0.02))}
+    for fmt in ("nvfp4", "int4_g128"):
+        kw = LUT_FORMATS[fmt]
+        stacks[fmt] = (resolve(random_lut_view(2 * inter, h, lead=(e,), device=DEV, **kw)),
+                       resolve(random_lut_view(h, inter, lead=(e,), device=DEV, seed=1, **kw)))
+    impls = [("bf16", "bf16", {}), ("nvfp4", "nvfp4 bf16x2 tiles", {}),
+             ("nvfp4", "nvfp4 f32 decode", {"E2M1_BF16": False}), ("int4_g128", "int4_g128", {})]
+    for c in ((4,) if SMOKE else (GROUPED_T[:2] if quick else GROUPED_T)):
+        batches = _moe_batches(c, e, top, h)
+        active = sum(b[1].unique().numel() for b in batches) / len(batches)
+        base = None
+        for fmt, label, extra in impls:
+            w13, w2 = stacks[fmt]
+            key = "dense" if fmt == "bf16" else f"lut{w13.view.bits}"
+            cfg = dict(dict(BM=16, BN1=32, BK1=32, BN2=32, BK2=32) if SMOKE else
+                       launch.lookup("moe_grouped", key, e, h, c), **extra)
+            x, ids, wts = batches[0]
+            try:
+                y = fused_moe(x, ids, wts, w13, w2, mode="grouped", config=cfg)
+                ref = reference_moe(x, ids, wts, w13, w2)
+                err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+                t = timed([lambda b=b, w13=w13, w2=w2, cfg=cfg: fused_moe(*b, w13, w2, mode="grouped", config=cfg)
+                           for b in batches])
+            except Exception as exc:  # noqa: BLE001
+                print(f"  FAIL moe_grouped {label} T={c}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            base = base or t["us"]
+            nbytes = int(active * (payload_bytes(w13) + payload_bytes(w2)) / e)
+            rows.append(_row("moe_g", "qwen3-30b-a3b", c, f"ours {label}", t, nbytes, copy_tbps, err, base))
+            print(_fmt(rows[-1]), flush=True)
+    return rows
+
+
 def moe_mixed_section(copy_tbps: float, quick: bool) -> list[dict]:
     """Hybrid layouts in one launch pair: Qwen3-30B-A3B with hot experts nvfp4 and cold ones
     nf3 (skewed routing), and DeepSeek-V3 with its shared expert fused as a slot of weight 1,
@@ -496,7 +544,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="one linear shape, one MoE model")
     ap.add_argument("--sections", default="linear,moe,moe_mixed,router",
-                    help="any of linear, moe, moe_mixed, router, prefill_linear")
+                    help="any of linear, moe, moe_mixed, router, prefill_linear, moe_grouped")
     ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     a = ap.parse_args()
     if a.smoke:
@@ -516,7 +564,8 @@ def main() -> None:
           f"{result['ceilings']['bf16_TFLOPs']:.0f} TFLOP/s bf16", flush=True)
     copy = result["ceilings"]["copy_TBps"]
     sections = {"linear": linear_section, "moe": moe_section, "moe_mixed": moe_mixed_section,
-                "router": router_section, "prefill_linear": prefill_linear_section}
+                "router": router_section, "prefill_linear": prefill_linear_section,
+                "moe_grouped": moe_grouped_section}
     for name in a.sections.split(","):
         result["rows"] += sections[name](copy, a.quick)
         (out / "kernels.json").write_text(json.dumps(result, indent=1))

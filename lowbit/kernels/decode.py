@@ -288,6 +288,82 @@ def split_lanes(x, CPW: tl.constexpr):
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
+# Four bytes (8 E2M1 codes) -> 8 bfloat16 in four bf16x2 registers, for pack=4 over a uint8
+# tile: $0 / $1 the low nibbles of bytes (0, 1) / (2, 3), $2 / $3 the high nibbles. Each code's
+# sign goes to bit 15 and its magnitude bits (e1 e0 m) to bits 8..6: the bf16 exponent's two
+# low bits and the first mantissa bit, so the value is e2m1 * 2**-126 (code 1, 0.5, lands on
+# the subnormal 2**-127; the scale multiply after it is exact). One PRMT per two bytes spreads
+# them into the halves, then per bf16x2 one shift pair and two LOP3s: about 2.3 SASS
+# instructions a weight, where the float32 chain (code_values, then scale, then pack) took 10.
+_E2M1_BYTES_BF16_PTX = """{
+.reg .b32 x, y, a, b;
+prmt.b32 x, $4, 0, 0x4140;
+prmt.b32 y, $4, 0, 0x4342;
+shl.b32 a, x, 6;
+shl.b32 b, x, 12;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 $0, a, b;
+shl.b32 a, y, 6;
+shl.b32 b, y, 12;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 $1, a, b;
+shl.b32 a, x, 2;
+shl.b32 b, x, 8;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 $2, a, b;
+shl.b32 a, y, 2;
+shl.b32 b, y, 8;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 $3, a, b;
+}"""
+if HAS_TRITON:
+    _E2M1_BYTES_BF16_PTX = tl.constexpr(_E2M1_BYTES_BF16_PTX)
+
+# e2m1_tile_bf16's weights are e2m1 * scale * 2**-8; the caller multiplies its accumulator's
+# column n by alpha[n] * g * E2M1_BF16_POST (alpha = unit * 2**14, see weights.DECODE_E2M1)
+E2M1_BF16_POST = 2.0**-6
+if HAS_TRITON:
+    E2M1_BF16_POST_C = tl.constexpr(E2M1_BF16_POST)
+
+
+@triton.jit
+def e2m1_tile_bf16(codes_ptr, scales_ptr, row_off, srow_off, rmask, k0, KC,
+                   BN: tl.constexpr, BK: tl.constexpr, B: tl.constexpr,
+                   SCALE_KIND: tl.constexpr, ASM: tl.constexpr):
+    """bfloat16 weights [BN, BK] = e2m1 * scale * 2**-8 of an E2M1 tile with e4m3 scales,
+    exact (a 2-bit by 4-bit significand product; 0.5 * 2**-9 * 2**-8 is a normal bf16). The
+    per-row alpha * g is not applied: see E2M1_BF16_POST.
+    ASM: the PTX above, then the scale (widened once per block, times 2**118 <= 448 * 2**118
+    < 2**127) multiplies the bf16x2 pairs. Otherwise (the interpreter, whose bf16 arithmetic
+    is not IEEE) the same values through float32."""
+    j = k0 // 2 + tl.arange(0, BK // 2)
+    m = rmask[:, None] & (j < KC // 2)[None, :]
+    b = tl.load(codes_ptr + row_off[:, None] + j[None, :], mask=m, other=0)
+    NC: tl.constexpr = BK // B if BK > B else 1
+    CH: tl.constexpr = BK // NC
+    col = (k0 + tl.arange(0, NC) * CH) // B
+    smask = rmask[:, None] & (col < tl.cdiv(KC, B))[None, :]
+    s = load_scales(scales_ptr, srow_off, col, smask, SCALE_KIND)
+    if ASM:
+        s = (s * 3.32306998946229e+35).to(tl.bfloat16)  # 2**118
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, NC, CH // 2)), (BN, BK // 2))
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_BYTES_BF16_PTX, "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=4)
+        w = tl.reshape(tl.join(lo * s, hi * s), (BN, BK))
+    else:
+        c = b.to(tl.int32)
+        v = tl.reshape(tl.join(c & 15, c >> 4), (BN, BK))
+        v = code_values(v, c, c, 2, 4)  # e2m1 * 2**-14
+        w3 = tl.reshape(v, (BN, NC, CH)) * (s * 64.0)[:, :, None]
+        w = tl.reshape(w3, (BN, BK)).to(tl.bfloat16)
+    return w
+
+
 @dataclass
 class WeightArgs:
     """Kernel arguments of one (possibly stacked) weight; the stride_*e are per leading index."""
@@ -324,6 +400,20 @@ class WeightArgs:
 
 def _stride(t: torch.Tensor, dim: int) -> int:
     return t.stride(dim) if t.dim() >= -dim else 0
+
+
+def e2m1_bf16(a: WeightArgs) -> bool:
+    """Whether a tile kernel decodes these weights with e2m1_tile_bf16: 4-bit E2M1 codes with
+    e4m3 block scales (nvfp4), no offsets."""
+    return (a.decode == DECODE_E2M1 and a.bits == 4 and a.has_ab == 1 and not a.has_offs
+            and a.scale_kind == SCALE_KIND_IDS["e4m3"])
+
+
+def exact_tiles(w) -> bool:
+    """Whether the tile kernels (lut_gemm, fused_moe) feed tl.dot this weight unrounded: the
+    e2m1_tile_bf16 tiles are exact and alpha * g multiplies the float32 accumulator. The
+    twins (reference_linear / reference_moe with dot_dtype) then skip the weight rounding."""
+    return isinstance(w, LutWeight) and e2m1_bf16(weight_args(w))
 
 
 def ab_kind(w: LutWeight) -> int:

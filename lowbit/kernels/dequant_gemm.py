@@ -27,8 +27,12 @@ import torch
 from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
 from lowbit.kernels import launch
 from lowbit.kernels.decode import (
+    E2M1_BF16_POST_C,
     dequant_tile,
+    e2m1_bf16,
+    e2m1_tile_bf16,
     e2m1_word,
+    exact_tiles,
     lane_value,
     load_scales,
     split_lanes,
@@ -349,6 +353,7 @@ def _gemm_kernel(
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
+    E2M1_BF16: tl.constexpr, ASM: tl.constexpr,
 ):
     # program axis 1 is a K split: columns pid_k * k_split .. + k_split (k_split % BK == 0);
     # SPLIT: partials through the workspace and the last-arriving split sums them (as the gemv)
@@ -385,14 +390,20 @@ def _gemm_kernel(
         kk = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + ms.to(tl.int64)[:, None] * stride_xm + kk[None, :],
                      mask=mmask[:, None] & (kk < K)[None, :], other=0)
-        w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, row_off, t * (1 << BITS),
-                         alpha, beta, srow_off, orow_off, rmask, k0, KC, g,
-                         BN, BK, BITS, DECODE, SCALE_KIND, B, HAS_AB, HAS_OFFS)
+        if E2M1_BF16:  # exact bf16 tile (e2m1 * scale * 2**-8); alpha * g after the loop
+            w = e2m1_tile_bf16(codes_ptr, scales_ptr, row_off, srow_off, rmask, k0, KC, BN, BK,
+                               B, SCALE_KIND, ASM)
+        else:
+            w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, row_off, t * (1 << BITS),
+                             alpha, beta, srow_off, orow_off, rmask, k0, KC, g,
+                             BN, BK, BITS, DECODE, SCALE_KIND, B, HAS_AB, HAS_OFFS)
         wt = tl.trans(w.to(xt.dtype))  # [BK, BN]
         if DOT_F32:  # the interpreter's bf16 dot is wrong; same rounding, fp32 product
             acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, wt, acc)
+    if E2M1_BF16:
+        acc = acc * (alpha * (g * E2M1_BF16_POST_C))[None, :]
     ymask = mmask[:, None] & rmask[None, :]
     yoff = ms.to(tl.int64)[:, None] * stride_ym + rows[None, :]
     if not SPLIT:
@@ -559,7 +570,8 @@ def lut_gemm(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
         BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block, SROWS=a.srows,
         HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs, HAS_BIAS=bias is not None,
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=interpreting(),
-        SPLIT=split > 1,
+        SPLIT=split > 1, E2M1_BF16=cfg.get("E2M1_BF16", True) and e2m1_bf16(a),
+        ASM=not interpreting(),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     return y
@@ -633,9 +645,10 @@ def reference_linear(x: torch.Tensor, w: LutWeight | Fp8View | DenseWeight,
                      bias: torch.Tensor | None = None,
                      dot_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Torch twin: decode with the format's reference, matmul in float32, cast to x.dtype.
-    dot_dtype=torch.bfloat16 rounds the decoded weights as lut_gemm does before tl.dot."""
+    dot_dtype=torch.bfloat16 rounds the decoded weights as lut_gemm does before tl.dot (not
+    when its tiles are exact: decode.exact_tiles)."""
     dense = w.dense(x.shape[-1])  # [N, K] float32
-    if dot_dtype is not None:
+    if dot_dtype is not None and not exact_tiles(w):
         dense = round_for_dot(dense, dot_dtype)
     y = x.float() @ dense.t()
     if bias is not None:

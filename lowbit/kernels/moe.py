@@ -36,7 +36,15 @@ import torch
 
 from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
 from lowbit.kernels import launch
-from lowbit.kernels.decode import WeightArgs, dequant_tile, weight_args
+from lowbit.kernels.decode import (
+    E2M1_BF16_POST_C,
+    WeightArgs,
+    dequant_tile,
+    e2m1_bf16,
+    e2m1_tile_bf16,
+    exact_tiles,
+    weight_args,
+)
 from lowbit.kernels.dequant_gemm import _gemv_codes, _gemv_kernel, gated_act, split_plan
 from lowbit.kernels.runtime import (
     interpreting,
@@ -154,7 +162,8 @@ def _moe_fc1_kernel(
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     MODE: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, E2M1_BF16: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     e, slots, valid, live = _tile_slots(ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr,
                                         counts_ptr, S, E, tl.program_id(0), MODE, SP, EP, BM)
@@ -174,12 +183,18 @@ def _moe_fc1_kernel(
             kk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :],
                          mask=valid[:, None] & (kk < H)[None, :], other=0)
-            wg = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, gr[0], gr[3], gr[4],
-                              gr[5], gr[1], gr[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
-                              SCALE_KIND, B, HAS_AB, HAS_OFFS)
-            wu = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, ur[0], ur[3], ur[4],
-                              ur[5], ur[1], ur[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
-                              SCALE_KIND, B, HAS_AB, HAS_OFFS)
+            if E2M1_BF16:  # exact bf16 tiles; alpha * g in the epilogue
+                wg = e2m1_tile_bf16(codes_ptr, scales_ptr, gr[0], gr[1], cmask, k0, KC, BN, BK,
+                                    B, SCALE_KIND, ASM)
+                wu = e2m1_tile_bf16(codes_ptr, scales_ptr, ur[0], ur[1], cmask, k0, KC, BN, BK,
+                                    B, SCALE_KIND, ASM)
+            else:
+                wg = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, gr[0], gr[3], gr[4],
+                                  gr[5], gr[1], gr[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
+                                  SCALE_KIND, B, HAS_AB, HAS_OFFS)
+                wu = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, ur[0], ur[3], ur[4],
+                                  ur[5], ur[1], ur[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
+                                  SCALE_KIND, B, HAS_AB, HAS_OFFS)
             if DOT_F32:
                 xf = xt.to(tl.bfloat16).to(tl.float32)
                 acc_g = tl.dot(xf, tl.trans(wg.to(tl.bfloat16).to(tl.float32)), acc_g,
@@ -190,6 +205,9 @@ def _moe_fc1_kernel(
                 xb = xt.to(tl.bfloat16)
                 acc_g = tl.dot(xb, tl.trans(wg.to(tl.bfloat16)), acc_g)
                 acc_u = tl.dot(xb, tl.trans(wu.to(tl.bfloat16)), acc_u)
+        if E2M1_BF16:
+            acc_g = acc_g * (gr[4] * (g * E2M1_BF16_POST_C))[None, :]
+            acc_u = acc_u * (ur[4] * (g * E2M1_BF16_POST_C))[None, :]
         if HAS_BIAS:  # b13 [E, 2I]: gate half, then up half
             brow = bias_ptr + e.to(tl.int64) * (2 * I)
             acc_g += tl.load(brow + cols, mask=cmask, other=0).to(tl.float32)[None, :]
@@ -209,6 +227,7 @@ def _moe_fc2_kernel(
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     MODE: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr,
+    E2M1_BF16: tl.constexpr, ASM: tl.constexpr,
 ):
     e, slots, valid, live = _tile_slots(ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr,
                                         counts_ptr, S, E, tl.program_id(0), MODE, SP, EP, BM)
@@ -224,15 +243,21 @@ def _moe_fc2_kernel(
             kk = k0 + tl.arange(0, BK)
             ht = tl.load(h_ptr + sl[:, None] * I + kk[None, :],
                          mask=valid[:, None] & (kk < I)[None, :], other=0)
-            w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, wr[0], wr[3], wr[4],
-                             wr[5], wr[1], wr[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
-                             SCALE_KIND, B, HAS_AB, HAS_OFFS)
+            if E2M1_BF16:
+                w = e2m1_tile_bf16(codes_ptr, scales_ptr, wr[0], wr[1], cmask, k0, KC, BN, BK, B,
+                                   SCALE_KIND, ASM)
+            else:
+                w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, wr[0], wr[3], wr[4],
+                                 wr[5], wr[1], wr[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
+                                 SCALE_KIND, B, HAS_AB, HAS_OFFS)
             if DOT_F32:
                 acc = tl.dot(ht.to(tl.bfloat16).to(tl.float32),
                              tl.trans(w.to(tl.bfloat16).to(tl.float32)), acc,
                              input_precision="ieee")
             else:
                 acc = tl.dot(ht.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        if E2M1_BF16:
+            acc = acc * (wr[4] * (g * E2M1_BF16_POST_C))[None, :]
         if HAS_BIAS:  # b2 [E, H], before the routing weight
             acc += tl.load(bias_ptr + e.to(tl.int64) * H + cols, mask=cmask,
                            other=0).to(tl.float32)[None, :]
@@ -253,12 +278,13 @@ def _moe_combine_kernel(ys_ptr, y_ptr, H, A, stride_yt, BN: tl.constexpr):
              mask=cmask)
 
 
-def _launch_args(a: WeightArgs) -> tuple[list, dict]:
+def _launch_args(a: WeightArgs, bf16_tiles: bool = True) -> tuple[list, dict]:
     ptrs = [a.codes, a.table, a.tidx, a.ab, a.scales, a.offs]
     strides = [a.stride_ce, a.stride_cn, a.stride_te, a.stride_se, a.stride_sn, a.stride_oe,
                a.stride_on, a.g]
     consts = dict(BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
-                  SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs)
+                  SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
+                  E2M1_BF16=bf16_tiles and e2m1_bf16(a), ASM=not interpreting())
     return ptrs + strides, consts
 
 
@@ -430,12 +456,12 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
                   num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 2))
     hbuf = torch.empty(s, inter, dtype=torch.float32, device=x.device)
     ys = torch.empty(s, h, dtype=torch.float32, device=x.device)
-    a1, c1 = _launch_args(weight_args(w13))
+    a1, c1 = _launch_args(weight_args(w13), cfg.get("E2M1_BF16", True))
     launch.run(_moe_fc1_kernel, (tiles, triton.cdiv(inter, cfg["BN1"])),
         x, hbuf, _bias_arg(b13, x), ids_flat, order, tile_end, seg_start, counts, *a1[:6], s,
         e, h, inter, w13.kp, a_top, x.stride(0), *a1[6:], **c1, BN=cfg["BN1"], BK=cfg["BK1"],
         HAS_BIAS=b13 is not None, **act_consts(activation), **common)
-    a2, c2 = _launch_args(weight_args(w2))
+    a2, c2 = _launch_args(weight_args(w2), cfg.get("E2M1_BF16", True))
     launch.run(_moe_fc2_kernel, (tiles, triton.cdiv(h, cfg["BN2"])),
         hbuf, ys, tw, _bias_arg(b2, x), ids_flat, order, tile_end, seg_start, counts, *a2[:6],
         s, e, h, inter, w2.kp, *a2[6:], **c2, BN=cfg["BN2"], BK=cfg["BK2"],
@@ -509,8 +535,8 @@ def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13
                   activation: MoeActivation | None = None) -> torch.Tensor:
     """Torch twin: for each expert used, decode its weights with the format's reference and
     run the gated MLP (biases, activation) in float32; sum the routed outputs; cast to
-    x.dtype. dot_dtype=torch.bfloat16 rounds x, the decoded weights and h where the kernels
-    do (the biases are added to the float32 accumulators, unrounded). Entries of weight 0
+    x.dtype. dot_dtype=torch.bfloat16 rounds x, the decoded weights (unless exact_tiles) and
+    h where the kernels do (the biases are added to the float32 accumulators, unrounded). Entries of weight 0
     add nothing and are skipped: a CPU matmul's rows change with its row count, so an
     expert cache's masked entries (weight 0) must not join an expert's rows."""
     h = x.shape[1]
@@ -518,10 +544,12 @@ def reference_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13
     out_dtype = x.dtype
     rnd = (lambda t: t) if dot_dtype is None else (lambda t: round_for_dot(t, dot_dtype))
     x = rnd(x.float())
+    rnd_w13 = (lambda t: t) if exact_tiles(w13) else rnd  # exact bf16 tiles: nothing to round
+    rnd_w2 = (lambda t: t) if exact_tiles(w2) else rnd
     out = torch.zeros(x.shape[0], h, dtype=torch.float32, device=x.device)
     for e in torch.unique(ids[weights != 0]).tolist():  # host read: reference path only
         tok, slot = torch.nonzero((ids == e) & (weights != 0), as_tuple=True)
-        w13_e, w2_e = rnd(expert_dense(w13, e, h)), rnd(expert_dense(w2, e, inter))  # one expert at a time
+        w13_e, w2_e = rnd_w13(expert_dense(w13, e, h)), rnd_w2(expert_dense(w2, e, inter))  # one expert at a time
         hcat = x[tok].float() @ w13_e.t()  # [n, 2I]
         if b13 is not None:
             hcat = hcat + b13[e].float()

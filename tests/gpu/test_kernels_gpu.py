@@ -89,6 +89,16 @@ def test_dequantize_real_size(case):
     assert rel_err(y, reference_linear(x.float(), w, dot_dtype=torch.bfloat16)) < 1e-2, case
 
 
+@pytest.mark.parametrize("bk", [16, 64, 128])
+def test_e2m1_tiles_exact(bk):
+    """The PTX decode of e2m1_tile_bf16 (bf16x2 bit placement, subnormal 0.5 code, scale
+    multiply in bf16x2): every byte value, exact against torch."""
+    from tests.kernels.e2m1_tiles import probe
+
+    got, want = probe(DEV, n=70, kc=352, bk=bk)
+    assert torch.equal(got.float(), want.float()), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("layout", ["channel", "block"])
 def test_w8a8(layout):
     from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8
