@@ -6,9 +6,10 @@
 2. Linear, N x K in {4096x14336, 14336x4096, 2048x6144}, M in {1, 4, 16}: peers torch bf16
    (cuBLAS), torch._weight_int4pack_mm (tinygemm, int4 g128), torch._scaled_mm (fp8, M
    padded to 16); ours per weight format (gemv; gemm at M = 16; fp8 W8A8).
-3. MoE layer at C1/C4/C16 for Qwen3-30B-A3B (E=128, top-8, 2048 -> 768) and Mixtral
+3. MoE layer at C1/C4/C16/C32/C64 for Qwen3-30B-A3B (E=128, top-8, 2048 -> 768) and Mixtral
    (E=8, top-2, 4096 -> 14336): peer torch bf16 (loop over the experts used), ours in
-   nvfp4 and int4 (per-slot gemv, and tensor-core tiles) and bf16 (tensor-core tiles);
+   nvfp4 and int4 (per-slot gemv, decode tiles up to 256 slots, grouped tiles from C16)
+   and bf16 (tensor-core tiles);
    DeepSeek-V3 (E=256, top-8, 7168 -> 2048) in nvfp4 and gpt-oss-20b (E=32, top-4,
    2880 -> 2880) in mxfp4 with its expert biases and clamped SwiGLU (MOE_EXTRAS), on every
    implementation, the torch peer included.
@@ -69,7 +70,7 @@ MOE_FORMATS = {"deepseek-v3": ("nvfp4",), "gpt-oss-20b": ("mxfp4",)}
 MOE_EXTRAS = {"gpt-oss-20b": 7.0, "tiny-oss": 7.0}
 SHARED = {"deepseek-v3": 1}  # shared experts of width I, fused as extra slots (section moe_mixed)
 HYBRID_HOT = 16  # hybrid cell: the 16 hottest of Qwen3-30B-A3B's 128 experts nvfp4, the rest nf3
-MOE_CONCURRENCY = (1, 4, 16)
+MOE_CONCURRENCY = (1, 4, 16, 32, 64)  # 32 / 64: batched decode, where the grouped route runs
 DEV = "cuda"
 SMOKE = False  # --smoke: tiny shapes on the CPU through the Triton interpreter (code paths only)
 
@@ -323,13 +324,18 @@ def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
             print(_fmt(rows[-1]), flush=True)
             for fmt, (w13, w2) in weights.items():
                 impls = [("gemv", fused_moe_gemv), ("tc", fused_moe)]
+                if c * top > 256:  # the decode tiles map at most 256 slots
+                    impls = impls[:1]
+                if c >= 16:
+                    impls.append(("grouped", fused_moe))
                 for impl, fn in impls:
                     call = (lambda b, fn=fn, w13=w13, w2=w2, kw=extras: fn(*b, w13, w2, **kw)) \
                         if impl == "gemv" else \
-                        (lambda b, w13=w13, w2=w2, kw=extras: fused_moe(*b, w13, w2, mode="decode", **kw))
+                        (lambda b, w13=w13, w2=w2, kw=extras, mode="decode" if impl == "tc" else "grouped":
+                         fused_moe(*b, w13, w2, mode=mode, **kw))
                     try:
                         err = None
-                        if c == 4:
+                        if c in (4, 32):
                             y = call(batches[0])
                             ref = reference_moe(x, ids, wts, w13, w2, **extras)
                             err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()

@@ -31,7 +31,14 @@ import torch
 from lowbit.formats.base import lut_view_decode
 from lowbit.formats.views import LutWeight
 from lowbit.kernels import launch
-from lowbit.kernels.decode import dequant_tile, weight_args
+from lowbit.kernels.decode import (
+    E2M1_BF16_POST_C,
+    dequant_tile,
+    e2m1_bf16,
+    e2m1_tile_bf16,
+    exact_tiles,
+    weight_args,
+)
 from lowbit.kernels.moe import (
     MODE_DECODE,
     MODE_GROUPED,
@@ -55,22 +62,31 @@ def _acc_rows(acc, a_ptr, sl_row, valid, K, e, rows, rmask, g, codes_ptr, table_
               ab_ptr, scales_ptr, offs_ptr, KC, sce, scn, ste, sse, ssn, soe, son,
               BITS: tl.constexpr, DECODE: tl.constexpr, SK: tl.constexpr, B: tl.constexpr,
               HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc [BM, BN] += a[sl_row, :K] @ W_e[rows, :K]^T, W decoded with global scale g."""
+              BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+              E2M1_BF16: tl.constexpr, ASM: tl.constexpr):
+    """acc [BM, BN] += a[sl_row, :K] @ W_e[rows, :K]^T, W decoded with global scale g
+    (E2M1_BF16: exact bf16 tiles, alpha * g on the partial sum, as in moe.py)."""
     r = _expert_rows(e, rows, rmask, tidx_ptr, ab_ptr, sce, scn, ste, sse, ssn, soe, son,
                      BITS, 1, HAS_TIDX, HAS_AB, BN)
+    part = tl.zeros(acc.shape, tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         at = tl.load(a_ptr + sl_row[:, None] + kk[None, :], mask=valid[:, None] & (kk < K)[None, :],
                      other=0)
-        w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, r[0], r[3], r[4], r[5],
-                         r[1], r[2], rmask, k0, KC, g, BN, BK, BITS, DECODE, SK, B, HAS_AB, HAS_OFFS)
-        if DOT_F32:
-            acc = tl.dot(at.to(tl.bfloat16).to(tl.float32), tl.trans(w.to(tl.bfloat16).to(tl.float32)),
-                         acc, input_precision="ieee")
+        if E2M1_BF16:
+            w = e2m1_tile_bf16(codes_ptr, scales_ptr, r[0], r[1], rmask, k0, KC, BN, BK, B, SK, ASM)
         else:
-            acc = tl.dot(at.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
-    return acc
+            w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, r[0], r[3], r[4], r[5],
+                             r[1], r[2], rmask, k0, KC, g, BN, BK, BITS, DECODE, SK, B, HAS_AB,
+                             HAS_OFFS)
+        if DOT_F32:
+            part = tl.dot(at.to(tl.bfloat16).to(tl.float32), tl.trans(w.to(tl.bfloat16).to(tl.float32)),
+                          part, input_precision="ieee")
+        else:
+            part = tl.dot(at.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), part)
+    if E2M1_BF16:
+        part = part * (r[4] * (g * E2M1_BF16_POST_C))[None, :]
+    return acc + part
 
 
 @triton.jit
@@ -85,7 +101,7 @@ def _hybrid_fc_kernel(
     HAS_TIDX_A: tl.constexpr, HAS_AB_A: tl.constexpr, HAS_OFFS_A: tl.constexpr,
     BITS_B: tl.constexpr, DECODE_B: tl.constexpr, SK_B: tl.constexpr, B_B: tl.constexpr,
     HAS_TIDX_B: tl.constexpr, HAS_AB_B: tl.constexpr, HAS_OFFS_B: tl.constexpr,
-    FC1: tl.constexpr, MODE: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr,
+    E2M1_A: tl.constexpr, E2M1_B: tl.constexpr, ASM: tl.constexpr, FC1: tl.constexpr, MODE: tl.constexpr, SP: tl.constexpr, EP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """FC1 (FC1=True): out = h [S, N=I], h[s] = SiLU(a[t] Wg^T) * (a[t] Wu^T), a = x rows of
@@ -108,24 +124,24 @@ def _hybrid_fc_kernel(
             acc = _acc_rows(acc, a_ptr, arow, valid, K, le, cols, cmask, tl.load(ga_ptr + 2 * le),
                             ca_ptr, ta_ptr, ia_ptr, aba_ptr, sa_ptr, oa_ptr, KCA, sce_a, scn_a,
                             ste_a, sse_a, ssn_a, soe_a, son_a, BITS_A, DECODE_A, SK_A, B_A,
-                            HAS_TIDX_A, HAS_AB_A, HAS_OFFS_A, BN, BK, DOT_F32)
+                            HAS_TIDX_A, HAS_AB_A, HAS_OFFS_A, BN, BK, DOT_F32, E2M1_A, ASM)
             if FC1:
                 acc_u = _acc_rows(acc_u, a_ptr, arow, valid, K, le, cols + N, cmask,
                                   tl.load(ga_ptr + 2 * le + 1), ca_ptr, ta_ptr, ia_ptr, aba_ptr,
                                   sa_ptr, oa_ptr, KCA, sce_a, scn_a, ste_a, sse_a, ssn_a, soe_a,
                                   son_a, BITS_A, DECODE_A, SK_A, B_A, HAS_TIDX_A, HAS_AB_A,
-                                  HAS_OFFS_A, BN, BK, DOT_F32)
+                                  HAS_OFFS_A, BN, BK, DOT_F32, E2M1_A, ASM)
         else:
             acc = _acc_rows(acc, a_ptr, arow, valid, K, le, cols, cmask, tl.load(gb_ptr + 2 * le),
                             cb_ptr, tb_ptr, ib_ptr, abb_ptr, sb_ptr, ob_ptr, KCB, sce_b, scn_b,
                             ste_b, sse_b, ssn_b, soe_b, son_b, BITS_B, DECODE_B, SK_B, B_B,
-                            HAS_TIDX_B, HAS_AB_B, HAS_OFFS_B, BN, BK, DOT_F32)
+                            HAS_TIDX_B, HAS_AB_B, HAS_OFFS_B, BN, BK, DOT_F32, E2M1_B, ASM)
             if FC1:
                 acc_u = _acc_rows(acc_u, a_ptr, arow, valid, K, le, cols + N, cmask,
                                   tl.load(gb_ptr + 2 * le + 1), cb_ptr, tb_ptr, ib_ptr, abb_ptr,
                                   sb_ptr, ob_ptr, KCB, sce_b, scn_b, ste_b, sse_b, ssn_b, soe_b,
                                   son_b, BITS_B, DECODE_B, SK_B, B_B, HAS_TIDX_B, HAS_AB_B,
-                                  HAS_OFFS_B, BN, BK, DOT_F32)
+                                  HAS_OFFS_B, BN, BK, DOT_F32, E2M1_B, ASM)
         if FC1:
             ez = tl.exp(-tl.abs(acc))  # SiLU without overflow
             val = acc * tl.where(acc >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez)) * acc_u
@@ -140,7 +156,8 @@ def _group_args(w: LutWeight, g: torch.Tensor, suffix: str) -> tuple[list, dict]
             a.stride_te, a.stride_se, a.stride_sn, a.stride_oe, a.stride_on]
     consts = {f"BITS_{suffix}": a.bits, f"DECODE_{suffix}": a.decode, f"SK_{suffix}": a.scale_kind,
               f"B_{suffix}": a.block, f"HAS_TIDX_{suffix}": a.has_tidx,
-              f"HAS_AB_{suffix}": a.has_ab, f"HAS_OFFS_{suffix}": a.has_offs}
+              f"HAS_AB_{suffix}": a.has_ab, f"HAS_OFFS_{suffix}": a.has_offs,
+              f"E2M1_{suffix}": e2m1_bf16(a)}
     return args, consts
 
 
@@ -179,6 +196,7 @@ def fused_moe_hybrid(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         mode_id = MODE_GROUPED
     common = dict(MODE=mode_id, SP=max(16, triton.next_power_of_2(s)),
                   EP=max(16, triton.next_power_of_2(e)), BM=bm, DOT_F32=interpreting(),
+                  ASM=not interpreting(),
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     route = (ids_flat, order, tile_end, seg_start, counts, experts.expert_group, experts.expert_local)
     hbuf = torch.empty(s, inter, dtype=torch.float32, device=x.device)
@@ -217,8 +235,10 @@ def reference_hybrid(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     grp, loc = experts.expert_group.tolist(), experts.expert_local.tolist()
     for e in torch.unique(ids).tolist():
         group = experts.groups[grp[e]]
-        d13 = rnd(_expert_dense(group.w13, group.g13, loc[e], h))
-        d2 = rnd(_expert_dense(group.w2, group.g2, loc[e], inter))
+        d13 = _expert_dense(group.w13, group.g13, loc[e], h)
+        d2 = _expert_dense(group.w2, group.g2, loc[e], inter)
+        d13 = d13 if exact_tiles(group.w13) else rnd(d13)  # exact bf16 tiles: no rounding
+        d2 = d2 if exact_tiles(group.w2) else rnd(d2)
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         hc = xf[tok] @ d13.t()
         act = torch.nn.functional.silu(hc[:, :inter]) * hc[:, inter:]
