@@ -13,9 +13,10 @@ Routes, in selection order (status and record in docs/ROUTES.md):
                             T <= 16 and <= 256 slots, grouped tiles above); its refusal is why
                             a block does not fuse, and every later route then runs the routed
                             experts and the shared MLP one after the other
-  triton_fused_moe_decode   T <= 16 tokens, T * A <= 256 slots: LUT / fp8 / bf16 experts as
-                            per-slot GEMVs (expert id read on the device) while slots < 2 E
-                            (fewer than two tokens per expert on average); otherwise, and for
+  triton_fused_moe_decode   T <= 16 tokens (nvfp4: 32), T * A <= 256 slots: LUT / fp8 / bf16
+                            experts as per-slot GEMVs (expert id read on the device) while
+                            slots < 2 E (fewer than two tokens per expert on average; nvfp4:
+                            every T it admits); otherwise, and for
                             fp16 / fp32 experts, tensor-core tiles per expert found in-kernel
                             (crossover measured: docs/BENCHMARKS.md#kernels)
   triton_moe_grouped        device sort by expert, grouped GEMM with decode in the main loop
@@ -54,11 +55,16 @@ from lowbit.kernels.moe_layout import (
     with_shared_slots,
 )
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
-from lowbit.kernels.weights import Resolved, resolve
+from lowbit.kernels.weights import DECODE_E2M1, Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
 DECODE_MAX_TOKENS = 16
 DECODE_MAX_SLOTS = 256
+# nvfp4 experts (E2M1 codes, e4m3 scales) keep the per-slot gemv up to 32 tokens: H200,
+# Qwen3-30B-A3B, C32 gemv 380 us against grouped tiles 512 (docs/BENCHMARKS.md#kernels,
+# "Batched decode"); at C64 the tiles win (558 against 751), and int4 g128 keeps the tiles
+# from C32 (435 against 493)
+E2M1_GEMV_MAX_TOKENS = 32
 @dataclass
 class MoeCall:
     x: torch.Tensor  # [T, H]
@@ -151,10 +157,17 @@ def _then_shared(run):
     return run_both
 
 
+def _nvfp4_gemv(call: MoeCall) -> bool:
+    """Both stacks E2M1 with e4m3 block scales (nvfp4), for E2M1_GEMV_MAX_TOKENS."""
+    return all(isinstance(w, LutWeight) and w.decode == DECODE_E2M1 and w.view.scale_kind == "e4m3"
+               for w in (call.w13, call.w2))
+
+
 def _admit_decode(call: MoeCall) -> str | None:
     t, a = call.ids.shape
-    if t > DECODE_MAX_TOKENS or t * a > DECODE_MAX_SLOTS:
-        return f"{t} tokens x top-{a}: the decode route takes <= {DECODE_MAX_TOKENS} tokens, <= {DECODE_MAX_SLOTS} slots"
+    limit = E2M1_GEMV_MAX_TOKENS if _nvfp4_gemv(call) else DECODE_MAX_TOKENS
+    if t > limit or t * a > DECODE_MAX_SLOTS:
+        return f"{t} tokens x top-{a}: the decode route takes <= {limit} tokens, <= {DECODE_MAX_SLOTS} slots"
     reason = _refusal(call)
     if reason is None and not isinstance(call.w13, (DenseWeight, HybridExperts)):
         reason = gemv_refusal(call.x[:1], call.w13) or gemv_refusal(call.x[:1], call.w2)
@@ -183,7 +196,8 @@ def _run(mode: str):
             return fused_moe_hybrid(call.x, call.ids, call.weights, call.w13, mode=mode)
         t, a = call.ids.shape
         extra = dict(b13=call.b13, b2=call.b2, activation=call.activation, out=call.out)
-        if mode == "decode" and t * a < 2 * call.experts and _gemv_fits(call):
+        few = t * a < 2 * call.experts or (t > DECODE_MAX_TOKENS and _nvfp4_gemv(call))
+        if mode == "decode" and few and _gemv_fits(call):
             return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2,
                                   config=call.config("moe_gemv"), **extra)
         return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode,

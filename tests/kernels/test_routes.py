@@ -218,3 +218,31 @@ def test_fallback_warns_once_except_in_a_start_up_probe(monkeypatch, caplog):
     assert routes.warned_fallbacks() == ["probe_op: fast: shape unsupported"]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "reference route on CUDA (slow)" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("case,t,want", [
+    ("nvfp4_two_tables", 32, "gemv"),  # nvfp4 keeps the per-slot gemv up to 32 tokens
+    ("nvfp4_two_tables", 33, None),  # then the grouped route
+    ("int4_g32_offsets", 32, None),  # int4: grouped tiles from 17 tokens
+    ("int4_g32_offsets", 16, "gemv"),  # 128 slots < 2 E
+])
+def test_moe_decode_route_token_limits(monkeypatch, case, t, want):
+    """Which kernel the decode route runs at batched-decode sizes (E = 128, top-8), from the
+    C32 / C64 kernel records: the route's admission and its gemv-or-tiles choice."""
+    from lowbit.kernels import moe_op
+    from tests.kernels.cases import make_weight
+
+    e, h, i, a = 128, 64, 32, 8
+    w13, w2 = make_weight(case, 2 * i, h, lead=(e,)), make_weight(case, h, i, lead=(e,))
+    ids = torch.randint(0, e, (t, a), dtype=torch.int32)
+    call = moe_op.MoeCall(torch.randn(t, h).bfloat16(), ids, torch.rand(t, a), w13, w2, forced=True)
+    reason = moe_op._admit_decode(call)
+    if want is None:
+        assert reason is not None and "tokens" in reason
+        return
+    assert reason is None
+    ran = []
+    monkeypatch.setattr(moe_op, "fused_moe_gemv", lambda *a, **k: ran.append("gemv"))
+    monkeypatch.setattr(moe_op, "fused_moe", lambda *a, **k: ran.append("tiles"))
+    moe_op._run("decode")(call)
+    assert ran == [want]
