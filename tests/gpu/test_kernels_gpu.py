@@ -224,10 +224,14 @@ def test_dense_moe_gemv_real_size():
 
 def test_fused_router_in_a_graph(monkeypatch):
     """triton_gate_topk at real sizes (Qwen3 softmax top-8; DeepSeek-V3 grouped sigmoid),
-    captured once and replayed on fresh activations: ids equal the reference's."""
+    captured once and replayed on fresh activations: ids equal the reference's, except on a
+    row whose choice is a near tie (the kernel's float32 gate GEMV sums in another order than
+    cuBLAS): there the two choices' selection scores agree within 1e-4, and at most one row
+    in 16 is one."""
     from lowbit.kernels.router_op import RouterSpec, gate_logits, reference_route, route
 
     monkeypatch.setenv("LOWBIT_ROUTE_ROUTER", "triton_gate_topk")
+    torch.manual_seed(11)
     for e, d, spec in ((128, 2048, RouterSpec(8)),
                        (256, 7168, RouterSpec(8, "sigmoid", True, 8, 4, "top2sum", 2.5))):
         gw = torch.randn(e, d, device=DEV) * 0.05
@@ -242,6 +246,14 @@ def test_fused_router_in_a_graph(monkeypatch):
             for _ in range(2):
                 x.copy_(torch.randn_like(x))
                 graph.replay()
-                want_ids, want_w = reference_route(gate_logits(x, gw), spec, bias)
-                assert torch.equal(ids, want_ids), (e, t)
-                torch.testing.assert_close(w, want_w, rtol=0, atol=1e-5)
+                logits = gate_logits(x, gw)
+                want_ids, want_w = reference_route(logits, spec, bias)
+                same = (ids.sort(-1).values == want_ids.sort(-1).values).all(-1)
+                if not same.all():
+                    sel = logits if spec.scoring == "softmax" else torch.sigmoid(logits) + bias
+                    got_s = sel.gather(1, ids.long()).sum(-1)
+                    want_s = sel.gather(1, want_ids.long()).sum(-1)
+                    assert ((got_s - want_s).abs()[~same] <= 1e-4).all(), (e, t, got_s, want_s)
+                    assert (~same).sum() <= max(1, t // 16), (e, t)
+                assert torch.equal(ids[same], want_ids[same]), (e, t)
+                torch.testing.assert_close(w[same], want_w[same], rtol=0, atol=1e-5)
