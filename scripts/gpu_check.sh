@@ -6,8 +6,8 @@
 #   tune       gemv / gemm / MoE-gemv launch-config sweep and the gemv-or-gemm choice per
 #              shape and M (scripts/tune_kernels.py -> $OUT/tuned.json), merged into
 #              lowbit/kernels/configs/<device>.json for the stages after it
-#   tunemoe    grouped MoE tile sweep at T = 32, 64, 512 (scripts/tune_kernels.py --grouped),
-#              merged the same way ("moe_grouped")
+#   tunemoe    grouped MoE tile sweep at T = 32, 64, 512, 2048 (scripts/tune_kernels.py
+#              --grouped; TUNEMOE_FORMATS, default dense,nvfp4), merged the same way ("moe_grouped")
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
 #   attention  python -m lowbit.bench.attention: paged decode attention vs SDPA
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
@@ -69,7 +69,7 @@ fi
 if has tunemoe; then
   echo "== grouped MoE tile sweep"
   timeout "$T_TUNEMOE" python3 scripts/tune_kernels.py --grouped --out "$OUT/tuned_grouped.json" \
-    --jobs "$TUNE_JOBS" 2>&1 | tee "$OUT/tune_grouped.log" | grep -v "^  " | tail -20
+    --grouped-formats "${TUNEMOE_FORMATS:-dense,nvfp4}" --jobs "$TUNE_JOBS" 2>&1 | tee "$OUT/tune_grouped.log" | grep -v "^  " | tail -20
   merge_tuned "$OUT/tuned_grouped.json"
 fi
 

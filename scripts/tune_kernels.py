@@ -196,7 +196,7 @@ GROUPED_LARGE = [dict(BM=bm, BN1=n1, BK1=k1, BN2=n2, BK2=k2, num_warps=w, num_st
                  for bm, n1, k1, n2, k2, w, st in
                  ((64, 64, 64, 64, 64, 4, 2), (64, 128, 64, 128, 64, 4, 3), (32, 128, 64, 128, 64, 4, 3),
                   (64, 128, 128, 128, 128, 8, 3), (128, 128, 64, 128, 64, 8, 3))]
-GROUPED_T = (32, 64, 512)
+GROUPED_T = (32, 64, 512, 2048)  # 2048: a default prefill chunk
 # Qwen3-30B-A3B's quantized linears at serving time: merged QKV and o_proj
 ENGINE_SHAPES = ((5120, 2048), (2048, 4096))
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768)}  # E, top-k, H, I
@@ -358,15 +358,19 @@ def _moe_weights(fmt: str, e: int, h: int, inter: int):
     if fmt == "dense":
         return (resolve(torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * 0.02),
                 resolve(torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * 0.02), f"dense:{e}x{h}")
-    return (make_weight(fmt, 2 * inter, h, "cuda", (e,)), make_weight(fmt, h, inter, "cuda", (e,)),
-            f"lut4:{e}x{h}")
+    from lowbit.kernels.moe import moe_fmt_keys
+
+    w13 = make_weight(fmt, 2 * inter, h, "cuda", (e,))
+    return w13, make_weight(fmt, h, inter, "cuda", (e,)), f"{moe_fmt_keys(w13)[0]}:{e}x{h}"
 
 
-def tune_grouped(out: str, part: tuple[int, int] | None = None) -> None:
+def tune_grouped(out: str, part: tuple[int, int] | None = None,
+                 formats: tuple[str, ...] = ("dense", "nvfp4")) -> None:
     """Tile configs of the grouped MoE (fused_moe mode "grouped": slots sorted by expert,
-    tensor-core tiles) at T = 32, 64 and 512 tokens (batched decode and prefill), bf16 and
-    nvfp4 experts at the Qwen3-30B-A3B shape, 8 routings (graph replay); writes the fastest
-    per (format, T) as the "moe_grouped" table. part: compile every n-th job only."""
+    tensor-core tiles) at T = 32, 64, 512 and 2048 tokens (batched decode and prefill
+    chunks), bf16 and nvfp4 experts (formats) at the Qwen3-30B-A3B shape, 8 routings (graph
+    replay); writes the fastest per (format key, T) as the "moe_grouped" table (nvfp4 under
+    its own key, moe.moe_fmt_keys). part: compile every n-th job only."""
     from lowbit.bench.kernels import timed
     from lowbit.kernels.moe import fused_moe
 
@@ -374,7 +378,7 @@ def tune_grouped(out: str, part: tuple[int, int] | None = None) -> None:
     rows = []
     job = 0
     for model, (e, top, h, inter) in MOE_SHAPES.items():
-        for fmt in ("dense", "nvfp4"):
+        for fmt in formats:
             w13, w2, key = _moe_weights(fmt, e, h, inter)
             for t in GROUPED_T:
                 g = torch.Generator(device="cuda").manual_seed(t)
@@ -436,15 +440,17 @@ def main() -> None:
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)
     ap.add_argument("--only", default="", help="--static: comma-separated label filters")
     ap.add_argument("--grouped", action="store_true", help="sweep the grouped MoE tiles only")
+    ap.add_argument("--grouped-formats", default="dense,nvfp4", help="--grouped: expert formats")
     a = ap.parse_args()
     if a.grouped:
+        gf = tuple(a.grouped_formats.split(","))
         if a.part:
-            tune_grouped(a.out, tuple(int(v) for v in a.part.split("/")))
+            tune_grouped(a.out, tuple(int(v) for v in a.part.split("/")), gf)
             torch.cuda.synchronize()
             return
         if a.jobs > 1:
             warm_compile(sys.argv[1:], a.jobs)
-        tune_grouped(a.out)
+        tune_grouped(a.out, formats=gf)
         return
     if a.static:
         os.environ.setdefault("TRITON_INTERPRET", "0")

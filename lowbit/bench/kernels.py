@@ -49,7 +49,7 @@ from lowbit.formats.views import DenseWeight, Fp8View
 from lowbit.kernels import launch, router_op
 from lowbit.kernels.dequant_gemm import lut_dequant_mm, lut_gemm, lut_gemv, reference_linear
 from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8
-from lowbit.kernels.moe import fused_moe, fused_moe_gemv, reference_moe, torch_act
+from lowbit.kernels.moe import fused_moe, fused_moe_gemv, moe_fmt_keys, reference_moe, torch_act
 from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid
 from lowbit.kernels.moe_layout import hybrid_experts, make_group, shared_group, with_shared_slots
 from lowbit.kernels.moe_op import MoeActivation
@@ -390,9 +390,8 @@ def moe_grouped_section(copy_tbps: float, quick: bool) -> list[dict]:
         base = None
         for fmt, label, extra in impls:
             w13, w2 = stacks[fmt]
-            key = "dense" if fmt == "bf16" else f"lut{w13.view.bits}"
             cfg = dict(dict(BM=16, BN1=32, BK1=32, BN2=32, BK2=32) if SMOKE else
-                       launch.lookup("moe_grouped", key, e, h, c), **extra)
+                       launch.lookup("moe_grouped", moe_fmt_keys(w13), e, h, c), **extra)
             x, ids, wts = batches[0]
             try:
                 y = fused_moe(x, ids, wts, w13, w2, mode="grouped", config=cfg)

@@ -44,13 +44,16 @@ def _pick(buckets: dict, m: int) -> dict | None:
     return dict(buckets[str(keys[-1])])
 
 
-def lookup(kernel: str, fmt: str, n: int, k: int, m: int, device: str | None = None) -> dict:
-    """The launch config of kernel for a weight [n, k] in fmt and m rows of activations."""
+def lookup(kernel: str, fmt: str | tuple[str, ...], n: int, k: int, m: int,
+           device: str | None = None) -> dict:
+    """The launch config of kernel for a weight [n, k] in fmt and m rows of activations. fmt
+    may be a tuple, most specific first (("lut4-e2m1-e4m3-16", "lut4")): the first tuned
+    entry for the shape wins, then the table's default."""
     files = (_file(slug(device or device_name())), _file("default"))
-    shape = f"{fmt}:{n}x{k}"
+    fmts = (fmt,) if isinstance(fmt, str) else fmt
     for f in files:
         table = f.get(kernel, {})
-        for key in (shape, "default"):
+        for key in (*(f"{x}:{n}x{k}" for x in fmts), "default"):
             if key in table:
                 cfg = _pick(table[key], m)
                 if cfg is not None:

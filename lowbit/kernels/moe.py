@@ -53,7 +53,7 @@ from lowbit.kernels.runtime import (
     tl,
     triton,
 )
-from lowbit.kernels.weights import Resolved, expert_dense
+from lowbit.kernels.weights import DECODE_NAMES, Resolved, expert_dense
 
 ACTIVATIONS = ("silu", "swiglu_oai")
 
@@ -278,6 +278,18 @@ def _moe_combine_kernel(ys_ptr, y_ptr, H, A, stride_yt, BN: tl.constexpr):
              mask=cmask)
 
 
+def moe_fmt_keys(w: Resolved) -> tuple[str, ...]:
+    """Launch-config keys of an expert stack, most specific first: nvfp4 and int4 share
+    "lut4" but decode differently (exact bf16x2 tiles against the float32 chain), so their
+    measured tiles differ ("lut4-e2m1-e4m3-16" first, then "lut4")."""
+    if isinstance(w, DenseWeight):
+        return ("dense",)
+    if isinstance(w, Fp8View):
+        return ("fp8",)
+    v = w.view
+    return (f"lut{v.bits}-{DECODE_NAMES[w.decode]}-{v.scale_kind}-{v.block_size}", f"lut{v.bits}")
+
+
 def _launch_args(a: WeightArgs, bf16_tiles: bool = True) -> tuple[list, dict]:
     ptrs = [a.codes, a.table, a.tidx, a.ab, a.scales, a.offs]
     strides = [a.stride_ce, a.stride_cn, a.stride_te, a.stride_se, a.stride_sn, a.stride_oe,
@@ -439,8 +451,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
     ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
     tw = weights.reshape(-1).to(torch.float32).contiguous()
     x = x if x.stride(1) == 1 else x.contiguous()
-    fmt = "dense" if isinstance(w13, DenseWeight) else ("fp8" if isinstance(w13, Fp8View) else f"lut{w13.view.bits}")
-    cfg = config or launch.lookup(f"moe_{mode}", fmt, e, h, t)
+    cfg = config or launch.lookup(f"moe_{mode}", moe_fmt_keys(w13), e, h, t)
     if mode == "decode":
         assert s <= 256, "the decode mapping takes at most 256 slots"
         bm = max(16, triton.next_power_of_2(t))
@@ -515,8 +526,7 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     a_top = ids.shape[1]
     s = t * a_top
     inter = w13.n // 2
-    fmt = {DenseWeight: "dense", Fp8View: "fp8"}.get(type(w13)) or f"lut{w13.view.bits}"
-    cfg = config or launch.lookup("moe_gemv", fmt, w13.lead[0], h, t)
+    cfg = config or launch.lookup("moe_gemv", moe_fmt_keys(w13), w13.lead[0], h, t)
     ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
     tw = weights.reshape(-1).to(torch.float32).contiguous()
     x = x if x.stride(1) == 1 else x.contiguous()

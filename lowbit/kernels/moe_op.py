@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
+from lowbit.formats.views import DenseWeight, LutWeight
 from lowbit.kernels import launch, routes
 from lowbit.kernels.dequant_gemm import gemv_refusal
 from lowbit.kernels.moe import (
@@ -43,6 +43,7 @@ from lowbit.kernels.moe import (
     bias_refusal,
     fused_moe,
     fused_moe_gemv,
+    moe_fmt_keys,
     moe_refusal,
     reference_moe,
 )
@@ -91,9 +92,8 @@ class MoeCall:
         stack's E), or None to let the launcher look it up."""
         if self.num_experts is None:
             return None
-        w = self.w13
-        fmt = {DenseWeight: "dense", Fp8View: "fp8"}.get(type(w)) or f"lut{w.view.bits}"
-        return launch.lookup(kernel, fmt, self.num_experts, self.x.shape[1], self.x.shape[0])
+        return launch.lookup(kernel, moe_fmt_keys(self.w13), self.num_experts, self.x.shape[1],
+                             self.x.shape[0])
 
 
 def _refusal(call: MoeCall) -> str | None:

@@ -64,6 +64,9 @@ def test_config_lookup_buckets_and_device_files(tmp_path, monkeypatch):
         assert launch.lookup("gemv", "lut3", 64, 32, 9, device="my gpu") == {"BN": 16}
         assert launch.lookup("gemv", "lut3", 64, 32, 1, device="other") == {"BN": 1}
         assert launch.lookup("gemv", "lut3", 64, 32, 99, device="other") == {"BN": 16}
+        # a tuple of keys, most specific first: the first tuned entry wins, then the default
+        assert launch.lookup("gemv", ("lut4-e2m1-e4m3-16", "lut4"), 64, 32, 3, device="my gpu") == {"BN": 4}
+        assert launch.lookup("gemv", ("lut3-x", "lut3"), 64, 32, 3, device="my gpu") == {"BN": 16}
     finally:
         launch.clear_cache()
 
@@ -77,3 +80,13 @@ def test_launch_config_keys_tell_formats_apart():
     assert keys["nvfp4_two_tables"] == "lut4-e2m1-e4m3-16"
     assert keys["int4_g32_offsets"] == "lut4-affine-f16-32+offs"
     assert len(set(keys.values())) == len(keys), keys  # each tunes apart
+
+
+def test_moe_config_keys_put_the_decode_first():
+    from lowbit.kernels.moe import moe_fmt_keys
+    from tests.kernels.cases import make_weight
+
+    nv = moe_fmt_keys(make_weight("nvfp4_two_tables", 8, 64, lead=(2,)))
+    i4 = moe_fmt_keys(make_weight("int4_g32_offsets", 8, 64, lead=(2,)))
+    assert nv[-1] == i4[-1] == "lut4" and nv[0] != i4[0] and nv[0].startswith("lut4-e2m1")
+    assert moe_fmt_keys(resolve(torch.randn(2, 8, 64).bfloat16())) == ("dense",)
