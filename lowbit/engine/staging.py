@@ -25,7 +25,9 @@ and sampling into the sampler's scratch row. A decode bucket pads tokens and seq
 alike (padded sequence i owns padded token i). A prefill bucket pads them apart
 (`pad_tokens`): the padded tokens form one padded sequence B, a fresh prompt of
 pad_tokens - T tokens over the scratch block, so every row of the padded step is computed
-from finite inputs; the sequences after it are empty.
+from finite inputs (the pool zeroes its scratch block when it allocates: a padded prompt
+attends over rows no real token writes, and stale NaN bytes there would make a NaN router
+row); the sequences after it are empty.
 """
 
 from __future__ import annotations
