@@ -8,8 +8,8 @@
    padded to 16); ours per weight format (gemv; gemm at M = 16; fp8 W8A8).
 3. MoE layer at C1/C4/C16/C32/C64 for Qwen3-30B-A3B (E=128, top-8, 2048 -> 768) and Mixtral
    (E=8, top-2, 4096 -> 14336): peer torch bf16 (loop over the experts used), ours in
-   nvfp4 and int4 (per-slot gemv, decode tiles up to 256 slots, grouped tiles from C16)
-   and bf16 (tensor-core tiles);
+   nvfp4 and int4 (per-slot gemv, decode tiles up to 256 slots, grouped tiles and the gemv
+   with its slots launched in expert order from C16) and bf16 (tensor-core tiles);
    DeepSeek-V3 (E=256, top-8, 7168 -> 2048) in nvfp4 and gpt-oss-20b (E=32, top-4,
    2880 -> 2880) in mxfp4 with its expert biases and clamped SwiGLU (MOE_EXTRAS), on every
    implementation, the torch peer included.
@@ -327,12 +327,18 @@ def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
                 if c * top > 256:  # the decode tiles map at most 256 slots
                     impls = impls[:1]
                 if c >= 16:
-                    impls.append(("grouped", fused_moe))
+                    impls += [("grouped", fused_moe), ("gemv sorted", fused_moe_gemv)]
                 for impl, fn in impls:
-                    call = (lambda b, fn=fn, w13=w13, w2=w2, kw=extras: fn(*b, w13, w2, **kw)) \
-                        if impl == "gemv" else \
-                        (lambda b, w13=w13, w2=w2, kw=extras, mode="decode" if impl == "tc" else "grouped":
-                         fused_moe(*b, w13, w2, mode=mode, **kw))
+                    if impl == "gemv":
+                        call = (lambda b, fn=fn, w13=w13, w2=w2, kw=extras: fn(*b, w13, w2, **kw))
+                    elif impl == "gemv sorted":  # config SORT_SLOTS: slots launched in expert order
+                        cfg = dict(dict(BN=16, G=8) if SMOKE else
+                                   launch.lookup("moe_gemv", moe_fmt_keys(w13), e, h, c), SORT_SLOTS=True)
+                        call = (lambda b, w13=w13, w2=w2, kw=extras, cfg=cfg:
+                                fused_moe_gemv(*b, w13, w2, config=cfg, **kw))
+                    else:
+                        call = (lambda b, w13=w13, w2=w2, kw=extras, mode="decode" if impl == "tc" else "grouped":
+                                fused_moe(*b, w13, w2, mode=mode, **kw))
                     try:
                         err = None
                         if c in (4, 32):

@@ -326,8 +326,7 @@ if HAS_TRITON:
 # e2m1_tile_bf16's weights are e2m1 * scale * 2**-8; the caller multiplies its accumulator's
 # column n by alpha[n] * g * E2M1_BF16_POST (alpha = unit * 2**14, see weights.DECODE_E2M1)
 E2M1_BF16_POST = 2.0**-6
-if HAS_TRITON:
-    E2M1_BF16_POST_C = tl.constexpr(E2M1_BF16_POST)
+E2M1_BF16_POST_C = tl.constexpr(E2M1_BF16_POST) if HAS_TRITON else E2M1_BF16_POST
 
 
 @triton.jit

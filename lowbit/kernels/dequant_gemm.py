@@ -159,12 +159,13 @@ def _gemv_kernel(
     x_ptr, y_ptr, bias_ptr, ws_ptr, sem_ptr,
     codes_ptr, table_ptr, tidx_ptr, ab_ptr, scales_ptr, offs_ptr,
     M, N, K, KW, w_split, stride_xm, stride_ym, stride_cw, stride_sn, stride_on, g, one_bits,
-    ids_ptr, tw_ptr, A, stride_ce, stride_te, stride_se, stride_oe, SPLIT_K,
+    ids_ptr, tw_ptr, A, stride_ce, stride_te, stride_se, stride_oe, SPLIT_K, order_ptr,
     BITS: tl.constexpr, DECODE: tl.constexpr, SCALE_KIND: tl.constexpr, B: tl.constexpr,
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, MOE: tl.constexpr,
     SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, COMBINE: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
     # MOE = 1 (expert FC1) / 2 (expert FC2): program axis 2 is a routed slot s (BM = 1);
     # the weight is expert ids[s] of a stack, the activation row is x[s // A] (FC1) or
@@ -174,12 +175,16 @@ def _gemv_kernel(
     # that arrives last among the token's A x SPLIT_K sums them), so no combine launch.
     # HAS_BIAS in MOE modes: bias is the expert stack [E, N] (contiguous), row ids[s] added
     # before the routing weight. Outputs are per slot: y [S, N].
+    # ORDER (MOE modes): program axis 2 takes slot order[i], the slots sorted by expert, so the
+    # programs reading one expert's weights run next to each other (its repeats hit L2).
     # y[m, n] = g * alpha_n * sum_w s[w, n] * (p[w, n] + beta_n / alpha_n * xs[w]) + sum_w o * xs
     # codes per 32-bit word (3-bit: per 24-bit group; dense bf16: 2 weights per word)
     CPW: tl.constexpr = 2 if BITS == 16 else (4 if BITS == 8 else 8)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    if ORDER:
+        pid_m = tl.load(order_ptr + pid_m)
     rows = pid_n * BN + tl.arange(0, BN)
     rmask = rows < N
     e = 0
@@ -535,12 +540,12 @@ def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
         x, y, x if bias is None else bias, ws, sem,
         codes, a.table, a.tidx, a.ab, a.scales, a.offs,
         m, n, k, kw, w_split, x.stride(0), y.stride(0), stride_cw, a.stride_sn, a.stride_on,
-        a.g, 0x3F800000, x, x, 1, 0, 0, 0, 0, split,
+        a.g, 0x3F800000, x, x, 1, 0, 0, 0, 0, split, x,
         BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
         SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
         HAS_BIAS=bias is not None, BM=bm, BN=bn, G=cfg["G"], SPLIT=split > 1,
         ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=0,
-        SWIGLU=False, LIMIT=0.0, ALPHA=0.0, COMBINE=False,
+        SWIGLU=False, LIMIT=0.0, ALPHA=0.0, COMBINE=False, ORDER=False,
         num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 1),
     )

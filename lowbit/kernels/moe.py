@@ -482,10 +482,11 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
 
 def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
              ids_flat: torch.Tensor, tw: torch.Tensor, a_top: int, cfg: dict,
-             bias: torch.Tensor | None, act: dict) -> None:
+             bias: torch.Tensor | None, act: dict, order: torch.Tensor | None = None) -> None:
     """One expert layer as per-slot GEMVs from rows of x (see dequant_gemm._gemv_kernel,
     MOE modes 1 and 2); bias [E, N] or None. FC1 (moe 1): y [S, N] float32; FC2 (moe 2):
-    y [T, N], each token's A slots summed in order (COMBINE)."""
+    y [T, N], each token's A slots summed in order (COMBINE). order: the slots sorted by
+    expert, the launch order of the programs (None: slot order)."""
     a = weight_args(w)
     codes, stride_cw, kw = _gemv_codes(w)
     s = ids_flat.numel()
@@ -502,10 +503,11 @@ def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
         x, y, _bias_arg(bias, x), ws, sem, codes, a.table, a.tidx, a.ab, a.scales, a.offs,
         s, n, k, kw, w_split, x.stride(0), y.stride(0), stride_cw, a.stride_sn, a.stride_on,
         a.g, 0x3F800000, ids_flat, tw, a_top, codes.stride(0), a.stride_te, a.stride_se,
-        a.stride_oe, split, BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
+        a.stride_oe, split, ids_flat if order is None else order, BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
         SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
         HAS_BIAS=bias is not None, BM=1, BN=bn, G=cfg["G"], SPLIT=split > 1,
         ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=moe, COMBINE=combine, **act,
+        ORDER=order is not None,
         num_warps=cfg.get("num_warps", 4), num_stages=1,
     )
 
@@ -518,7 +520,10 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     """Decode as per-slot GEMVs (LUT, fp8 or bf16 experts): FC1 (+ b13) [S, 2I], FC2 with the
     activation made on load, + b2, times the routing weight, each token's slots summed in
     order by FC2's last-arriving program. Two launches, no host read; an expert used by
-    several tokens is read once per token (from L2 when they coincide)."""
+    several tokens is read once per token (from L2 when they coincide). Config SORT_SLOTS
+    (off by default: no GPU record yet): launch the slots sorted by expert (a stable
+    torch.sort of the ids, no host read) so that one expert's programs run together and its
+    repeats hit L2."""
     assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
     assert bias_refusal(x, w13, w2, b13, b2) is None, bias_refusal(x, w13, w2, b13, b2)
     _check_routing(x, ids, weights)
@@ -534,8 +539,11 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
     act = act_consts(activation)
-    _gemv_fc(x, w13, h, h1, 1, ids_flat, tw, a_top, cfg.get("fc1", cfg), b13, act)
-    _gemv_fc(h1, w2, inter, y, 2, ids_flat, tw, a_top, cfg.get("fc2", cfg), b2, act)
+    order = None
+    if cfg.get("SORT_SLOTS"):  # every slot stays in the order, whatever its id
+        order = torch.sort(ids_flat, stable=True).indices.to(torch.int32)
+    _gemv_fc(x, w13, h, h1, 1, ids_flat, tw, a_top, cfg.get("fc1", cfg), b13, act, order)
+    _gemv_fc(h1, w2, inter, y, 2, ids_flat, tw, a_top, cfg.get("fc2", cfg), b2, act, order)
     return y
 
 

@@ -76,13 +76,14 @@ def test_fused_moe_gemv_matches_twin(case):
     """Per-slot GEMV decode: float32 throughout, so the twin needs no rounding (rel 1e-5);
     dense bf16 experts are read as words of two weights."""
     w13, w2 = _oss_weights(case)
-    cfg = dict(BN=16, G=8, SPLIT_K=2)
-    for t, a in ((1, 2), (5, 3)):
-        ids, wts = _routing(t, a, seed=t + 10)
-        x = torch.randn(t, H)
-        out = poisoned(t, H, dtype=torch.float32)
-        fused_moe_gemv(x, ids, wts, w13, w2, config=cfg, out=out)
-        assert rel_err(out, reference_moe(x, ids, wts, w13, w2)) < 1e-5, (case, t)
+    for sort in (False, True):  # SORT_SLOTS: programs launched in expert order, same sums
+        cfg = dict(BN=16, G=8, SPLIT_K=2, SORT_SLOTS=sort)
+        for t, a in ((1, 2), (5, 3)):
+            ids, wts = _routing(t, a, seed=t + 10)
+            x = torch.randn(t, H)
+            out = poisoned(t, H, dtype=torch.float32)
+            fused_moe_gemv(x, ids, wts, w13, w2, config=cfg, out=out)
+            assert rel_err(out, reference_moe(x, ids, wts, w13, w2)) < 1e-5, (case, t, sort)
 
 
 def test_grouped_sort_has_no_host_read():
