@@ -94,6 +94,24 @@ def raw_values(codes_ptr, table_ptr, row_off, tbase, rmask, k0, KC,
 
 
 @triton.jit
+def row_tables(tidx_ptr, ab_ptr, rows, rmask, BN: tl.constexpr, HAS_TIDX: tl.constexpr,
+               HAS_AB: tl.constexpr):
+    """Per-row table index t (0 without HAS_TIDX; tidx_ptr already at the stack's rows) and
+    the table's (alpha, beta) (1 and 0 without HAS_AB), each [BN]."""
+    if HAS_TIDX:
+        t = tl.load(tidx_ptr + rows, mask=rmask, other=0)
+    else:
+        t = tl.zeros([BN], tl.int32)
+    if HAS_AB:
+        alpha = tl.load(ab_ptr + 2 * t)
+        beta = tl.load(ab_ptr + 2 * t + 1)
+    else:
+        alpha = tl.full([BN], 1.0, tl.float32)
+        beta = tl.zeros([BN], tl.float32)
+    return t, alpha, beta
+
+
+@triton.jit
 def dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, row_off, tbase, alpha, beta,
                  srow_off, orow_off, rmask, k0, KC, g,
                  BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr,
@@ -295,31 +313,16 @@ def split_lanes(x, CPW: tl.constexpr):
 # the subnormal 2**-127; the scale multiply after it is exact). One PRMT per two bytes spreads
 # them into the halves, then per bf16x2 one shift pair and two LOP3s: about 2.3 SASS
 # instructions a weight, where the float32 chain (code_values, then scale, then pack) took 10.
-_E2M1_BYTES_BF16_PTX = """{
-.reg .b32 x, y, a, b;
-prmt.b32 x, $4, 0, 0x4140;
-prmt.b32 y, $4, 0, 0x4342;
-shl.b32 a, x, 6;
-shl.b32 b, x, 12;
-and.b32 a, a, 0x01C001C0;
-and.b32 b, b, 0x80008000;
-or.b32 $0, a, b;
-shl.b32 a, y, 6;
-shl.b32 b, y, 12;
-and.b32 a, a, 0x01C001C0;
-and.b32 b, b, 0x80008000;
-or.b32 $1, a, b;
-shl.b32 a, x, 2;
-shl.b32 b, x, 8;
-and.b32 a, a, 0x01C001C0;
-and.b32 b, b, 0x80008000;
-or.b32 $2, a, b;
-shl.b32 a, y, 2;
-shl.b32 b, y, 8;
-and.b32 a, a, 0x01C001C0;
-and.b32 b, b, 0x80008000;
-or.b32 $3, a, b;
-}"""
+def _nibbles_to_bf16(dst: str, src: str, mag_shift: int, sign_shift: int) -> str:
+    """PTX: the nibbles at bits 0-3 (mag_shift 6, sign_shift 12) or 4-7 (2, 8) of each
+    16-bit half of src as bf16 bits in dst: magnitude to bits 8..6, sign to bit 15."""
+    return (f"shl.b32 a, {src}, {mag_shift};\nshl.b32 b, {src}, {sign_shift};\n"
+            f"and.b32 a, a, 0x01C001C0;\nand.b32 b, b, 0x80008000;\nor.b32 {dst}, a, b;\n")
+
+
+_E2M1_BYTES_BF16_PTX = ("{\n.reg .b32 x, y, a, b;\nprmt.b32 x, $4, 0, 0x4140;\nprmt.b32 y, $4, 0, 0x4342;\n"
+                        + _nibbles_to_bf16("$0", "x", 6, 12) + _nibbles_to_bf16("$1", "y", 6, 12)
+                        + _nibbles_to_bf16("$2", "x", 2, 8) + _nibbles_to_bf16("$3", "y", 2, 8) + "}")
 if HAS_TRITON:
     _E2M1_BYTES_BF16_PTX = tl.constexpr(_E2M1_BYTES_BF16_PTX)
 

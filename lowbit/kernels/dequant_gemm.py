@@ -35,6 +35,7 @@ from lowbit.kernels.decode import (
     exact_tiles,
     lane_value,
     load_scales,
+    row_tables,
     split_lanes,
     weight_args,
 )
@@ -378,16 +379,7 @@ def _gemm_kernel(
     row_off = rows.to(tl.int64) * stride_cn
     srow_off = (rows // SROWS).to(tl.int64) * stride_sn
     orow_off = rows.to(tl.int64) * stride_on
-    if HAS_TIDX:
-        t = tl.load(tidx_ptr + rows, mask=rmask, other=0)
-    else:
-        t = tl.zeros([BN], tl.int32)
-    if HAS_AB:
-        alpha = tl.load(ab_ptr + 2 * t)
-        beta = tl.load(ab_ptr + 2 * t + 1)
-    else:
-        alpha = tl.full([BN], 1.0, tl.float32)
-        beta = tl.zeros([BN], tl.float32)
+    t, alpha, beta = row_tables(tidx_ptr, ab_ptr, rows, rmask, BN, HAS_TIDX, HAS_AB)
     acc = tl.zeros([BM, BN], tl.float32)
     k_start = pid_k * k_split
     k_end = tl.minimum(k_start + k_split, K)
@@ -595,16 +587,7 @@ def _dequant_kernel(
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     k0 = tl.program_id(1) * BK
     rmask = rows < N
-    if HAS_TIDX:
-        t = tl.load(tidx_ptr + rows, mask=rmask, other=0)
-    else:
-        t = tl.zeros([BN], tl.int32)
-    if HAS_AB:
-        alpha = tl.load(ab_ptr + 2 * t)
-        beta = tl.load(ab_ptr + 2 * t + 1)
-    else:
-        alpha = tl.full([BN], 1.0, tl.float32)
-        beta = tl.zeros([BN], tl.float32)
+    t, alpha, beta = row_tables(tidx_ptr, ab_ptr, rows, rmask, BN, HAS_TIDX, HAS_AB)
     w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, rows.to(tl.int64) * stride_cn,
                      t * (1 << BITS), alpha, beta, (rows // SROWS).to(tl.int64) * stride_sn,
                      rows.to(tl.int64) * stride_on, rmask, k0, KC, g,

@@ -43,6 +43,7 @@ from lowbit.kernels.decode import (
     e2m1_bf16,
     e2m1_tile_bf16,
     exact_tiles,
+    row_tables,
     weight_args,
 )
 from lowbit.kernels.dequant_gemm import _gemv_codes, _gemv_kernel, gated_act, split_plan
@@ -139,16 +140,8 @@ def _expert_rows(e, rows, rmask, tidx_ptr, ab_ptr, stride_ce, stride_cn, stride_
     row_off = e64 * stride_ce + rows.to(tl.int64) * stride_cn
     srow_off = e64 * stride_se + (rows // SROWS).to(tl.int64) * stride_sn
     orow_off = e64 * stride_oe + rows.to(tl.int64) * stride_on
-    if HAS_TIDX:
-        t = tl.load(tidx_ptr + e64 * stride_te + rows, mask=rmask, other=0)
-    else:
-        t = tl.zeros([BN], tl.int32)
-    if HAS_AB:
-        alpha = tl.load(ab_ptr + 2 * t)
-        beta = tl.load(ab_ptr + 2 * t + 1)
-    else:
-        alpha = tl.full([BN], 1.0, tl.float32)
-        beta = tl.zeros([BN], tl.float32)
+    t, alpha, beta = row_tables(tidx_ptr + e64 * stride_te, ab_ptr, rows, rmask, BN, HAS_TIDX,
+                                HAS_AB)
     return row_off, srow_off, orow_off, t * (1 << BITS), alpha, beta
 
 
