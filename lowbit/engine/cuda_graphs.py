@@ -58,6 +58,26 @@ def graphs_wanted(model: torch.nn.Module, device: torch.device, enforce_eager: b
     return decode_graph_refusal(getattr(model, "attention_op", "attention"))
 
 
+
+def sync_free_warm_up(device: torch.device, sampling, step, what: str) -> str | None:
+    """Run step() once eagerly under torch's sync debug mode "error", the sampler's counts
+    restored after it (a warm-up's sampled tokens must not count): None, or why the step
+    cannot be captured (it reads device values on the host)."""
+    torch.cuda.synchronize(device)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    counts = sampling.snapshot()
+    try:
+        step()
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise
+        return f"{what} reads device values on the host ({e})"
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+        sampling.restore(counts)
+    return None
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, inputs: StepInputs, sampling, kv_cache,
                  max_num_seqs: int, device: torch.device) -> None:
@@ -122,20 +142,8 @@ class DecodeGraphs:
         """One eager step outside the graph; a host sync in it would break the capture.
         The inputs hold the step about to run (padded to b), so the warm-up computes it too:
         its K/V writes are the ones the replay then rewrites with the same values."""
-        torch.cuda.synchronize(self.device)
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        counts = self.sampling.snapshot()  # the warm-up's sampled tokens must not count
-        try:
-            self._step(b, mode)
-        except RuntimeError as e:
-            if "synchroniz" not in str(e):
-                raise
-            return f"a decode step of {b} sequences reads device values on the host ({e})"
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-            self.sampling.restore(counts)
-        return None
+        return sync_free_warm_up(self.device, self.sampling, lambda: self._step(b, mode),
+                                 f"a decode step of {b} sequences")
 
     def run(self, num_seqs: int, mode=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the step staged in the runner's inputs; (tokens [B], logits [B, V])."""

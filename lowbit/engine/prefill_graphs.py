@@ -34,6 +34,7 @@ import logging
 import torch
 
 from lowbit.engine.batch import ForwardBatch
+from lowbit.engine.cuda_graphs import sync_free_warm_up
 from lowbit.engine.staging import StepInputs
 from lowbit.kernels.attention_op import prefill_graph_refusal
 from lowbit.kernels.sample_op import sample_rows
@@ -140,20 +141,8 @@ class PrefillGraphs:
     def _warm_up(self, t: int, b: int, mode) -> str | None:
         """One eager step with the bucket's shapes: it computes the staged step (the replay
         then rewrites the same K/V), and a host sync in it would break the capture."""
-        torch.cuda.synchronize(self.device)
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        counts = self.sampling.snapshot()
-        try:
-            self._step(t, b, mode)
-        except RuntimeError as e:
-            if "synchroniz" not in str(e):
-                raise
-            return f"a prefill step of {t} tokens reads device values on the host ({e})"
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-            self.sampling.restore(counts)
-        return None
+        return sync_free_warm_up(self.device, self.sampling, lambda: self._step(t, b, mode),
+                                 f"a prefill step of {t} tokens")
 
     def run(self, bucket: tuple[int, int], mode=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the staged step; (tokens [B'], logits [B', V]) of every padded sequence."""

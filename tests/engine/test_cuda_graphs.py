@@ -63,3 +63,44 @@ def test_a_rerun_runs_the_captured_step_at_the_buckets_size():
     tokens, logits = g.rerun(5, "greedy")
     assert g.stepped == (8, "greedy")
     assert tokens.tolist() == list(range(5)) and logits.shape == (5, 3)
+
+
+def test_sync_free_warm_up_names_a_host_read_and_restores_state(monkeypatch):
+    """The warm-up both graph kinds run before capture: a step that synchronizes is refused
+    with the reason, any other error propagates, and the sync debug mode and the sampler's
+    counts are restored either way."""
+    import pytest
+
+    from lowbit.engine.cuda_graphs import sync_free_warm_up
+
+    mode = {"now": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode["now"])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.update(now=m))
+
+    class Sampling:
+        def __init__(self):
+            self.counts, self.restored = 5, None
+
+        def snapshot(self):
+            return self.counts
+
+        def restore(self, counts):
+            self.restored = counts
+
+    def syncing():
+        assert mode["now"] == "error"
+        raise RuntimeError("called a synchronizing CUDA operation")
+
+    s = Sampling()
+    why = sync_free_warm_up("cpu", s, syncing, "a decode step of 8 sequences")
+    assert why.startswith("a decode step of 8 sequences reads device values on the host")
+    assert mode["now"] == 0 and s.restored == 5
+    assert sync_free_warm_up("cpu", s, lambda: None, "x") is None
+
+    def broken():
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        sync_free_warm_up("cpu", s, broken, "x")
+    assert mode["now"] == 0
