@@ -23,17 +23,29 @@ from lowbit.formats.codes import e8m0_decode
 from lowbit.formats.vq import vq_decode
 
 
-@dataclass
-class DenseWeight:
-    w: Tensor  # [L, N, K] floating point
+class _Stacked:
+    """lead and n from the container's row tensor [L, N, ...] (`_rows`)."""
+
+    @property
+    def _rows(self) -> Tensor:
+        raise NotImplementedError
 
     @property
     def lead(self) -> tuple[int, ...]:
-        return tuple(self.w.shape[:-2])
+        return tuple(self._rows.shape[:-2])
 
     @property
     def n(self) -> int:
-        return self.w.shape[-2]
+        return self._rows.shape[-2]
+
+
+@dataclass
+class DenseWeight(_Stacked):
+    w: Tensor  # [L, N, K] floating point
+
+    @property
+    def _rows(self) -> Tensor:
+        return self.w
 
     @property
     def kp(self) -> int:
@@ -44,7 +56,7 @@ class DenseWeight:
 
 
 @dataclass
-class Fp8View:
+class Fp8View(_Stacked):
     """float8_e4m3fn codes [L, N, Kc] (Kc >= K) and scales [L, ceil(N/br), ceil(Kc/bc)].
 
     block_rows is 1 (one scale row per weight row) or 128 (fp8-block); block_cols is
@@ -58,12 +70,8 @@ class Fp8View:
     block_cols: int
 
     @property
-    def lead(self) -> tuple[int, ...]:
-        return tuple(self.codes.shape[:-2])
-
-    @property
-    def n(self) -> int:
-        return self.codes.shape[-2]
+    def _rows(self) -> Tensor:
+        return self.codes
 
     @property
     def kp(self) -> int:
@@ -78,7 +86,7 @@ class Fp8View:
 
 
 @dataclass
-class LutWeight:
+class LutWeight(_Stacked):
     """A LutView plus the kernel's decode choice (lowbit.kernels.weights.DECODE_*, made by
     resolve()). alpha_beta: float32 [T, 2] per-table (alpha, beta) for the arithmetic
     decodes, None for the gather."""
@@ -88,12 +96,8 @@ class LutWeight:
     alpha_beta: Tensor | None
 
     @property
-    def lead(self) -> tuple[int, ...]:
-        return tuple(self.view.codes.shape[:-2])
-
-    @property
-    def n(self) -> int:
-        return self.view.codes.shape[-2]
+    def _rows(self) -> Tensor:
+        return self.view.codes
 
     @property
     def kp(self) -> int:
@@ -110,7 +114,7 @@ class LutWeight:
 
 
 @dataclass
-class VqWeight:
+class VqWeight(_Stacked):
     """A vector codebook weight (lowbit.formats.vq): codes uint8 [L, N, G * IB / 8], scales
     bfloat16 [L, N, Kp / 64], codebook float32 [C, D] on the codes' device;
     w[n, D g + j] = codebook[code[n, g], j] * scale(n, D g // 64)."""
@@ -126,12 +130,8 @@ class VqWeight:
         return self.codebook.shape[-1]
 
     @property
-    def lead(self) -> tuple[int, ...]:
-        return tuple(self.codes.shape[:-2])
-
-    @property
-    def n(self) -> int:
-        return self.codes.shape[-2]
+    def _rows(self) -> Tensor:
+        return self.codes
 
     @property
     def kp(self) -> int:
