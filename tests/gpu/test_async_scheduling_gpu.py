@@ -13,20 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels.runtime import interpreting
-from tests.gpu.test_attention_gpu import _moe_dir
+from tests.gpu.engines import GPU_ONLY
 from tests.gpu.test_decode_graph_gpu import SAMPLERS, _engine, _into_decode
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET=1 is set: GPU tests run compiled kernels"),
-]
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return _moe_dir(tmp_path_factory.mktemp("moe") / "m")
+pytestmark = GPU_ONLY
 
 
 def _generate(engine, batch: int, sampler: dict, logprobs: int | None = None) -> list[tuple]:

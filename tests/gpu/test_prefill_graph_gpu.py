@@ -9,28 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels.runtime import interpreting
-from tests.gpu.test_attention_gpu import _moe_dir
+from tests.gpu.engines import GPU_ONLY, cuda_engine
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET=1 is set: GPU tests run compiled kernels"),
-]
-
-
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return _moe_dir(tmp_path_factory.mktemp("moe") / "m")
+pytestmark = GPU_ONLY
 
 
 def _engine(path, **kw):
-    from lowbit.config import EngineConfig
-    from lowbit.engine.engine import LLMEngine
-
-    cfg = dict(model=str(path), device="cuda", dtype="bfloat16", kv_cache_tokens=16384,
-               max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024)
-    return LLMEngine(EngineConfig(**{**cfg, **kw}))
+    return cuda_engine(path, **{**dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024), **kw})
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

@@ -1,0 +1,25 @@
+"""Shared by the engine-level GPU tests: their marks and an engine on the small random
+qwen3_moe of test_attention_gpu.py (the `moe_dir` fixture of tests/gpu/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.kernels.runtime import interpreting
+
+GPU_ONLY = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(interpreting(), reason="TRITON_INTERPRET=1 is set: GPU tests run compiled kernels"),
+]
+
+
+def cuda_engine(path, **cfg):
+    """An LLMEngine on the model at `path` (bf16 on CUDA, a 16,384-token KV cache) with the
+    caller's EngineConfig fields on top."""
+    from lowbit.config import EngineConfig
+    from lowbit.engine.engine import LLMEngine
+
+    base = dict(model=str(path), device="cuda", dtype="bfloat16", kv_cache_tokens=16384)
+    return LLMEngine(EngineConfig(**{**base, **cfg}))
