@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 from lowbit.formats.views import DenseWeight, Fp8View
 from lowbit.kernels import launch, router_op
-from lowbit.kernels.dequant_gemm import lut_dequant_mm, lut_gemm, lut_gemv, reference_linear
+from lowbit.kernels.dequant import lut_dequant_mm
+from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv, reference_linear
 from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8
 from lowbit.kernels.moe import fused_moe, fused_moe_gemv, moe_fmt_keys, reference_moe, torch_act
 from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid

@@ -24,10 +24,10 @@ from torch.nn import functional as F
 
 from lowbit.formats.views import DenseWeight, Fp8View, LutWeight, VqWeight
 from lowbit.kernels import launch, routes
+from lowbit.kernels.dequant import lut_dequant_mm
 from lowbit.kernels.dequant_gemm import (
     fmt_key,
     gemv_refusal,
-    lut_dequant_mm,
     lut_gemm,
     lut_gemv,
     reference_linear,

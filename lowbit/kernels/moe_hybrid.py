@@ -44,10 +44,9 @@ from lowbit.kernels.moe import (
     MODE_GROUPED,
     _expert_rows,
     _tile_slots,
-    combine_slots,
-    sort_by_expert,
 )
 from lowbit.kernels.moe_layout import HybridExperts
+from lowbit.kernels.moe_slots import combine_slots, sort_by_expert
 from lowbit.kernels.runtime import (
     interpreting,
     round_for_dot,

@@ -75,7 +75,8 @@ def test_dequantize_real_size(case):
     rounding boundary: there one bf16 step apart, on <= 0.1 % of the weights; the routed
     linear at M = 512 picks it and matches the twin's GEMM."""
     from lowbit.kernels import routes
-    from lowbit.kernels.dequant_gemm import dequantize, reference_linear
+    from lowbit.kernels.dequant import dequantize
+    from lowbit.kernels.dequant_gemm import reference_linear
     from lowbit.kernels.runtime import round_for_dot
 
     n, k = 5120, 2048 if case in ODD_CASES else 3000

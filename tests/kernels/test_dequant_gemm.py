@@ -14,10 +14,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from lowbit.kernels.dequant import dequantize, lut_dequant_mm  # noqa: E402
 from lowbit.kernels.dequant_gemm import (  # noqa: E402
-    dequantize,
     gemm_split_plan,
-    lut_dequant_mm,
     lut_gemm,
     lut_gemv,
     reference_linear,

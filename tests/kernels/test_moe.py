@@ -91,7 +91,7 @@ def test_grouped_sort_has_no_host_read():
     nonzero, unique or scalar read; and it agrees with a host-side count."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lowbit.kernels.moe import sort_by_expert
+    from lowbit.kernels.moe_slots import sort_by_expert
 
     class Record(TorchDispatchMode):
         def __init__(self):
@@ -121,7 +121,7 @@ def test_counting_sort_is_torch_stable_sort(s, e, bm):
     """The two-launch counting sort against torch.sort(stable=True) and bincount on fresh
     random ids, odd slot and expert counts, several blocks; then with ids outside 0..E-1
     (a NaN routing row): those slots are counted and placed nowhere, the rest still sort."""
-    from lowbit.kernels.moe import sort_by_expert
+    from lowbit.kernels.moe_slots import sort_by_expert
 
     g = torch.Generator().manual_seed(s * 7 + e)
     ids = torch.randint(0, e, (s,), generator=g).to(torch.int32)

@@ -1,0 +1,112 @@
+"""Slot bookkeeping of the fused MoE: the device sort of routed slots by expert (grouped
+tiles) and the ordered sum of each token's slot outputs. No host reads: CUDA-graph safe.
+
+Shape legend: T tokens, A experts per token (top-k), S = T * A slots, E experts, H hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.kernels import launch
+from lowbit.kernels.runtime import tl, triton
+
+
+@triton.jit
+def _moe_combine_kernel(ys_ptr, y_ptr, H, A, stride_yt, BN: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    cmask = cols < H
+    acc = tl.zeros([BN], tl.float32)
+    for j in range(0, A):
+        acc += tl.load(ys_ptr + (t * A + j).to(tl.int64) * H + cols, mask=cmask, other=0)
+    tl.store(y_ptr + t.to(tl.int64) * stride_yt + cols, acc.to(y_ptr.dtype.element_ty),
+             mask=cmask)
+
+
+@triton.jit
+def _expert_hist_kernel(ids_ptr, hist_ptr, S, E, EP: tl.constexpr, BS: tl.constexpr):
+    """Program b: hist [b, :E] = how many of slots b * BS .. + BS name each expert (ids
+    outside 0..E-1 are counted nowhere)."""
+    b = tl.program_id(0)
+    sl = b * BS + tl.arange(0, BS)
+    ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1)
+    ev = tl.arange(0, EP)
+    cnt = tl.sum((ids[:, None] == ev[None, :]).to(tl.int32), 0)
+    tl.store(hist_ptr + b * E + ev, cnt, mask=ev < E)
+
+
+@triton.jit
+def _expert_place_kernel(ids_ptr, hist_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
+                         S, E, NB, EP: tl.constexpr, BS: tl.constexpr, RB: tl.constexpr,
+                         BM: tl.constexpr):
+    """Program b: each slot of block b goes to order[seg_start[e] + (slots of e in blocks
+    before b) + (its rank among e's slots in block b)]: a stable counting sort. Every program
+    sums the [NB, E] histogram itself (no third launch); program 0 also writes counts,
+    seg_start and tile_end (cumulative tiles of BM)."""
+    b = tl.program_id(0)
+    ev = tl.arange(0, EP)
+    em = ev < E
+    total = tl.zeros([EP], tl.int32)
+    before = tl.zeros([EP], tl.int32)
+    for r0 in range(0, NB, RB):
+        rows = r0 + tl.arange(0, RB)
+        h = tl.load(hist_ptr + rows[:, None] * E + ev[None, :],
+                    mask=(rows[:, None] < NB) & em[None, :], other=0)
+        total += tl.sum(h, 0)
+        before += tl.sum(tl.where(rows[:, None] < b, h, 0), 0)
+    seg = tl.cumsum(total, 0) - total
+    if b == 0:
+        tl.store(counts_ptr + ev, total, mask=em)
+        tl.store(seg_start_ptr + ev, seg, mask=em)
+        tl.store(tile_end_ptr + ev, tl.cumsum((total + BM - 1) // BM, 0), mask=em)
+    sl = b * BS + tl.arange(0, BS)
+    ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1)
+    hit = (ids[:, None] == ev[None, :]).to(tl.int32)  # [BS, EP]
+    rank = tl.cumsum(hit, 0) - 1  # earlier slots of the same expert in this block
+    pos = tl.sum(hit * (seg + before)[None, :] + hit * rank, 1)
+    named = tl.sum(hit, 1) > 0  # an id outside 0..E-1 is placed nowhere
+    tl.store(order_ptr + pos, sl, mask=(sl < S) & named)
+
+
+def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
+    """Device-side grouping of the slots by expert, with no host read (CUDA-graph safe).
+
+    ids_flat int32 [S] -> order int32 [S] (slots sorted by expert, stable), tile_end int32 [E]
+    (cumulative tiles of BM slots), seg_start int32 [E] (first sorted position of each
+    expert), counts int32 [E], and the grid bound ceil(S / BM) + min(E, S), which depends on
+    shapes only. A counting sort in two launches (block histograms, then placement), where
+    torch.sort + a scatter-add histogram + two cumsums took about ten. An id outside
+    0..E-1 (a NaN routing row) is counted and placed nowhere: its slot is never computed.
+    """
+    s = ids_flat.numel()
+    dev = ids_flat.device
+    order = torch.empty(s, dtype=torch.int32, device=dev)
+    tile_end = torch.empty(e, dtype=torch.int32, device=dev)
+    seg_start = torch.empty_like(tile_end)
+    counts = torch.empty_like(tile_end)
+    if s:
+        ep = max(16, triton.next_power_of_2(e))
+        bs = max(16, min(256, 8192 // ep))  # a [BS, EP] one-hot of <= 8,192 int32
+        nb = triton.cdiv(s, bs)
+        rb = max(1, min(triton.next_power_of_2(nb), 8192 // ep))
+        hist = torch.empty(nb, e, dtype=torch.int32, device=dev)
+        launch.run(_expert_hist_kernel, (nb,), ids_flat, hist, s, e, EP=ep, BS=bs, num_warps=4)
+        launch.run(_expert_place_kernel, (nb,), ids_flat, hist, order, tile_end, seg_start,
+                   counts, s, e, nb, EP=ep, BS=bs, RB=rb, BM=bm, num_warps=4)
+    else:
+        tile_end.zero_(), seg_start.zero_(), counts.zero_()
+    return order, tile_end, seg_start, counts, triton.cdiv(s, bm) + min(e, s)
+
+
+def combine_slots(ys: torch.Tensor, x: torch.Tensor, a_top: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, H] = the ordered sum of each token's A routed slot outputs ys [T * A, H] (one
+    launch, deterministic); in x.dtype, or into out (x.dtype or float32)."""
+    t, h = x.shape
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
+    bnc = min(1024, triton.next_power_of_2(h))
+    launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, h, a_top, y.stride(0),
+               BN=bnc, num_warps=4)
+    return y
