@@ -366,6 +366,33 @@ def e2m1_tile_bf16(codes_ptr, scales_ptr, row_off, srow_off, rmask, k0, KC,
     return w
 
 
+@triton.jit
+def dot_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, row_off, tbase, alpha, beta,
+             srow_off, orow_off, rmask, k0, KC, g,
+             BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, DECODE: tl.constexpr,
+             SCALE_KIND: tl.constexpr, B: tl.constexpr, HAS_AB: tl.constexpr,
+             HAS_OFFS: tl.constexpr, E2M1_BF16: tl.constexpr, ASM: tl.constexpr):
+    """The [BN, BK] weight tile a tensor-core kernel feeds tl.dot: E2M1_BF16 (e2m1_bf16 on
+    the host), the exact bf16 tile without alpha * g, which dot_tile_post then applies to
+    the accumulator; else dequant_tile's float32 weights."""
+    if E2M1_BF16:
+        w = e2m1_tile_bf16(codes_ptr, scales_ptr, row_off, srow_off, rmask, k0, KC, BN, BK, B,
+                           SCALE_KIND, ASM)
+    else:
+        w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, row_off, tbase, alpha,
+                         beta, srow_off, orow_off, rmask, k0, KC, g, BN, BK, BITS, DECODE,
+                         SCALE_KIND, B, HAS_AB, HAS_OFFS)
+    return w
+
+
+@triton.jit
+def dot_tile_post(acc, alpha, g, E2M1_BF16: tl.constexpr):
+    """acc [BM, BN] of dot_tile weights, its columns times alpha * g where the tiles left it out."""
+    if E2M1_BF16:
+        acc = acc * (alpha * (g * E2M1_BF16_POST_C))[None, :]
+    return acc
+
+
 @dataclass
 class WeightArgs:
     """Kernel arguments of one (possibly stacked) weight; the stride_*e are per leading index."""

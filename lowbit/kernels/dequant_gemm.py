@@ -27,10 +27,9 @@ import torch
 from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
 from lowbit.kernels import launch
 from lowbit.kernels.decode import (
-    E2M1_BF16_POST_C,
-    dequant_tile,
+    dot_tile,
+    dot_tile_post,
     e2m1_bf16,
-    e2m1_tile_bf16,
     e2m1_word,
     exact_tiles,
     lane_value,
@@ -387,20 +386,15 @@ def _gemm_kernel(
         kk = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + ms.to(tl.int64)[:, None] * stride_xm + kk[None, :],
                      mask=mmask[:, None] & (kk < K)[None, :], other=0)
-        if E2M1_BF16:  # exact bf16 tile (e2m1 * scale * 2**-8); alpha * g after the loop
-            w = e2m1_tile_bf16(codes_ptr, scales_ptr, row_off, srow_off, rmask, k0, KC, BN, BK,
-                               B, SCALE_KIND, ASM)
-        else:
-            w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, row_off, t * (1 << BITS),
-                             alpha, beta, srow_off, orow_off, rmask, k0, KC, g,
-                             BN, BK, BITS, DECODE, SCALE_KIND, B, HAS_AB, HAS_OFFS)
+        w = dot_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, row_off, t * (1 << BITS),
+                     alpha, beta, srow_off, orow_off, rmask, k0, KC, g, BN, BK, BITS, DECODE,
+                     SCALE_KIND, B, HAS_AB, HAS_OFFS, E2M1_BF16, ASM)
         wt = tl.trans(w.to(xt.dtype))  # [BK, BN]
         if DOT_F32:  # the interpreter's bf16 dot is wrong; same rounding, fp32 product
             acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, wt, acc)
-    if E2M1_BF16:
-        acc = acc * (alpha * (g * E2M1_BF16_POST_C))[None, :]
+    acc = dot_tile_post(acc, alpha, g, E2M1_BF16)
     ymask = mmask[:, None] & rmask[None, :]
     yoff = ms.to(tl.int64)[:, None] * stride_ym + rows[None, :]
     if not SPLIT:

@@ -37,11 +37,10 @@ import torch
 from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
 from lowbit.kernels import launch
 from lowbit.kernels.decode import (
-    E2M1_BF16_POST_C,
     WeightArgs,
-    dequant_tile,
+    dot_tile,
+    dot_tile_post,
     e2m1_bf16,
-    e2m1_tile_bf16,
     exact_tiles,
     row_tables,
     weight_args,
@@ -177,18 +176,12 @@ def _moe_fc1_kernel(
             kk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :],
                          mask=valid[:, None] & (kk < H)[None, :], other=0)
-            if E2M1_BF16:  # exact bf16 tiles; alpha * g in the epilogue
-                wg = e2m1_tile_bf16(codes_ptr, scales_ptr, gr[0], gr[1], cmask, k0, KC, BN, BK,
-                                    B, SCALE_KIND, ASM)
-                wu = e2m1_tile_bf16(codes_ptr, scales_ptr, ur[0], ur[1], cmask, k0, KC, BN, BK,
-                                    B, SCALE_KIND, ASM)
-            else:
-                wg = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, gr[0], gr[3], gr[4],
-                                  gr[5], gr[1], gr[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
-                                  SCALE_KIND, B, HAS_AB, HAS_OFFS)
-                wu = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, ur[0], ur[3], ur[4],
-                                  ur[5], ur[1], ur[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
-                                  SCALE_KIND, B, HAS_AB, HAS_OFFS)
+            wg = dot_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, gr[0], gr[3], gr[4], gr[5],
+                          gr[1], gr[2], cmask, k0, KC, g, BN, BK, BITS, DECODE, SCALE_KIND, B,
+                          HAS_AB, HAS_OFFS, E2M1_BF16, ASM)
+            wu = dot_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, ur[0], ur[3], ur[4], ur[5],
+                          ur[1], ur[2], cmask, k0, KC, g, BN, BK, BITS, DECODE, SCALE_KIND, B,
+                          HAS_AB, HAS_OFFS, E2M1_BF16, ASM)
             if DOT_F32:
                 xf = xt.to(tl.bfloat16).to(tl.float32)
                 acc_g = tl.dot(xf, tl.trans(wg.to(tl.bfloat16).to(tl.float32)), acc_g,
@@ -199,9 +192,8 @@ def _moe_fc1_kernel(
                 xb = xt.to(tl.bfloat16)
                 acc_g = tl.dot(xb, tl.trans(wg.to(tl.bfloat16)), acc_g)
                 acc_u = tl.dot(xb, tl.trans(wu.to(tl.bfloat16)), acc_u)
-        if E2M1_BF16:
-            acc_g = acc_g * (gr[4] * (g * E2M1_BF16_POST_C))[None, :]
-            acc_u = acc_u * (ur[4] * (g * E2M1_BF16_POST_C))[None, :]
+        acc_g = dot_tile_post(acc_g, gr[4], g, E2M1_BF16)
+        acc_u = dot_tile_post(acc_u, ur[4], g, E2M1_BF16)
         if HAS_BIAS:  # b13 [E, 2I]: gate half, then up half
             brow = bias_ptr + e.to(tl.int64) * (2 * I)
             acc_g += tl.load(brow + cols, mask=cmask, other=0).to(tl.float32)[None, :]
@@ -237,21 +229,16 @@ def _moe_fc2_kernel(
             kk = k0 + tl.arange(0, BK)
             ht = tl.load(h_ptr + sl[:, None] * I + kk[None, :],
                          mask=valid[:, None] & (kk < I)[None, :], other=0)
-            if E2M1_BF16:
-                w = e2m1_tile_bf16(codes_ptr, scales_ptr, wr[0], wr[1], cmask, k0, KC, BN, BK, B,
-                                   SCALE_KIND, ASM)
-            else:
-                w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, wr[0], wr[3], wr[4],
-                                 wr[5], wr[1], wr[2], cmask, k0, KC, g, BN, BK, BITS, DECODE,
-                                 SCALE_KIND, B, HAS_AB, HAS_OFFS)
+            w = dot_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, wr[0], wr[3], wr[4], wr[5],
+                         wr[1], wr[2], cmask, k0, KC, g, BN, BK, BITS, DECODE, SCALE_KIND, B,
+                         HAS_AB, HAS_OFFS, E2M1_BF16, ASM)
             if DOT_F32:
                 acc = tl.dot(ht.to(tl.bfloat16).to(tl.float32),
                              tl.trans(w.to(tl.bfloat16).to(tl.float32)), acc,
                              input_precision="ieee")
             else:
                 acc = tl.dot(ht.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
-        if E2M1_BF16:
-            acc = acc * (wr[4] * (g * E2M1_BF16_POST_C))[None, :]
+        acc = dot_tile_post(acc, wr[4], g, E2M1_BF16)
         if HAS_BIAS:  # b2 [E, H], before the routing weight
             acc += tl.load(bias_ptr + e.to(tl.int64) * H + cols, mask=cmask,
                            other=0).to(tl.float32)[None, :]

@@ -32,10 +32,9 @@ from lowbit.formats.base import lut_view_decode
 from lowbit.formats.views import LutWeight
 from lowbit.kernels import launch
 from lowbit.kernels.decode import (
-    E2M1_BF16_POST_C,
-    dequant_tile,
+    dot_tile,
+    dot_tile_post,
     e2m1_bf16,
-    e2m1_tile_bf16,
     exact_tiles,
     weight_args,
 )
@@ -72,19 +71,15 @@ def _acc_rows(acc, a_ptr, sl_row, valid, K, e, rows, rmask, g, codes_ptr, table_
         kk = k0 + tl.arange(0, BK)
         at = tl.load(a_ptr + sl_row[:, None] + kk[None, :], mask=valid[:, None] & (kk < K)[None, :],
                      other=0)
-        if E2M1_BF16:
-            w = e2m1_tile_bf16(codes_ptr, scales_ptr, r[0], r[1], rmask, k0, KC, BN, BK, B, SK, ASM)
-        else:
-            w = dequant_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, r[0], r[3], r[4], r[5],
-                             r[1], r[2], rmask, k0, KC, g, BN, BK, BITS, DECODE, SK, B, HAS_AB,
-                             HAS_OFFS)
+        w = dot_tile(codes_ptr, table_ptr, scales_ptr, offs_ptr, r[0], r[3], r[4], r[5], r[1],
+                     r[2], rmask, k0, KC, g, BN, BK, BITS, DECODE, SK, B, HAS_AB, HAS_OFFS,
+                     E2M1_BF16, ASM)
         if DOT_F32:
             part = tl.dot(at.to(tl.bfloat16).to(tl.float32), tl.trans(w.to(tl.bfloat16).to(tl.float32)),
                           part, input_precision="ieee")
         else:
             part = tl.dot(at.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), part)
-    if E2M1_BF16:
-        part = part * (r[4] * (g * E2M1_BF16_POST_C))[None, :]
+    part = dot_tile_post(part, r[4], g, E2M1_BF16)
     return acc + part
 
 
