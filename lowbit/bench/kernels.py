@@ -57,6 +57,7 @@ from lowbit.kernels.moe_op import MoeActivation
 from lowbit.kernels.router_op import RouterSpec, gate_logits, reference_route
 from lowbit.kernels.runtime import triton
 from lowbit.kernels.samples import BENCH_LUT_FORMATS, BENCH_SHAPES, random_fp8_view, random_lut_view
+from lowbit.kernels.tc_gemv import tc_gemv, tc_moe_gemv, tc_moe_refusal
 from lowbit.kernels.weights import resolve
 
 SHAPES = BENCH_SHAPES
@@ -189,6 +190,8 @@ def _ours(n: int, k: int) -> dict:
         out[f"{name} gemv"] = (make, "gemv", lut_gemv)
         if name in ("int4_g128", "nvfp4"):
             out[f"{name} gemm"] = (make, "gemm", lut_gemm)
+        if name == "nvfp4" and not SMOKE:  # a Gluon kernel: no interpreter
+            out[f"{name} mma gemv"] = (make, "mma", tc_gemv)
     out["fp8 w8a16 gemv"] = (lambda i: resolve(random_fp8_view(n, k, layout="channel", device=DEV, seed=i)),
                              "gemv", lut_gemv)
     out["fp8 w8a8 (128x128)"] = (lambda i: resolve(random_fp8_view(n, k, layout="block", device=DEV, seed=i)),
@@ -329,8 +332,10 @@ def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
                     impls = impls[:1]
                 if c >= 16:
                     impls += [("grouped", fused_moe), ("gemv sorted", fused_moe_gemv)]
+                if not SMOKE and tc_moe_refusal(batches[0][0], w13, w2, **extras) is None:
+                    impls.append(("mma gemv", tc_moe_gemv))  # tensor-core per-slot gemv
                 for impl, fn in impls:
-                    if impl == "gemv":
+                    if impl in ("gemv", "mma gemv"):
                         call = (lambda b, fn=fn, w13=w13, w2=w2, kw=extras: fn(*b, w13, w2, **kw))
                     elif impl == "gemv sorted":  # config SORT_SLOTS: slots launched in expert order
                         cfg = dict(dict(BN=16, G=8) if SMOKE else

@@ -1,0 +1,354 @@
+"""Tensor-core GEMV for nvfp4 weights, M <= 16: y[M, N] = x[M, K] @ W^T (+ bias).
+
+Shape legend: M activation rows (1..16), N output features, K input features (K % 128 == 0),
+BN weight rows per program, BK codes per K step, MB the MMA's N (8 or 16: M padded).
+
+The weight is the MMA's A operand and the activations its B operand ("swap AB"): an
+mma.m16n8k16 multiplies 16 weight rows by 8 activation rows, so M = 1..8 cost one pass over
+the weights and the tensor cores do the FMAs that the CUDA-core gemv (dequant_gemm.py) does
+one by one. Written in Gluon (triton.experimental.gluon) because the layouts are the point:
+- Codes are loaded 16 bytes a thread (LDG.128): thread (row g, lane tig) reads bytes
+  16 tig .. 16 tig + 15 of each 64-byte group of its rows g, g + 8.
+- The MMA's A layout (DotOperandLayout, k_width 8) holds 8 consecutive K positions a thread
+  per 32: positions 32 c + 8 tig + i. The dot product does not care which real k a position
+  stands for as long as x uses the same map, so position (c, tig, i) is made to stand for the
+  real code 32 tig + 8 c + code(i): the decoded codes then sit in A's registers as loaded, and
+  reshape / permute carry the map with no data movement (no shared memory, no shuffles). x
+  is loaded 32 contiguous k a thread (four LDG.128) and permuted the same way.
+- Decode: four bf16x2 from a code word with 15 integer instructions (the sign to bit 15, the
+  magnitude e1 e0 m to bits 8..6: e2m1 * 2**-126, as decode.e2m1_tile_bf16), then one HMUL2
+  by the e4m3 block scale * 2**118 (exact: a 2-bit by 4-bit significand product). The
+  per-row alpha * g * 2**-6 multiplies the float32 accumulator once (decode.E2M1_BF16_POST).
+- Split-K when N / BN programs cannot fill the SMs, deterministic as in dequant_gemm: each
+  split writes its partial to a workspace, the last to arrive sums them in split order.
+Reference twin: dequant_gemm.reference_linear (exact tiles: no weight rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.formats.views import LutWeight
+from lowbit.kernels import launch
+from lowbit.kernels.decode import E2M1_BF16_POST, e2m1_bf16, weight_args
+from lowbit.kernels.runtime import HAS_TRITON, capability, semaphore, sm_count
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    HAS_GLUON = HAS_TRITON
+except ImportError:  # no triton, or a triton without Gluon
+    HAS_GLUON = False
+
+BK_UNIT = 128  # K must be a multiple of this (one 64-byte code group a row)
+MAX_M = 16
+
+# Four code bytes (8 E2M1 codes n0..n7, code i at bits 4i..4i+3) -> four bf16x2: q << 4j puts
+# codes (3 - j, 7 - j) in the top nibble of each 16-bit half; the sign stays at bit 15 and
+# the magnitude moves from bits 14..12 to 8..6. Outputs: $0 = (n0, n4), $1 = (n1, n5),
+# $2 = (n2, n6), $3 = (n3, n7).
+_HALF = "and.b32 s, {q}, 0x80008000;\nand.b32 t, {q}, 0x70007000;\nshr.b32 t, t, 6;\nor.b32 {d}, s, t;\n"
+_E2M1_PTX = ("{\n.reg .b32 q1, q2, q3, s, t;\nshl.b32 q1, $4, 4;\nshl.b32 q2, $4, 8;\nshl.b32 q3, $4, 12;\n"
+             + _HALF.format(q="q3", d="$0") + _HALF.format(q="q2", d="$1")
+             + _HALF.format(q="q1", d="$2") + _HALF.format(q="$4", d="$3") + "}")
+
+
+def _bits(v: int) -> int:
+    return v.bit_length() - 1
+
+
+if HAS_GLUON:
+    _E2M1_PTX_C = gl.constexpr(_E2M1_PTX)
+    _SCALE_2_118 = gl.constexpr(2.0**118)
+
+    @gluon.constexpr_function
+    def _code_layout(BN, BKB, W):
+        """Real code bytes [BN, BKB]: a thread holds 16 contiguous bytes of a 64-byte group
+        for rows g and g + 8 (and the row / group repeats in registers)."""
+        reg = [[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]]
+        reg += [[0, 64 << i] for i in range((BKB // 64).bit_length() - 1)]
+        reg += [[16 * W << i, 0] for i in range((BN // (16 * W)).bit_length() - 1)]
+        lane = [[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]]
+        warp = [[16 << i, 0] for i in range(W.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [BN, BKB])
+
+    @gluon.constexpr_function
+    def _scale_layout(BN, BKS, W):
+        """Real e4m3 scale bytes [BN, BKS]: the two blocks of a thread's 32 codes."""
+        reg = [[0, 1], [8, 0]]
+        reg += [[0, 8 << i] for i in range((BKS // 8).bit_length() - 1)]
+        reg += [[16 * W << i, 0] for i in range((BN // (16 * W)).bit_length() - 1)]
+        lane = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+        warp = [[16 << i, 0] for i in range(W.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [BN, BKS])
+
+    @gluon.constexpr_function
+    def _x_layout(BK, MB, W):
+        """Real x^T [BK, MB]: a thread holds 32 contiguous k of activation row lane // 4
+        (replicated over the warps)."""
+        reg = [[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]]
+        reg += [[128 << i, 0] for i in range((BK // 128).bit_length() - 1)]
+        reg += [[0, 8 << i] for i in range((MB // 8).bit_length() - 1)]
+        lane = [[32, 0], [64, 0], [0, 1], [0, 2], [0, 4]]
+        warp = [[0, 0] for i in range(W.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [BK, MB])
+
+    @gluon.jit
+    def _silu_mul(gate, up):
+        """SiLU(gate) * up in float32, exp(-|g|)-based (no overflow for large |g|)."""
+        ez = gl.exp(-gl.abs(gate))
+        return gate * gl.where(gate >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez)) * up
+
+    @gluon.jit
+    def _tc_gemv_kernel(x_ptr, y_ptr, bias_ptr, ws_ptr, sem_ptr, codes_ptr, scales_ptr, ab_ptr,
+                        M, N, K, stride_xm, stride_ym, stride_cn, stride_sn, gpost, k_split,
+                        SPLIT_K, ids_ptr, tw_ptr, A, stride_ce, stride_se,
+                        HAS_BIAS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                        MB: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
+                        MOE: gl.constexpr):
+        # MOE 0: y [M, N] = x [M, K] @ W^T. MOE 1 (expert FC1) / 2 (expert FC2): program axis 2
+        # is a routed slot s of M = S; the weight is expert ids[s] of a stack, the activation
+        # row x[s // A] (FC1) or SiLU(h[s, :K]) * h[s, K:] (FC2, h = FC1's float32 output);
+        # FC1 writes y [S, N]; FC2 scales by the routing weight tw[s] and the program that
+        # arrives last among a token's A slots x SPLIT_K splits writes y [T, N], the ordered
+        # sum of its slots (no combine launch).
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        pid_m = gl.program_id(2)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
+                                                      instr_shape=[16, 8])
+        LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        LC: gl.constexpr = _code_layout(BN, BK // 2, W)
+        LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
+        LX: gl.constexpr = _x_layout(BK, MB, W)
+        G: gl.constexpr = BK // 128
+
+        if MOE > 0:
+            e = gl.load(ids_ptr + pid_m).to(gl.int64)
+            codes_ptr += e * stride_ce
+            scales_ptr += e * stride_se
+        # rows past N read row N - 1 and x rows past M read row M - 1: valid memory whose
+        # products land in accumulator rows / columns that are never stored (no load masks)
+        rows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LC)), N - 1)
+        cb = gl.arange(0, BK // 2, layout=gl.SliceLayout(0, LC))
+        cptr = codes_ptr + rows.to(gl.int64)[:, None] * stride_cn + cb[None, :]
+        rows_s = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LS)), N - 1)
+        sb = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, LS))
+        sptr = scales_ptr + rows_s.to(gl.int64)[:, None] * stride_sn + sb[None, :]
+        kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LX))
+        if MOE == 0:
+            nx = gl.minimum(gl.arange(0, MB, layout=gl.SliceLayout(0, LX)), M - 1)
+        else:  # one activation row, in every column
+            xrow = pid_m // A if MOE == 1 else pid_m
+            nx = gl.zeros([MB], gl.int32, layout=gl.SliceLayout(0, LX)) + xrow
+        xptr = x_ptr + nx.to(gl.int64)[None, :] * stride_xm + kx[:, None]
+        L1: gl.constexpr = gl.BlockedLayout([max(BK // (32 * W), 1)], [32], [W], [0])
+        hrow = x_ptr + pid_m.to(gl.int64) * stride_xm
+
+        acc = gl.zeros([BN, MB], gl.float32, layout=mma)
+        k0 = pid_k * k_split
+        k1 = gl.minimum(k0 + k_split, K)
+        for kk in range(k0, k1, BK):
+            kc = gl.multiple_of(kk, BK)
+            codes = gl.load(cptr + gl.multiple_of(kk // 2, BK // 2))
+            sc = gl.load(sptr + gl.multiple_of(kk // 16, BK // 16))
+            if MOE == 2:  # the activation once per k (not per thread of LX), then broadcast
+                hk = hrow + kc + gl.arange(0, BK, layout=L1)
+                v = _silu_mul(gl.load(hk).to(gl.float32), gl.load(hk + K).to(gl.float32))
+                v = gl.convert_layout(v.to(gl.bfloat16), gl.SliceLayout(1, LX))
+                xv = gl.broadcast(v[:, None], gl.full([BK, MB], 0.0, gl.bfloat16, layout=LX))[0]
+            else:
+                xv = gl.load(xptr + kc)
+            # real byte jr = 64 G + 16 tig + 4 c + e; o0 / o1 element e of a word: the codes
+            # 4 (e % 2) + e // 2 (o0) and 4 (e % 2) + 2 + e // 2 (o1), per the PTX above
+            o0, o1 = gl.inline_asm_elementwise(_E2M1_PTX_C, "=r,=r,=r,=r,r", [codes],
+                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                               pack=4)
+            s = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_2_118).to(gl.bfloat16)
+            s = gl.join(s, s)
+            s = gl.join(s, s)
+            s = gl.join(s, s)  # each block's scale over its 8 bytes
+            s = gl.convert_layout(gl.reshape(s, [BN, BK // 2]), LC)
+            w = gl.join(o0 * s, o1 * s)  # [BN, BK/2, h]
+            # (G, tig, c, e1, e0, h) -> position 128 G + 32 c + 8 tig + 4 h + 2 e1 + e0
+            w = gl.reshape(w, [BN, G, 4, 4, 2, 2, 2])
+            w = gl.permute(w, [0, 1, 3, 2, 6, 4, 5])
+            a = gl.convert_layout(gl.reshape(w, [BN, BK]), LA)
+            # x: real k = 128 G + 32 tig + 8 c + 4 e0 + 2 h + e1, to the same positions
+            xv = gl.reshape(xv, [G, 4, 4, 2, 2, 2, MB])
+            xv = gl.permute(xv, [0, 2, 1, 4, 5, 3, 6])
+            b = gl.convert_layout(gl.reshape(xv, [BK, MB]), LB)
+            acc = mma_v2(a, b, acc)
+        acc = acc * (gl.load(ab_ptr) * gpost)
+        if MOE == 2:
+            acc = acc * gl.load(tw_ptr + pid_m)
+        ro = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        no = gl.arange(0, MB, layout=gl.SliceLayout(0, mma))
+        if MOE == 0:
+            ymask = (ro < N)[:, None] & (no < M)[None, :]
+            mrow = no
+            tile = pid_n
+        else:  # column 0 only; row pid_m of the workspace / of y (FC1)
+            ymask = (ro < N)[:, None] & (no < 1)[None, :]
+            mrow = no + pid_m
+            tile = pid_m * gl.num_programs(0) + pid_n
+        part = mrow[None, :] * N + ro[:, None]
+        yoff = mrow[None, :] * stride_ym + ro[:, None]
+        if MOE == 2:
+            tok = pid_m // A
+            tile = tok * gl.num_programs(0) + pid_n
+            gl.store(ws_ptr + pid_k * (M * N) + part, acc, mask=ymask)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K * A - 1:  # the last one sums slot by slot, splits in order
+                tot = gl.zeros([BN, MB], gl.float32, layout=mma)
+                for slot in range(A):
+                    for sk in range(SPLIT_K):
+                        tot += gl.load(ws_ptr + sk * (M * N) + (part + (tok * A + slot - pid_m) * N),
+                                       mask=ymask, other=0.0, cache_modifier=".cg")
+                gl.store(y_ptr + (yoff + (tok - pid_m) * stride_ym), tot.to(y_ptr.dtype.element_ty),
+                         mask=ymask)
+                gl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
+        elif SPLIT:
+            gl.store(ws_ptr + pid_k * (M * N) + part, acc, mask=ymask)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last split sums all of them in split order
+                tot = gl.zeros([BN, MB], gl.float32, layout=mma)
+                for sk in range(SPLIT_K):
+                    tot += gl.load(ws_ptr + sk * (M * N) + part, mask=ymask, other=0.0,
+                                   cache_modifier=".cg")
+                if HAS_BIAS:
+                    tot += gl.load(bias_ptr + ro, mask=ro < N, other=0.0).to(gl.float32)[:, None]
+                gl.store(y_ptr + yoff, tot.to(y_ptr.dtype.element_ty), mask=ymask)
+                gl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
+        else:
+            if HAS_BIAS:
+                acc += gl.load(bias_ptr + ro, mask=ro < N, other=0.0).to(gl.float32)[:, None]
+            gl.store(y_ptr + yoff, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+def tc_gemv_refusal(x: torch.Tensor, w) -> str | None:
+    """Why tc_gemv cannot take this call, or None."""
+    if not HAS_GLUON:
+        return "triton with Gluon (triton.experimental.gluon) is not installed"
+    if not x.is_cuda:
+        return f"tensors on {x.device.type} (a Gluon kernel, CUDA only)"
+    if capability(x.device.index or 0) < (8, 9):
+        return "needs compute capability 8.9+ (bf16 mma.sync, float8_e4m3 scales)"
+    if not isinstance(w, LutWeight) or not e2m1_bf16(weight_args(w)):
+        return "reads nvfp4 only (E2M1 codes, e4m3 scales of 16)"
+    if w.view.table_index is not None:
+        return "one code table per weight (per-row tables are not read)"
+    if x.dtype != torch.bfloat16:
+        return f"activations are {x.dtype}, this kernel multiplies bf16"
+    m, k = x.shape
+    if m > MAX_M:
+        return f"M = {m} > {MAX_M}"
+    if k % BK_UNIT or w.kp != k:
+        return f"K = {k} (weight stores {w.kp}): needs K = stored K, a multiple of {BK_UNIT}"
+    codes = w.view.codes
+    if codes.stride(-2) % 16 or codes.storage_offset() % 16 or x.stride(0) % 8:
+        return "code rows or x rows are not 16-byte aligned"
+    return None
+
+
+DEFAULT = {"BN": 64, "BK": 256, "num_warps": 4, "WAVES": 4}
+
+
+def split_for(n_tiles: int, k_steps: int, waves: int, sms: int) -> int:
+    """K splits so that about `waves` programs per SM run, each with >= 2 K steps."""
+    want = max(1, -(-waves * sms // n_tiles))
+    return max(1, min(want, k_steps // 2 or 1))
+
+
+def _plan(n: int, k: int, m: int, slots: int, cfg: dict, device) -> tuple[int, int, int, int, int]:
+    """(BN, BK, MB, split, k_split) of one launch."""
+    bn, bk = cfg["BN"], cfg["BK"]
+    bk = bk if k % bk == 0 else BK_UNIT
+    mb = 8 if m <= 8 else 16
+    grid_n = -(-n // bn)
+    steps = k // bk
+    split = cfg.get("SPLIT") or split_for(grid_n * slots, steps, cfg["WAVES"],
+                                          sm_count(device.index or 0))
+    k_split = -(-steps // split) * bk
+    return bn, bk, mb, -(-k // k_split), k_split
+
+
+def _launch(x, y, bias, w, m, n, k, cfg, slots=1, moe=0, ids=None, tw=None, a_top=1):
+    bn, bk, mb, split, k_split = _plan(n, k, 1 if moe else m, slots, cfg, x.device)
+    grid_n = -(-n // bn)
+    a = weight_args(w)
+    parts = split if split > 1 or moe == 2 else 1
+    ws = torch.empty(parts, m, n, dtype=torch.float32, device=x.device)
+    sem = semaphore(x.device, grid_n * slots)
+    launch.run(_tc_gemv_kernel, (grid_n, split, slots),
+               x, y, x if bias is None else bias, ws, sem, a.codes, a.scales.view(torch.uint8),
+               a.ab, m, n, k, x.stride(0), y.stride(0), a.stride_cn, a.stride_sn,
+               a.g * E2M1_BF16_POST, k_split, split, x if ids is None else ids,
+               x if tw is None else tw, a_top, a.stride_ce, a.stride_se,
+               HAS_BIAS=bias is not None, BN=bn, BK=bk, MB=mb, W=cfg["num_warps"],
+               SPLIT=split > 1, MOE=moe, num_warps=cfg["num_warps"])
+
+
+def tc_gemv(x: torch.Tensor, w: LutWeight, bias: torch.Tensor | None = None,
+            config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] in x.dtype, or into out (x.dtype or float32); M <= 16, nvfp4 weights [N, K]."""
+    reason = tc_gemv_refusal(x, w)
+    assert reason is None, reason
+    assert w.lead == () and x.stride(1) == 1
+    m, k = x.shape
+    n = w.n
+    cfg = dict(DEFAULT, **(config or launch.lookup("tc_gemv", "nvfp4", n, k, m)))
+    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert y.shape == (m, n) and y.stride(1) == 1
+    _launch(x, y, bias, w, m, n, k, cfg)
+    return y
+
+
+def tc_moe_refusal(x: torch.Tensor, w13, w2, activation=None, b13=None, b2=None) -> str | None:
+    """Why tc_moe_gemv cannot take this MoE call, or None."""
+    if b13 is not None or b2 is not None:
+        return "expert biases are not read"
+    if activation is not None and activation.kind != "silu":
+        return f"activation {activation.kind}: SiLU only"
+    probe = x[:1]
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, LutWeight) or len(w.lead) != 1:
+            return f"{name} is not a stack of LUT experts"
+        reason = tc_gemv_refusal(probe if name == "w13" else probe.new_empty(1, w.kp), w)
+        if reason is not None:
+            return f"{name}: {reason}"
+    if w13.n != 2 * w2.kp:
+        return "w13 rows are not twice w2's inputs"
+    return None
+
+
+def tc_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: LutWeight,
+                w2: LutWeight, config: dict | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE layer as per-slot tensor-core GEMVs (nvfp4 experts, SiLU, no biases): FC1
+    [S, 2I] float32, FC2 with SiLU(gate) * up made on load, times the routing weight, each
+    token's slots summed in order by FC2's last-arriving program. Two launches, no host
+    read. Same contract as moe.fused_moe_gemv."""
+    reason = tc_moe_refusal(x, w13, w2)
+    assert reason is None, reason
+    t, h = x.shape
+    a_top = ids.shape[1]
+    s = t * a_top
+    inter = w2.kp
+    cfg = config or launch.lookup("tc_moe", "nvfp4", w13.lead[0], h, t)
+    ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
+    tw = weights.reshape(-1).to(torch.float32).contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    h1 = torch.empty(s, 2 * inter, dtype=torch.float32, device=x.device)
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
+    _launch(x, h1, None, w13, s, 2 * inter, h, dict(DEFAULT, **cfg.get("fc1", cfg)), s, 1,
+            ids_flat, tw, a_top)
+    _launch(h1, y, None, w2, s, h, inter, dict(DEFAULT, **cfg.get("fc2", cfg)), s, 2,
+            ids_flat, tw, a_top)
+    return y
