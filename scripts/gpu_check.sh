@@ -6,6 +6,8 @@
 #   tune       gemv / gemm / MoE-gemv launch-config sweep and the gemv-or-gemm choice per
 #              shape and M (scripts/tune_kernels.py -> $OUT/tuned.json), merged into
 #              lowbit/kernels/configs/<device>.json for the stages after it
+#   tunetc     tensor-core nvfp4 gemv / MoE per-slot sweep (scripts/tune_tc_gemv.py), merged
+#              the same way ("tc_gemv", "tc_moe")
 #   tunemoe    grouped MoE tile sweep at T = 32, 64, 512, 2048 (scripts/tune_kernels.py
 #              --grouped; TUNEMOE_FORMATS, default dense,nvfp4), merged the same way ("moe_grouped")
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
@@ -52,7 +54,7 @@ from lowbit.kernels import launch
 tuned = json.load(open(sys.argv[1]))
 path = launch.CONFIG_DIR / f"{launch.slug(tuned['device'])}.json"
 cur = json.loads(path.read_text()) if path.exists() else {"device": tuned["device"]}
-for table in ("gemv", "gemm", "choice", "moe_gemv", "moe_grouped"):
+for table in ("gemv", "gemm", "choice", "moe_gemv", "moe_grouped", "tc_gemv", "tc_moe"):
     cur.setdefault(table, {}).update(tuned.get(table, {}))
 path.write_text(json.dumps(cur, indent=1))
 print("configs ->", path)
@@ -71,6 +73,12 @@ if has tunemoe; then
   timeout "$T_TUNEMOE" python3 scripts/tune_kernels.py --grouped --out "$OUT/tuned_grouped.json" \
     --grouped-formats "${TUNEMOE_FORMATS:-dense,nvfp4}" --jobs "$TUNE_JOBS" 2>&1 | tee "$OUT/tune_grouped.log" | grep -v "^  " | tail -20
   merge_tuned "$OUT/tuned_grouped.json"
+fi
+
+if has tunetc; then
+  echo "== tensor-core nvfp4 gemv config sweep"
+  timeout "${T_TUNETC:-300}" python3 scripts/tune_tc_gemv.py --out "$OUT" 2>&1 | tee "$OUT/tune_tc.log" | grep -v "^  " | tail -30
+  merge_tuned "$OUT/tc_tuned.json"
 fi
 
 if has kernels; then

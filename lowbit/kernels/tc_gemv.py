@@ -53,6 +53,7 @@ _HALF = "and.b32 s, {q}, 0x80008000;\nand.b32 t, {q}, 0x70007000;\nshr.b32 t, t,
 _E2M1_PTX = ("{\n.reg .b32 q1, q2, q3, s, t;\nshl.b32 q1, $4, 4;\nshl.b32 q2, $4, 8;\nshl.b32 q3, $4, 12;\n"
              + _HALF.format(q="q3", d="$0") + _HALF.format(q="q2", d="$1")
              + _HALF.format(q="q1", d="$2") + _HALF.format(q="$4", d="$3") + "}")
+_E2M1_CONSTRAINTS = "=r,=r,=r,=r," + ",".join(["r"] * 8)  # the word, 8 times (pack 8)
 
 
 def _bits(v: int) -> int:
@@ -61,18 +62,20 @@ def _bits(v: int) -> int:
 
 if HAS_GLUON:
     _E2M1_PTX_C = gl.constexpr(_E2M1_PTX)
+    _E2M1_CONSTRAINTS_C = gl.constexpr(_E2M1_CONSTRAINTS)
     _SCALE_2_118 = gl.constexpr(2.0**118)
 
     @gluon.constexpr_function
-    def _code_layout(BN, BKB, W):
-        """Real code bytes [BN, BKB]: a thread holds 16 contiguous bytes of a 64-byte group
-        for rows g and g + 8 (and the row / group repeats in registers)."""
-        reg = [[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]]
-        reg += [[0, 64 << i] for i in range((BKB // 64).bit_length() - 1)]
+    def _code_layout(BN, BKW, W):
+        """Real code words [BN, BKW] (int32, 8 codes each): a thread holds 4 contiguous words
+        (16 bytes) of a 16-word group for rows g and g + 8 (and the row / group repeats in
+        registers)."""
+        reg = [[0, 1], [0, 2], [8, 0]]
+        reg += [[0, 16 << i] for i in range((BKW // 16).bit_length() - 1)]
         reg += [[16 * W << i, 0] for i in range((BN // (16 * W)).bit_length() - 1)]
-        lane = [[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]]
+        lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
         warp = [[16 << i, 0] for i in range(W.bit_length() - 1)]
-        return gl.DistributedLinearLayout(reg, lane, warp, [], [BN, BKB])
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [BN, BKW])
 
     @gluon.constexpr_function
     def _scale_layout(BN, BKS, W):
@@ -102,12 +105,29 @@ if HAS_GLUON:
         return gate * gl.where(gate >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez)) * up
 
     @gluon.jit
+    def _tile_loads(cptr, sptr, xptr, hrow, kc, K, BK: gl.constexpr, MOE: gl.constexpr,
+                    L1: gl.constexpr):
+        """One K step's code bytes, scale bytes and activations: x^T [BK, MB] (MOE 0, 1), or
+        FC1's gate and up halves of the slot's row (MOE 2; the last value is a placeholder
+        otherwise)."""
+        codes = gl.load(cptr + gl.multiple_of(kc // 8, BK // 8))
+        sc = gl.load(sptr + gl.multiple_of(kc // 16, BK // 16))
+        if MOE == 2:
+            hk = hrow + kc + gl.arange(0, BK, layout=L1)
+            xa = gl.load(hk)
+            xb = gl.load(hk + K)
+        else:
+            xa = gl.load(xptr + kc)
+            xb = kc
+        return codes, sc, xa, xb
+
+    @gluon.jit
     def _tc_gemv_kernel(x_ptr, y_ptr, bias_ptr, ws_ptr, sem_ptr, codes_ptr, scales_ptr, ab_ptr,
                         M, N, K, stride_xm, stride_ym, stride_cn, stride_sn, gpost, k_split,
                         SPLIT_K, ids_ptr, tw_ptr, A, stride_ce, stride_se,
                         HAS_BIAS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                         MB: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
-                        MOE: gl.constexpr):
+                        MOE: gl.constexpr, PREFETCH: gl.constexpr):
         # MOE 0: y [M, N] = x [M, K] @ W^T. MOE 1 (expert FC1) / 2 (expert FC2): program axis 2
         # is a routed slot s of M = S; the weight is expert ids[s] of a stack, the activation
         # row x[s // A] (FC1) or SiLU(h[s, :K]) * h[s, K:] (FC2, h = FC1's float32 output);
@@ -121,7 +141,7 @@ if HAS_GLUON:
                                                       instr_shape=[16, 8])
         LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-        LC: gl.constexpr = _code_layout(BN, BK // 2, W)
+        LC: gl.constexpr = _code_layout(BN, BK // 8, W)
         LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
         LX: gl.constexpr = _x_layout(BK, MB, W)
         G: gl.constexpr = BK // 128
@@ -133,7 +153,7 @@ if HAS_GLUON:
         # rows past N read row N - 1 and x rows past M read row M - 1: valid memory whose
         # products land in accumulator rows / columns that are never stored (no load masks)
         rows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LC)), N - 1)
-        cb = gl.arange(0, BK // 2, layout=gl.SliceLayout(0, LC))
+        cb = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LC))
         cptr = codes_ptr + rows.to(gl.int64)[:, None] * stride_cn + cb[None, :]
         rows_s = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LS)), N - 1)
         sb = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, LS))
@@ -151,37 +171,46 @@ if HAS_GLUON:
         acc = gl.zeros([BN, MB], gl.float32, layout=mma)
         k0 = pid_k * k_split
         k1 = gl.minimum(k0 + k_split, K)
+        codes, sc, xa, xb = _tile_loads(cptr, sptr, xptr, hrow, gl.multiple_of(k0, BK), K, BK,
+                                        MOE, L1)
         for kk in range(k0, k1, BK):
-            kc = gl.multiple_of(kk, BK)
-            codes = gl.load(cptr + gl.multiple_of(kk // 2, BK // 2))
-            sc = gl.load(sptr + gl.multiple_of(kk // 16, BK // 16))
+            # the next tile (the last one again at the end: in bounds, unused)
+            kn = gl.multiple_of(gl.minimum(kk + BK, k1 - BK), BK)
+            if PREFETCH:  # its loads are in flight while this tile is decoded
+                codes_n, sc_n, xa_n, xb_n = _tile_loads(cptr, sptr, xptr, hrow, kn, K, BK, MOE, L1)
             if MOE == 2:  # the activation once per k (not per thread of LX), then broadcast
-                hk = hrow + kc + gl.arange(0, BK, layout=L1)
-                v = _silu_mul(gl.load(hk).to(gl.float32), gl.load(hk + K).to(gl.float32))
+                v = _silu_mul(xa.to(gl.float32), xb.to(gl.float32))
                 v = gl.convert_layout(v.to(gl.bfloat16), gl.SliceLayout(1, LX))
                 xv = gl.broadcast(v[:, None], gl.full([BK, MB], 0.0, gl.bfloat16, layout=LX))[0]
             else:
-                xv = gl.load(xptr + kc)
-            # real byte jr = 64 G + 16 tig + 4 c + e; o0 / o1 element e of a word: the codes
-            # 4 (e % 2) + e // 2 (o0) and 4 (e % 2) + 2 + e // 2 (o1), per the PTX above
-            o0, o1 = gl.inline_asm_elementwise(_E2M1_PTX_C, "=r,=r,=r,=r,r", [codes],
-                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
-                                               pack=4)
+                xv = xa
+            # word wr = 16 G + 4 tig + c; element e of its 8 decoded values is code
+            # 4 (e % 2) + e // 2 (the PTX's output order); the scale of a word is that of
+            # block wr // 2
+            w8 = gl.join(codes, codes)
+            w8 = gl.join(w8, w8)
+            w8 = gl.join(w8, w8)  # [BN, BK/8, 2, 2, 2]: the word 8 times (pack 8: one asm a word)
+            w = gl.inline_asm_elementwise(_E2M1_PTX_C, _E2M1_CONSTRAINTS_C, [w8],
+                                          dtype=gl.bfloat16, is_pure=True, pack=8)
             s = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_2_118).to(gl.bfloat16)
+            s = gl.reshape(gl.join(s, s), [BN, BK // 8])
             s = gl.join(s, s)
             s = gl.join(s, s)
-            s = gl.join(s, s)  # each block's scale over its 8 bytes
-            s = gl.convert_layout(gl.reshape(s, [BN, BK // 2]), LC)
-            w = gl.join(o0 * s, o1 * s)  # [BN, BK/2, h]
-            # (G, tig, c, e1, e0, h) -> position 128 G + 32 c + 8 tig + 4 h + 2 e1 + e0
+            s = gl.join(s, s)  # [BN, BK/8, 2, 2, 2]
+            w = w * gl.convert_layout(s, w.type.layout)
+            # (G, tig, c, e2, e1, e0) -> position 128 G + 32 c + 8 tig + 4 e2 + 2 e1 + e0
             w = gl.reshape(w, [BN, G, 4, 4, 2, 2, 2])
-            w = gl.permute(w, [0, 1, 3, 2, 6, 4, 5])
+            w = gl.permute(w, [0, 1, 3, 2, 4, 5, 6])
             a = gl.convert_layout(gl.reshape(w, [BN, BK]), LA)
-            # x: real k = 128 G + 32 tig + 8 c + 4 e0 + 2 h + e1, to the same positions
+            # x: real k = 128 G + 32 tig + 8 c + 4 e0 + 2 e2 + e1, to the same positions
             xv = gl.reshape(xv, [G, 4, 4, 2, 2, 2, MB])
             xv = gl.permute(xv, [0, 2, 1, 4, 5, 3, 6])
             b = gl.convert_layout(gl.reshape(xv, [BK, MB]), LB)
             acc = mma_v2(a, b, acc)
+            if PREFETCH:
+                codes, sc, xa, xb = codes_n, sc_n, xa_n, xb_n
+            else:
+                codes, sc, xa, xb = _tile_loads(cptr, sptr, xptr, hrow, kn, K, BK, MOE, L1)
         acc = acc * (gl.load(ab_ptr) * gpost)
         if MOE == 2:
             acc = acc * gl.load(tw_ptr + pid_m)
@@ -286,12 +315,14 @@ def _launch(x, y, bias, w, m, n, k, cfg, slots=1, moe=0, ids=None, tw=None, a_to
     ws = torch.empty(parts, m, n, dtype=torch.float32, device=x.device)
     sem = semaphore(x.device, grid_n * slots)
     launch.run(_tc_gemv_kernel, (grid_n, split, slots),
-               x, y, x if bias is None else bias, ws, sem, a.codes, a.scales.view(torch.uint8),
-               a.ab, m, n, k, x.stride(0), y.stride(0), a.stride_cn, a.stride_sn,
+               x, y, x if bias is None else bias, ws, sem, a.codes.view(torch.int32),
+               a.scales.view(torch.uint8),
+               a.ab, m, n, k, x.stride(0), y.stride(0), a.stride_cn // 4, a.stride_sn,
                a.g * E2M1_BF16_POST, k_split, split, x if ids is None else ids,
-               x if tw is None else tw, a_top, a.stride_ce, a.stride_se,
+               x if tw is None else tw, a_top, a.stride_ce // 4, a.stride_se,
                HAS_BIAS=bias is not None, BN=bn, BK=bk, MB=mb, W=cfg["num_warps"],
-               SPLIT=split > 1, MOE=moe, num_warps=cfg["num_warps"])
+               SPLIT=split > 1, MOE=moe, PREFETCH=cfg.get("PREFETCH", True),
+               num_warps=cfg["num_warps"])
 
 
 def tc_gemv(x: torch.Tensor, w: LutWeight, bias: torch.Tensor | None = None,

@@ -1,0 +1,100 @@
+"""Tune the tensor-core nvfp4 GEMV (lowbit.kernels.tc_gemv) on a GPU.
+
+  python scripts/tune_tc_gemv.py --out DIR [--m 1,4,8,16] [--moe-t 1,4,16,32]
+
+Times every candidate config (CUDA-graph replay over weight copies past L2, as
+lowbit.bench.kernels) for the linear benchmark and engine shapes at each M, and for the
+Qwen3-30B-A3B MoE layer (tc_moe_gemv, one config for FC1 and FC2) at each token count; writes
+DIR/tc_tuned.json in the format of lowbit/kernels/configs/<device>.json ("tc_gemv",
+"tc_moe": copy them there to ship them) and prints the best against the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from lowbit.kernels import launch  # noqa: E402
+from lowbit.kernels.samples import BENCH_LUT_FORMATS, BENCH_SHAPES, random_lut_view  # noqa: E402
+from lowbit.kernels.weights import resolve  # noqa: E402
+
+SHAPES = (*BENCH_SHAPES, (5120, 2048), (2048, 4096))  # + Qwen3-30B-A3B qkv, o_proj
+CANDIDATES = [dict(BN=bn, BK=bk, num_warps=w, WAVES=wv, PREFETCH=pf)
+              for (bn, w), bk, wv, pf in itertools.product(((64, 4), (128, 4), (128, 8)),
+                                                          (128, 256, 512), (2, 4, 8), (True, False))
+              if not (bk == 512 and bn == 128 and w == 4)]
+
+
+def _time_best(fns_for, cands) -> tuple[float, dict, float | None]:
+    """(best us, best config, the default config's us) over cands."""
+    from lowbit.bench.kernels import timed
+    from lowbit.kernels.tc_gemv import DEFAULT
+
+    best, base = None, None
+    for cfg in cands:
+        try:
+            t = timed(fns_for(cfg))["us"]
+        except Exception as exc:  # noqa: BLE001 - a config the compiler rejects
+            print(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        if cfg == dict(DEFAULT, PREFETCH=True):
+            base = t
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return best[0], best[1], base
+
+
+def main() -> None:
+    from lowbit.bench.kernels import copies_for, payload_bytes
+    from lowbit.kernels.tc_gemv import tc_gemv, tc_moe_gemv
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--m", default="1,4,8,16")
+    ap.add_argument("--moe-t", default="1,4,16,32")
+    a = ap.parse_args()
+    dev = "cuda"
+    kw = BENCH_LUT_FORMATS["nvfp4"]
+    out = {"device": torch.cuda.get_device_name(0), "tc_gemv": {}, "tc_moe": {}}
+    for n, k in SHAPES:
+        w0 = resolve(random_lut_view(n, k, device=dev, **kw))
+        ws = [w0] + [resolve(random_lut_view(n, k, device=dev, seed=i, **kw))
+                     for i in range(1, copies_for(payload_bytes(w0)))]
+        table = out["tc_gemv"].setdefault(f"nvfp4:{n}x{k}", {})
+        for m in (int(v) for v in a.m.split(",")):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            t, cfg, base = _time_best(
+                lambda cfg, x=x, ws=ws: [functools.partial(tc_gemv, x, w, config=cfg) for w in ws],
+                CANDIDATES)
+            table[str(m)] = cfg
+            print(f"tc_gemv {n}x{k} M={m}: best {t:.1f} us {cfg} (default {base} us)", flush=True)
+    e, top, h, inter = 128, 8, 2048, 768
+    w13 = resolve(random_lut_view(2 * inter, h, lead=(e,), device=dev, **kw))
+    w2 = resolve(random_lut_view(h, inter, lead=(e,), device=dev, seed=1, **kw))
+    table = out["tc_moe"].setdefault(f"nvfp4:{e}x{h}", {})
+    for t_ in (int(v) for v in a.moe_t.split(",")):
+        g = torch.Generator(device=dev).manual_seed(t_)
+        batches = [(torch.randn(t_, h, device=dev, dtype=torch.bfloat16),
+                    torch.rand(t_, e, device=dev, generator=g).topk(top, -1).indices.to(torch.int32),
+                    torch.rand(t_, top, device=dev, generator=g)) for _ in range(8)]
+        t, cfg, base = _time_best(
+            lambda cfg, bs=batches: [functools.partial(tc_moe_gemv, *b, w13, w2,
+                                                       config=dict(fc1=cfg, fc2=cfg)) for b in bs],
+            CANDIDATES)
+        table[str(t_)] = dict(fc1=cfg, fc2=cfg)
+        print(f"tc_moe qwen3-30b-a3b T={t_}: best {t:.1f} us {cfg} (default {base} us)", flush=True)
+    path = Path(a.out) / "tc_tuned.json"
+    path.write_text(json.dumps(out, indent=1))
+    print("->", path, "(launch configs:", launch.slug(out["device"]) + ".json)")
+
+
+if __name__ == "__main__":
+    main()
