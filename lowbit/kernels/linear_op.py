@@ -3,6 +3,8 @@
 Shape legend: x [..., K] flattened to [M, K]; W [N, K] (dense, LUT view or fp8); y [..., N].
 Routes, in selection order (see lowbit.kernels.routes; status and record in docs/ROUTES.md):
   dense              bf16 / fp16 / fp32 weights: F.linear (cuBLAS on CUDA)
+  triton_tc_gemv     nvfp4 weights, M <= 16, bf16 activations: the weight decoded in
+                     registers as the tensor cores' A operand (lowbit.kernels.tc_gemv)
   triton_lut_gemv    CUDA-core dequantizing GEMV of LUT weights, M <= 16 where the device's
                      tuned configs measured it faster than the gemm, else M <= 4 (M <= 16
                      when forced)
@@ -34,6 +36,7 @@ from lowbit.kernels.dequant_gemm import (
 )
 from lowbit.kernels.fp8_gemm import fp8_w8a8, w8a8_refusal
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
+from lowbit.kernels.tc_gemv import tc_gemv, tc_gemv_refusal
 from lowbit.kernels.vq_gemv import vq_gemv, vq_gemv_refusal
 from lowbit.kernels.weights import Resolved, resolve
 
@@ -186,6 +189,12 @@ routes.register("linear", routes.Route(
     "dense", routes.DEFAULT, "torch F.linear (cuBLAS on CUDA) on bf16 / fp16 / fp32 weights: the "
     "ceiling the quantized routes are measured against (docs/BENCHMARKS.md#kernels)",
     _admit_dense, _run_dense))
+routes.register("linear", routes.Route(
+    "triton_tc_gemv", routes.DEFAULT,
+    BENCH + " (H200, nvfp4, M = 1-16 on five shapes: 1.04-1.2x the CUDA-core gemv at M = 1, "
+    "2.2-8.5x it and 1.3-2.9x triton_lut_gemm at M = 4-16)",
+    lambda call: _common_refusal(call, (LutWeight,)) or tc_gemv_refusal(call.x, call.weight),
+    lambda call: tc_gemv(call.x, call.weight, call.bias)))
 routes.register("linear", routes.Route(
     "triton_lut_gemv", routes.DEFAULT,
     BENCH + " (M = 1: 8.0-38.0 us, M = 4: 14.1-87.2 us; the torch route's bound: 111 / 111 / 24 us)",

@@ -13,6 +13,8 @@ Routes, in selection order (status and record in docs/ROUTES.md):
                             T <= 16 and <= 256 slots, grouped tiles above); its refusal is why
                             a block does not fuse, and every later route then runs the routed
                             experts and the shared MLP one after the other
+  triton_tc_moe             nvfp4 experts (SiLU, no biases), T <= 64 tokens, bf16 activations:
+                            per-slot tensor-core GEMVs (lowbit.kernels.tc_gemv)
   triton_fused_moe_decode   T <= 16 tokens (nvfp4: 32), T * A <= 256 slots: LUT / fp8 / bf16
                             experts as per-slot GEMVs (expert id read on the device) while
                             slots < 2 E (fewer than two tokens per expert on average; nvfp4:
@@ -56,6 +58,7 @@ from lowbit.kernels.moe_layout import (
     with_shared_slots,
 )
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
+from lowbit.kernels.tc_gemv import tc_moe_gemv, tc_moe_refusal
 from lowbit.kernels.weights import DECODE_E2M1, Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
@@ -66,6 +69,9 @@ DECODE_MAX_SLOTS = 256
 # "Batched decode"); at C64 the tiles win (558 against 751), and int4 g128 keeps the tiles
 # from C32 (435 against 493)
 E2M1_GEMV_MAX_TOKENS = 32
+# the tensor-core per-slot gemv (nvfp4) up to 64 tokens: H200, Qwen3-30B-A3B, C64 463 us
+# against 539 for the grouped tiles (docs/BENCHMARKS.md#kernels, "Tensor-core nvfp4 gemv")
+TC_MOE_MAX_TOKENS = 64
 @dataclass
 class MoeCall:
     x: torch.Tensor  # [T, H]
@@ -242,6 +248,27 @@ routes.register("moe", routes.Route(
     BENCH + " (H200, DeepSeek-V3 nvfp4, moe_mixed rows: 540 / 1,938 / 6,892 us at C1 / C4 / C16 "
     "against 423 / 1,488 / 6,363 for the routed launch + the shared MLP as three gemvs)",
     _admit_shared, _run_shared))
+def _admit_tc(call: MoeCall) -> str | None:
+    t = call.ids.shape[0]
+    if t > TC_MOE_MAX_TOKENS:
+        return f"{t} tokens > {TC_MOE_MAX_TOKENS}: the grouped tiles read each expert once"
+    if isinstance(call.w13, (HybridExperts, HybridTensor)):
+        return "hybrid layouts: the hybrid kernels take them"
+    return _refusal(call) or tc_moe_refusal(call.x, call.w13, call.w2, call.activation,
+                                            call.b13, call.b2)
+
+
+def _run_tc(call: MoeCall) -> torch.Tensor:
+    cfg = launch.lookup("tc_moe", "nvfp4", call.experts, call.x.shape[1], call.x.shape[0])
+    return tc_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2, config=cfg,
+                       out=call.out)
+
+
+routes.register("moe", routes.Route(
+    "triton_tc_moe", routes.DEFAULT,
+    BENCH + " (H200, Qwen3-30B-A3B nvfp4, C1 / C4 / C16 / C32 / C64: 17 / 42 / 127 / 237 / 463 us "
+    "against 19 / 56 / 196 / 382 us for the CUDA-core per-slot gemv and 539 us for the grouped "
+    "tiles at C64)", _admit_tc, _then_shared(_run_tc)))
 routes.register("moe", routes.Route(
     "triton_fused_moe_decode", routes.DEFAULT,
     BENCH + " (Qwen3-30B-A3B and Mixtral C1-C16: 22-1476 us, 2-277x the torch bf16 expert "

@@ -261,13 +261,12 @@ if HAS_GLUON:
 
 
 def tc_gemv_refusal(x: torch.Tensor, w) -> str | None:
-    """Why tc_gemv cannot take this call, or None."""
-    if not HAS_GLUON:
-        return "triton with Gluon (triton.experimental.gluon) is not installed"
-    if not x.is_cuda:
-        return f"tensors on {x.device.type} (a Gluon kernel, CUDA only)"
-    if capability(x.device.index or 0) < (8, 9):
-        return "needs compute capability 8.9+ (bf16 mma.sync, float8_e4m3 scales)"
+    """Why tc_gemv cannot take this call, or None (the call's shape and format first, then
+    where it runs)."""
+    return _shape_refusal(x, w) or _device_refusal(x)
+
+
+def _shape_refusal(x: torch.Tensor, w) -> str | None:
     if not isinstance(w, LutWeight) or not e2m1_bf16(weight_args(w)):
         return "reads nvfp4 only (E2M1 codes, e4m3 scales of 16)"
     if w.view.table_index is not None:
@@ -282,6 +281,16 @@ def tc_gemv_refusal(x: torch.Tensor, w) -> str | None:
     codes = w.view.codes
     if codes.stride(-2) % 16 or codes.storage_offset() % 16 or x.stride(0) % 8:
         return "code rows or x rows are not 16-byte aligned"
+    return None
+
+
+def _device_refusal(x: torch.Tensor) -> str | None:
+    if not HAS_GLUON:
+        return "triton with Gluon (triton.experimental.gluon) is not installed"
+    if not x.is_cuda:
+        return f"tensors on {x.device.type} (a Gluon kernel, CUDA only)"
+    if capability(x.device.index or 0) < (8, 9):
+        return "needs compute capability 8.9+ (bf16 mma.sync, float8_e4m3 scales)"
     return None
 
 
@@ -350,12 +359,12 @@ def tc_moe_refusal(x: torch.Tensor, w13, w2, activation=None, b13=None, b2=None)
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, LutWeight) or len(w.lead) != 1:
             return f"{name} is not a stack of LUT experts"
-        reason = tc_gemv_refusal(probe if name == "w13" else probe.new_empty(1, w.kp), w)
+        reason = _shape_refusal(probe if name == "w13" else probe.new_empty(1, w.kp), w)
         if reason is not None:
             return f"{name}: {reason}"
     if w13.n != 2 * w2.kp:
         return "w13 rows are not twice w2's inputs"
-    return None
+    return _device_refusal(x)
 
 
 def tc_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: LutWeight,
