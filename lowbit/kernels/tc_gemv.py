@@ -124,8 +124,8 @@ if HAS_GLUON:
     @gluon.jit
     def _tc_gemv_kernel(x_ptr, y_ptr, bias_ptr, ws_ptr, sem_ptr, codes_ptr, scales_ptr, ab_ptr,
                         M, N, K, stride_xm, stride_ym, stride_cn, stride_sn, gpost, k_split,
-                        SPLIT_K, ids_ptr, tw_ptr, A, stride_ce, stride_se,
-                        HAS_BIAS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                        SPLIT_K, ids_ptr, tw_ptr, A, stride_ce, stride_se, tidx_ptr, stride_te,
+                        HAS_TIDX: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                         MB: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
                         MOE: gl.constexpr, PREFETCH: gl.constexpr):
         # MOE 0: y [M, N] = x [M, K] @ W^T. MOE 1 (expert FC1) / 2 (expert FC2): program axis 2
@@ -150,6 +150,7 @@ if HAS_GLUON:
             e = gl.load(ids_ptr + pid_m).to(gl.int64)
             codes_ptr += e * stride_ce
             scales_ptr += e * stride_se
+            tidx_ptr += e * stride_te
         # rows past N read row N - 1 and x rows past M read row M - 1: valid memory whose
         # products land in accumulator rows / columns that are never stored (no load masks)
         rows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LC)), N - 1)
@@ -211,10 +212,14 @@ if HAS_GLUON:
                 codes, sc, xa, xb = codes_n, sc_n, xa_n, xb_n
             else:
                 codes, sc, xa, xb = _tile_loads(cptr, sptr, xptr, hrow, kn, K, BK, MOE, L1)
-        acc = acc * (gl.load(ab_ptr) * gpost)
+        ro = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        if HAS_TIDX:  # per-row code tables (merged projections): alpha of the row's table
+            t = gl.load(tidx_ptr + gl.minimum(ro, N - 1))
+            acc = acc * (gl.load(ab_ptr + 2 * t) * gpost)[:, None]
+        else:
+            acc = acc * (gl.load(ab_ptr) * gpost)
         if MOE == 2:
             acc = acc * gl.load(tw_ptr + pid_m)
-        ro = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         no = gl.arange(0, MB, layout=gl.SliceLayout(0, mma))
         if MOE == 0:
             ymask = (ro < N)[:, None] & (no < M)[None, :]
@@ -269,8 +274,6 @@ def tc_gemv_refusal(x: torch.Tensor, w) -> str | None:
 def _shape_refusal(x: torch.Tensor, w) -> str | None:
     if not isinstance(w, LutWeight) or not e2m1_bf16(weight_args(w)):
         return "reads nvfp4 only (E2M1 codes, e4m3 scales of 16)"
-    if w.view.table_index is not None:
-        return "one code table per weight (per-row tables are not read)"
     if x.dtype != torch.bfloat16:
         return f"activations are {x.dtype}, this kernel multiplies bf16"
     m, k = x.shape
@@ -328,8 +331,8 @@ def _launch(x, y, bias, w, m, n, k, cfg, slots=1, moe=0, ids=None, tw=None, a_to
                a.scales.view(torch.uint8),
                a.ab, m, n, k, x.stride(0), y.stride(0), a.stride_cn // 4, a.stride_sn,
                a.g * E2M1_BF16_POST, k_split, split, x if ids is None else ids,
-               x if tw is None else tw, a_top, a.stride_ce // 4, a.stride_se,
-               HAS_BIAS=bias is not None, BN=bn, BK=bk, MB=mb, W=cfg["num_warps"],
+               x if tw is None else tw, a_top, a.stride_ce // 4, a.stride_se, a.tidx, a.stride_te,
+               HAS_TIDX=a.has_tidx, HAS_BIAS=bias is not None, BN=bn, BK=bk, MB=mb, W=cfg["num_warps"],
                SPLIT=split > 1, MOE=moe, PREFETCH=cfg.get("PREFETCH", True),
                num_warps=cfg["num_warps"])
 

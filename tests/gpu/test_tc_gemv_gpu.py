@@ -35,12 +35,13 @@ def _x(m: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 768), (1030, 384)])
-def test_tc_gemv_matches_twin(n, k):
+@pytest.mark.parametrize("n,k,tables", [(4096, 4096, 1), (2048, 768, 2), (1030, 384, 3)])
+def test_tc_gemv_matches_twin(n, k, tables):
+    """tables > 1: per-row code tables, as merged projections (QKV, gate + up) have."""
     from lowbit.kernels.dequant_gemm import reference_linear
     from lowbit.kernels.tc_gemv import tc_gemv
 
-    w = _weight(n, k, seed=n + k)
+    w = _weight(n, k, seed=n + k, tables=tables)
     bias = torch.randn(n, device=DEV)
     for m in (1, 2, 5, 8, 9, 16):
         x = _x(m, k, seed=m)
@@ -94,16 +95,15 @@ def test_tc_gemv_refusals():
     assert "M = 17" in tc_gemv_refusal(_x(17, 512, 0), w)
     assert "bf16" in tc_gemv_refusal(_x(1, 512, 0).half(), w)
     assert "multiple of 128" in tc_gemv_refusal(_x(1, 400, 0), _weight(256, 400, seed=1))
-    assert "one code table" in tc_gemv_refusal(_x(1, 512, 0), _weight(256, 512, seed=1, tables=2))
     int4 = resolve(random_lut_view(256, 512, bits=4, table="int", block_size=32, scale_kind="f16",
                                    device=DEV))
     assert "nvfp4 only" in tc_gemv_refusal(_x(1, 512, 0), int4)
 
 
-def _stack(n: int, k: int, e: int, seed: int):
-    v = random_lut_view(n, k, lead=(e,), seed=seed, device=DEV, **NVFP4)
+def _stack(n: int, k: int, e: int, seed: int, tables: int = 1):
+    v = random_lut_view(n, k, lead=(e,), seed=seed, device=DEV, tables=tables, **NVFP4)
     return resolve(dataclasses.replace(v, codes=guarded(v.codes), scales=guarded(v.scales),
-                                       table=guarded(v.table)))
+                                       table=guarded(v.table), table_index=guarded(v.table_index)))
 
 
 @pytest.mark.parametrize("cfg", [None, dict(BN=64, BK=128, SPLIT=3)])
@@ -112,7 +112,7 @@ def test_tc_moe_gemv_matches_twin(cfg):
     from lowbit.kernels.tc_gemv import tc_moe_gemv, tc_moe_refusal
 
     e, top, h, inter = 64, 8, 2048, 768
-    w13, w2 = _stack(2 * inter, h, e, seed=1), _stack(h, inter, e, seed=2)
+    w13, w2 = _stack(2 * inter, h, e, seed=1, tables=2), _stack(h, inter, e, seed=2)
     for t in (1, 3, 16):
         g = torch.Generator(device=DEV).manual_seed(t)
         ids = torch.rand(t, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32)
