@@ -57,7 +57,7 @@ from lowbit.kernels.moe_op import MoeActivation
 from lowbit.kernels.router_op import RouterSpec, gate_logits, reference_route
 from lowbit.kernels.runtime import triton
 from lowbit.kernels.samples import BENCH_LUT_FORMATS, BENCH_SHAPES, random_fp8_view, random_lut_view
-from lowbit.kernels.tc_gemv import tc_gemv, tc_moe_gemv, tc_moe_refusal
+from lowbit.kernels.tc_gemv import tc_gemv, tc_moe_gemv, tc_moe_grouped, tc_moe_refusal
 from lowbit.kernels.weights import resolve
 
 SHAPES = BENCH_SHAPES
@@ -334,8 +334,10 @@ def moe_section(copy_tbps: float, quick: bool) -> list[dict]:
                     impls += [("grouped", fused_moe), ("gemv sorted", fused_moe_gemv)]
                 if not SMOKE and tc_moe_refusal(batches[0][0], w13, w2, **extras) is None:
                     impls.append(("mma gemv", tc_moe_gemv))  # tensor-core per-slot gemv
+                    if c >= 4:  # each expert read once for its tokens
+                        impls.append(("mma grouped", tc_moe_grouped))
                 for impl, fn in impls:
-                    if impl in ("gemv", "mma gemv"):
+                    if impl in ("gemv", "mma gemv", "mma grouped"):
                         call = (lambda b, fn=fn, w13=w13, w2=w2, kw=extras: fn(*b, w13, w2, **kw))
                     elif impl == "gemv sorted":  # config SORT_SLOTS: slots launched in expert order
                         cfg = dict(dict(BN=16, G=8) if SMOKE else

@@ -58,7 +58,7 @@ from lowbit.kernels.moe_layout import (
     with_shared_slots,
 )
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
-from lowbit.kernels.tc_gemv import tc_moe_gemv, tc_moe_refusal
+from lowbit.kernels.tc_gemv import tc_moe_gemv, tc_moe_grouped, tc_moe_refusal
 from lowbit.kernels.weights import DECODE_E2M1, Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
@@ -259,7 +259,13 @@ def _admit_tc(call: MoeCall) -> str | None:
 
 
 def _run_tc(call: MoeCall) -> torch.Tensor:
-    cfg = launch.lookup("tc_moe", "nvfp4", call.experts, call.x.shape[1], call.x.shape[0])
+    """Per-slot, or expert-grouped from the token count the device's tuned config names
+    ("GROUPED_FROM"; absent: per-slot at every T the route admits)."""
+    t = call.x.shape[0]
+    cfg = launch.lookup("tc_moe", "nvfp4", call.experts, call.x.shape[1], t)
+    if t >= cfg.get("GROUPED_FROM", 1 << 30):
+        return tc_moe_grouped(call.x, call.ids, call.weights, call.w13, call.w2,
+                              config=cfg.get("grouped"), out=call.out)
     return tc_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2, config=cfg,
                        out=call.out)
 

@@ -122,56 +122,18 @@ if HAS_GLUON:
         return codes, sc, xa, xb
 
     @gluon.jit
-    def _tc_gemv_kernel(x_ptr, y_ptr, bias_ptr, ws_ptr, sem_ptr, codes_ptr, scales_ptr, ab_ptr,
-                        M, N, K, stride_xm, stride_ym, stride_cn, stride_sn, gpost, k_split,
-                        SPLIT_K, ids_ptr, tw_ptr, A, stride_ce, stride_se, tidx_ptr, stride_te,
-                        HAS_TIDX: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                        MB: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
-                        MOE: gl.constexpr, PREFETCH: gl.constexpr):
-        # MOE 0: y [M, N] = x [M, K] @ W^T. MOE 1 (expert FC1) / 2 (expert FC2): program axis 2
-        # is a routed slot s of M = S; the weight is expert ids[s] of a stack, the activation
-        # row x[s // A] (FC1) or SiLU(h[s, :K]) * h[s, K:] (FC2, h = FC1's float32 output);
-        # FC1 writes y [S, N]; FC2 scales by the routing weight tw[s] and the program that
-        # arrives last among a token's A slots x SPLIT_K splits writes y [T, N], the ordered
-        # sum of its slots (no combine launch).
-        pid_n = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        pid_m = gl.program_id(2)
+    def _mainloop(cptr, sptr, xptr, hrow, k0, k1, K, BN: gl.constexpr, BK: gl.constexpr,
+                  MB: gl.constexpr, W: gl.constexpr, MOE: gl.constexpr, PREFETCH: gl.constexpr):
+        """acc [BN, MB] float32 (mma layout) = the decoded weight rows at cptr / sptr times the
+        activations at xptr (MOE 2: SiLU(gate) * up of the row at hrow) over k0 <= k < k1."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
                                                       instr_shape=[16, 8])
         LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-        LC: gl.constexpr = _code_layout(BN, BK // 8, W)
-        LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
         LX: gl.constexpr = _x_layout(BK, MB, W)
-        G: gl.constexpr = BK // 128
-
-        if MOE > 0:
-            e = gl.load(ids_ptr + pid_m).to(gl.int64)
-            codes_ptr += e * stride_ce
-            scales_ptr += e * stride_se
-            tidx_ptr += e * stride_te
-        # rows past N read row N - 1 and x rows past M read row M - 1: valid memory whose
-        # products land in accumulator rows / columns that are never stored (no load masks)
-        rows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LC)), N - 1)
-        cb = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LC))
-        cptr = codes_ptr + rows.to(gl.int64)[:, None] * stride_cn + cb[None, :]
-        rows_s = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LS)), N - 1)
-        sb = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, LS))
-        sptr = scales_ptr + rows_s.to(gl.int64)[:, None] * stride_sn + sb[None, :]
-        kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LX))
-        if MOE == 0:
-            nx = gl.minimum(gl.arange(0, MB, layout=gl.SliceLayout(0, LX)), M - 1)
-        else:  # one activation row, in every column
-            xrow = pid_m // A if MOE == 1 else pid_m
-            nx = gl.zeros([MB], gl.int32, layout=gl.SliceLayout(0, LX)) + xrow
-        xptr = x_ptr + nx.to(gl.int64)[None, :] * stride_xm + kx[:, None]
         L1: gl.constexpr = gl.BlockedLayout([max(BK // (32 * W), 1)], [32], [W], [0])
-        hrow = x_ptr + pid_m.to(gl.int64) * stride_xm
-
+        G: gl.constexpr = BK // 128
         acc = gl.zeros([BN, MB], gl.float32, layout=mma)
-        k0 = pid_k * k_split
-        k1 = gl.minimum(k0 + k_split, K)
         codes, sc, xa, xb = _tile_loads(cptr, sptr, xptr, hrow, gl.multiple_of(k0, BK), K, BK,
                                         MOE, L1)
         for kk in range(k0, k1, BK):
@@ -212,6 +174,55 @@ if HAS_GLUON:
                 codes, sc, xa, xb = codes_n, sc_n, xa_n, xb_n
             else:
                 codes, sc, xa, xb = _tile_loads(cptr, sptr, xptr, hrow, kn, K, BK, MOE, L1)
+        return acc
+
+    @gluon.jit
+    def _tc_gemv_kernel(x_ptr, y_ptr, bias_ptr, ws_ptr, sem_ptr, codes_ptr, scales_ptr, ab_ptr,
+                        M, N, K, stride_xm, stride_ym, stride_cn, stride_sn, gpost, k_split,
+                        SPLIT_K, ids_ptr, tw_ptr, A, stride_ce, stride_se, tidx_ptr, stride_te,
+                        HAS_TIDX: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                        MB: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
+                        MOE: gl.constexpr, PREFETCH: gl.constexpr):
+        # MOE 0: y [M, N] = x [M, K] @ W^T. MOE 1 (expert FC1) / 2 (expert FC2): program axis 2
+        # is a routed slot s of M = S; the weight is expert ids[s] of a stack, the activation
+        # row x[s // A] (FC1) or SiLU(h[s, :K]) * h[s, K:] (FC2, h = FC1's float32 output);
+        # FC1 writes y [S, N]; FC2 scales by the routing weight tw[s] and the program that
+        # arrives last among a token's A slots x SPLIT_K splits writes y [T, N], the ordered
+        # sum of its slots (no combine launch).
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        pid_m = gl.program_id(2)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
+                                                      instr_shape=[16, 8])
+        LC: gl.constexpr = _code_layout(BN, BK // 8, W)
+        LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
+        LX: gl.constexpr = _x_layout(BK, MB, W)
+
+        if MOE > 0:
+            e = gl.load(ids_ptr + pid_m).to(gl.int64)
+            codes_ptr += e * stride_ce
+            scales_ptr += e * stride_se
+            tidx_ptr += e * stride_te
+        # rows past N read row N - 1 and x rows past M read row M - 1: valid memory whose
+        # products land in accumulator rows / columns that are never stored (no load masks)
+        rows = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LC)), N - 1)
+        cb = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LC))
+        cptr = codes_ptr + rows.to(gl.int64)[:, None] * stride_cn + cb[None, :]
+        rows_s = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LS)), N - 1)
+        sb = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, LS))
+        sptr = scales_ptr + rows_s.to(gl.int64)[:, None] * stride_sn + sb[None, :]
+        kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LX))
+        if MOE == 0:
+            nx = gl.minimum(gl.arange(0, MB, layout=gl.SliceLayout(0, LX)), M - 1)
+        else:  # one activation row, in every column
+            xrow = pid_m // A if MOE == 1 else pid_m
+            nx = gl.zeros([MB], gl.int32, layout=gl.SliceLayout(0, LX)) + xrow
+        xptr = x_ptr + nx.to(gl.int64)[None, :] * stride_xm + kx[:, None]
+        hrow = x_ptr + pid_m.to(gl.int64) * stride_xm
+
+        k0 = pid_k * k_split
+        k1 = gl.minimum(k0 + k_split, K)
+        acc = _mainloop(cptr, sptr, xptr, hrow, k0, k1, K, BN, BK, MB, W, MOE, PREFETCH)
         ro = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         if HAS_TIDX:  # per-row code tables (merged projections): alpha of the row's table
             t = gl.load(tidx_ptr + gl.minimum(ro, N - 1))
@@ -263,6 +274,92 @@ if HAS_GLUON:
             if HAS_BIAS:
                 acc += gl.load(bias_ptr + ro, mask=ro < N, other=0.0).to(gl.float32)[:, None]
             gl.store(y_ptr + yoff, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+    @gluon.jit
+    def _tc_moe_grouped_kernel(x_ptr, y_ptr, codes_ptr, scales_ptr, ab_ptr, tidx_ptr, tw_ptr,
+                               order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
+                               N, K, E, A, stride_xm, stride_ym, stride_cn, stride_sn,
+                               stride_ce, stride_se, stride_te, gpost, EP: gl.constexpr,
+                               HAS_TIDX: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                               MB: gl.constexpr, W: gl.constexpr, FC: gl.constexpr,
+                               PREFETCH: gl.constexpr):
+        # Program (pid_n, p): tile p of the slots sorted by expert (moe_slots.sort_by_expert,
+        # tiles of MB slots), one expert e, its slots as the MMA's B columns: the expert's
+        # weights are read once for up to MB tokens. FC 1: rows [pid_n * BN/2, + BN/2) of the
+        # gate half and the same rows of the up half (N = I), which the mma layout gives one
+        # thread together (row r and r + BN/2: BN = 32 W), so the program writes
+        # y [S, I] = bf16(SiLU(gate) * up). FC 2: x = that [S, I]; y [S, N] float32 = the
+        # slot's output times its routing weight (moe_slots.combine_slots sums a token's).
+        pid_n = gl.program_id(0)
+        p = gl.program_id(1)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
+                                                      instr_shape=[16, 8])
+        LC: gl.constexpr = _code_layout(BN, BK // 8, W)
+        LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
+        LX: gl.constexpr = _x_layout(BK, MB, W)
+        LE: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+        ev = gl.arange(0, EP, layout=LE)
+        te = gl.load(tile_end_ptr + ev, mask=ev < E, other=1 << 30)
+        e = gl.sum((te <= p).to(gl.int32), axis=0)  # E: p is past the last tile
+        valid = e < E
+        ec = gl.minimum(e, E - 1)
+        cnt = gl.load(counts_ptr + ec)
+        seg = gl.load(seg_start_ptr + ec)
+        j0 = (p - (gl.load(tile_end_ptr + ec) - (cnt + MB - 1) // MB)) * MB
+        last = gl.maximum(cnt - 1, 0)
+        codes_ptr += ec.to(gl.int64) * stride_ce
+        scales_ptr += ec.to(gl.int64) * stride_se
+        tidx_ptr += ec.to(gl.int64) * stride_te
+
+        HB: gl.constexpr = BN // 2
+        r = gl.arange(0, BN, layout=gl.SliceLayout(1, LC))
+        rs = gl.arange(0, BN, layout=gl.SliceLayout(1, LS))
+        if FC == 1:  # local row r: gate row pid_n * HB + r % HB, + N for the up half
+            rows = gl.minimum(pid_n * HB + r % HB, N - 1) + (r // HB) * N
+            rows_s = gl.minimum(pid_n * HB + rs % HB, N - 1) + (rs // HB) * N
+        else:
+            rows = gl.minimum(pid_n * BN + r, N - 1)
+            rows_s = gl.minimum(pid_n * BN + rs, N - 1)
+        cb = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LC))
+        cptr = codes_ptr + rows.to(gl.int64)[:, None] * stride_cn + cb[None, :]
+        sb = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, LS))
+        sptr = scales_ptr + rows_s.to(gl.int64)[:, None] * stride_sn + sb[None, :]
+        nx = gl.arange(0, MB, layout=gl.SliceLayout(0, LX))
+        slot_x = gl.load(order_ptr + seg + gl.minimum(j0 + nx, last))
+        xrow = slot_x // A if FC == 1 else slot_x
+        kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LX))
+        xptr = x_ptr + xrow.to(gl.int64)[None, :] * stride_xm + kx[:, None]
+        k1 = K * valid.to(gl.int32)  # an empty tile runs no K step
+        acc = _mainloop(cptr, sptr, xptr, x_ptr, k1 * 0, k1, K, BN, BK, MB, W, 0, PREFETCH)
+
+        ro = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        if FC == 1:
+            wrow = gl.minimum(pid_n * HB + ro % HB, N - 1) + (ro // HB) * N
+        else:
+            wrow = gl.minimum(pid_n * BN + ro, N - 1)
+        if HAS_TIDX:
+            acc = acc * (gl.load(ab_ptr + 2 * gl.load(tidx_ptr + wrow)) * gpost)[:, None]
+        else:
+            acc = acc * (gl.load(ab_ptr) * gpost)
+        if FC == 1:
+            g3 = gl.permute(gl.reshape(acc, [2, HB, MB]), [1, 2, 0])
+            gate, up = gl.split(g3)
+            act = _silu_mul(gate, up)
+            LO: gl.constexpr = act.type.layout
+            io = pid_n * HB + gl.arange(0, HB, layout=gl.SliceLayout(1, LO))
+            no = gl.arange(0, MB, layout=gl.SliceLayout(0, LO))
+            slot_o = gl.load(order_ptr + seg + gl.minimum(j0 + no, last))
+            ok = ((j0 + no) < cnt) & valid
+            gl.store(y_ptr + slot_o.to(gl.int64)[None, :] * stride_ym + io[:, None],
+                     act.to(y_ptr.dtype.element_ty), mask=(io < N)[:, None] & ok[None, :])
+        else:
+            no = gl.arange(0, MB, layout=gl.SliceLayout(0, mma))
+            slot_o = gl.load(order_ptr + seg + gl.minimum(j0 + no, last))
+            ok = ((j0 + no) < cnt) & valid
+            acc = acc * gl.load(tw_ptr + slot_o)[None, :]
+            oro = pid_n * BN + ro
+            gl.store(y_ptr + slot_o.to(gl.int64)[None, :] * stride_ym + oro[:, None],
+                     acc.to(y_ptr.dtype.element_ty), mask=(oro < N)[:, None] & ok[None, :])
 
 
 def tc_gemv_refusal(x: torch.Tensor, w) -> str | None:
@@ -395,3 +492,50 @@ def tc_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     _launch(h1, y, None, w2, s, h, inter, dict(DEFAULT, **cfg.get("fc2", cfg)), s, 2,
             ids_flat, tw, a_top)
     return y
+
+
+GROUPED = {"BN": 128, "BK": 256, "num_warps": 4, "PREFETCH": True}
+
+
+def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: LutWeight,
+                   w2: LutWeight, config: dict | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE layer with each expert's weights read once for all the tokens routed to it
+    (nvfp4, SiLU, no biases): the slots sorted by expert on the device
+    (moe_slots.sort_by_expert), FC1 on tiles of up to 8 slots of one expert writing
+    bf16(SiLU(gate) * up) [S, I], FC2 writing each slot's output times its routing weight
+    [S, H], then the ordered sum per token (moe_slots.combine_slots). Five launches, no
+    host read. Same contract as moe.fused_moe_gemv."""
+    from lowbit.kernels.moe_slots import combine_slots, sort_by_expert
+
+    reason = tc_moe_refusal(x, w13, w2)
+    assert reason is None, reason
+    t, h = x.shape
+    a_top = ids.shape[1]
+    s = t * a_top
+    e = w13.lead[0]
+    inter = w2.kp
+    cfg = dict(GROUPED, **(config or {}))
+    bk, nw, mb = cfg["BK"], cfg["num_warps"], 8
+    bn1 = 32 * nw  # FC1 pairs row r with r + BN / 2 in one thread (the mma layout's repeat)
+    bn2 = cfg["BN"]
+    ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
+    tw = weights.reshape(-1).to(torch.float32).contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    order, tile_end, seg_start, counts, tiles = sort_by_expert(ids_flat, e, mb)
+    act = torch.empty(s, inter, dtype=torch.bfloat16, device=x.device)
+    ys = torch.zeros(s, h, dtype=torch.float32, device=x.device)  # slots placed nowhere add 0
+    ep = max(16, 1 << (e - 1).bit_length())
+    for fc, w, xin, yout, n, k, bn in ((1, w13, x, act, inter, h, bn1),
+                                       (2, w2, act, ys, h, inter, bn2)):
+        a = weight_args(w)
+        kb = bk if k % bk == 0 else BK_UNIT
+        grid_n = -(-n // (bn // 2 if fc == 1 else bn))
+        launch.run(_tc_moe_grouped_kernel, (grid_n, tiles),
+                   xin, yout, a.codes.view(torch.int32), a.scales.view(torch.uint8), a.ab,
+                   a.tidx, tw, order, tile_end, seg_start, counts, n, k, e, a_top,
+                   xin.stride(0), yout.stride(0), a.stride_cn // 4, a.stride_sn,
+                   a.stride_ce // 4, a.stride_se, a.stride_te, a.g * E2M1_BF16_POST, EP=ep,
+                   HAS_TIDX=a.has_tidx, BN=bn, BK=kb, MB=mb, W=nw, FC=fc,
+                   PREFETCH=cfg["PREFETCH"], num_warps=nw)
+    return combine_slots(ys, x, a_top, out)
