@@ -276,9 +276,18 @@ if HAS_GLUON:
             gl.store(y_ptr + yoff, acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
     @gluon.jit
+    def _slot_of(order_ptr, seg, j0, n, last, S):
+        """Slot of column n of a tile: order[seg + min(j0 + n, last)], the position and the
+        value kept inside 0..S-1. An empty tile (past the last one) or one of an expert with no
+        slots would otherwise read past its segment: positions never written, whose values
+        would address memory the loads and stores below must not touch."""
+        pos = gl.minimum(seg + gl.minimum(j0 + n, last), S - 1)
+        return gl.minimum(gl.maximum(gl.load(order_ptr + pos), 0), S - 1)
+
+    @gluon.jit
     def _tc_moe_grouped_kernel(x_ptr, y_ptr, codes_ptr, scales_ptr, ab_ptr, tidx_ptr, tw_ptr,
                                order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
-                               N, K, E, A, stride_xm, stride_ym, stride_cn, stride_sn,
+                               N, K, E, A, S, stride_xm, stride_ym, stride_cn, stride_sn,
                                stride_ce, stride_se, stride_te, gpost, EP: gl.constexpr,
                                HAS_TIDX: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                                MB: gl.constexpr, W: gl.constexpr, FC: gl.constexpr,
@@ -325,7 +334,7 @@ if HAS_GLUON:
         sb = gl.arange(0, BK // 16, layout=gl.SliceLayout(0, LS))
         sptr = scales_ptr + rows_s.to(gl.int64)[:, None] * stride_sn + sb[None, :]
         nx = gl.arange(0, MB, layout=gl.SliceLayout(0, LX))
-        slot_x = gl.load(order_ptr + seg + gl.minimum(j0 + nx, last))
+        slot_x = _slot_of(order_ptr, seg, j0, nx, last, S)
         xrow = slot_x // A if FC == 1 else slot_x
         kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LX))
         xptr = x_ptr + xrow.to(gl.int64)[None, :] * stride_xm + kx[:, None]
@@ -348,13 +357,13 @@ if HAS_GLUON:
             LO: gl.constexpr = act.type.layout
             io = pid_n * HB + gl.arange(0, HB, layout=gl.SliceLayout(1, LO))
             no = gl.arange(0, MB, layout=gl.SliceLayout(0, LO))
-            slot_o = gl.load(order_ptr + seg + gl.minimum(j0 + no, last))
+            slot_o = _slot_of(order_ptr, seg, j0, no, last, S)
             ok = ((j0 + no) < cnt) & valid
             gl.store(y_ptr + slot_o.to(gl.int64)[None, :] * stride_ym + io[:, None],
                      act.to(y_ptr.dtype.element_ty), mask=(io < N)[:, None] & ok[None, :])
         else:
             no = gl.arange(0, MB, layout=gl.SliceLayout(0, mma))
-            slot_o = gl.load(order_ptr + seg + gl.minimum(j0 + no, last))
+            slot_o = _slot_of(order_ptr, seg, j0, no, last, S)
             ok = ((j0 + no) < cnt) & valid
             acc = acc * gl.load(tw_ptr + slot_o)[None, :]
             oro = pid_n * BN + ro
@@ -533,7 +542,7 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         grid_n = -(-n // (bn // 2 if fc == 1 else bn))
         launch.run(_tc_moe_grouped_kernel, (grid_n, tiles),
                    xin, yout, a.codes.view(torch.int32), a.scales.view(torch.uint8), a.ab,
-                   a.tidx, tw, order, tile_end, seg_start, counts, n, k, e, a_top,
+                   a.tidx, tw, order, tile_end, seg_start, counts, n, k, e, a_top, s,
                    xin.stride(0), yout.stride(0), a.stride_cn // 4, a.stride_sn,
                    a.stride_ce // 4, a.stride_se, a.stride_te, a.g * E2M1_BF16_POST, EP=ep,
                    HAS_TIDX=a.has_tidx, BN=bn, BK=kb, MB=mb, W=nw, FC=fc,
