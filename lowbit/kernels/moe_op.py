@@ -14,7 +14,9 @@ Routes, in selection order (status and record in docs/ROUTES.md):
                             a block does not fuse, and every later route then runs the routed
                             experts and the shared MLP one after the other
   triton_tc_moe             nvfp4 experts (SiLU, no biases), T <= 64 tokens, bf16 activations:
-                            per-slot tensor-core GEMVs (lowbit.kernels.tc_gemv)
+                            tensor-core GEMVs (lowbit.kernels.tc_gemv) per slot, or from the
+                            device config's GROUPED_FROM tokens per expert (each expert read
+                            once for all its tokens)
   triton_fused_moe_decode   T <= 16 tokens (nvfp4: 32), T * A <= 256 slots: LUT / fp8 / bf16
                             experts as per-slot GEMVs (expert id read on the device) while
                             slots < 2 E (fewer than two tokens per expert on average; nvfp4:
@@ -69,8 +71,9 @@ DECODE_MAX_SLOTS = 256
 # "Batched decode"); at C64 the tiles win (558 against 751), and int4 g128 keeps the tiles
 # from C32 (435 against 493)
 E2M1_GEMV_MAX_TOKENS = 32
-# the tensor-core per-slot gemv (nvfp4) up to 64 tokens: H200, Qwen3-30B-A3B, C64 463 us
-# against 539 for the grouped tiles (docs/BENCHMARKS.md#kernels, "Tensor-core nvfp4 gemv")
+# the tensor-core nvfp4 MoE up to 64 tokens: H200, Qwen3-30B-A3B, C64 150 us (expert-grouped)
+# against 539 for the grouped tiles (docs/BENCHMARKS.md#kernels, "Tensor-core nvfp4 gemv");
+# above 64 (prefill chunks) the grouped tiles keep it
 TC_MOE_MAX_TOKENS = 64
 @dataclass
 class MoeCall:
