@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from lowbit.bench.kernels import timed  # noqa: E402
 from lowbit.kernels.moe import reference_moe  # noqa: E402
 from lowbit.kernels.samples import BENCH_LUT_FORMATS, random_lut_view  # noqa: E402
-from lowbit.kernels.tc_gemv import tc_moe_gemv, tc_moe_grouped  # noqa: E402
+from lowbit.kernels.tc_moe import tc_moe_gemv, tc_moe_grouped  # noqa: E402
 from lowbit.kernels.weights import resolve  # noqa: E402
 
 

@@ -1,6 +1,10 @@
 """Tune the tensor-core nvfp4 GEMV (lowbit.kernels.tc_gemv) on a GPU.
 
   python scripts/tune_tc_gemv.py --out DIR [--m 1,4,8,16] [--moe-t 1,4,16,32]
+  python scripts/tune_tc_gemv.py --static
+      No GPU needed (run without TRITON_INTERPRET): compiles the linear, per-slot MoE and
+      expert-grouped kernels for sm_90 and prints, as one JSON line, each main loop's SASS
+      instruction count and mix and the widths of the kernel's global loads.
 
 Times every candidate config (CUDA-graph replay over weight copies past L2, as
 lowbit.bench.kernels) for the linear benchmark and engine shapes at each M, and for the
@@ -19,6 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tune_kernels (the SASS loop counter)
 
 import torch  # noqa: E402
 
@@ -52,15 +57,68 @@ def _time_best(fns_for, cands) -> tuple[float, dict, float | None]:
     return best[0], best[1], base
 
 
+TYPES = {"x_ptr": "*bf16", "y_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": "*u8",
+         "ab_ptr": "*fp32", "tidx_ptr": "*i32", "tw_ptr": "*fp32", "gpost": "fp32",
+         "bias_ptr": "*bf16", "ws_ptr": "*fp32", "sem_ptr": "*i32", "ids_ptr": "*i32",
+         "order_ptr": "*i32", "tile_end_ptr": "*i32", "seg_start_ptr": "*i32", "counts_ptr": "*i32"}
+
+
+def _static_one(kernel, consts: dict, types: dict) -> dict:
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from tune_kernels import _loop_stats
+
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in kernel.arg_names}
+    aligned = [i for i, n in enumerate(kernel.arg_names)
+               if n.endswith("_ptr") or n.startswith("stride_") or n in ("K", "k_split")]
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts,
+                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": consts["W"]})
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    n, ops = _loop_stats(sass)
+    return {"loop": n, "ops": dict(ops), "ldg128": len(re.findall(r"LDG\.E\.128", sass)),
+            "ldg_u8": len(re.findall(r"LDG\.E\.U8", sass))}
+
+
+def static() -> None:
+    from lowbit.kernels import tc_gemv, tc_moe
+
+    lin = dict(HAS_TIDX=True, HAS_BIAS=False, BN=64, BK=256, MB=8, W=4, SPLIT=True, PREFETCH=True)
+    grp = dict(EP=128, HAS_TIDX=True, BN=128, BK=256, MB=8, W=4, PREFETCH=True)
+    out = {"linear": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=0), TYPES),
+           "moe_fc1": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=1), TYPES),
+           "moe_fc2": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=2),
+                                  dict(TYPES, x_ptr="*fp32")),
+           "grouped_fc1": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=1), TYPES),
+           "grouped_fc2": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=2, BN=64),
+                                      dict(TYPES, y_ptr="*fp32"))}
+    print(json.dumps(out))
+
+
 def main() -> None:
     from lowbit.bench.kernels import copies_for, payload_bytes
-    from lowbit.kernels.tc_gemv import tc_gemv, tc_moe_gemv
+    from lowbit.kernels.tc_gemv import tc_gemv
+    from lowbit.kernels.tc_moe import tc_moe_gemv
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--m", default="1,4,8,16")
     ap.add_argument("--moe-t", default="1,4,16,32")
+    ap.add_argument("--static", action="store_true")
     a = ap.parse_args()
+    if a.static:
+        static()
+        return
     dev = "cuda"
     kw = BENCH_LUT_FORMATS["nvfp4"]
     out = {"device": torch.cuda.get_device_name(0), "tc_gemv": {}, "tc_moe": {}}

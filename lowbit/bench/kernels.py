@@ -57,7 +57,8 @@ from lowbit.kernels.moe_op import MoeActivation
 from lowbit.kernels.router_op import RouterSpec, gate_logits, reference_route
 from lowbit.kernels.runtime import triton
 from lowbit.kernels.samples import BENCH_LUT_FORMATS, BENCH_SHAPES, random_fp8_view, random_lut_view
-from lowbit.kernels.tc_gemv import tc_gemv, tc_moe_gemv, tc_moe_grouped, tc_moe_refusal
+from lowbit.kernels.tc_gemv import tc_gemv
+from lowbit.kernels.tc_moe import tc_moe_gemv, tc_moe_grouped, tc_moe_refusal
 from lowbit.kernels.weights import resolve
 
 SHAPES = BENCH_SHAPES

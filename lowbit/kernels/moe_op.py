@@ -14,7 +14,7 @@ Routes, in selection order (status and record in docs/ROUTES.md):
                             a block does not fuse, and every later route then runs the routed
                             experts and the shared MLP one after the other
   triton_tc_moe             nvfp4 experts (SiLU, no biases), T <= 64 tokens, bf16 activations:
-                            tensor-core GEMVs (lowbit.kernels.tc_gemv) per slot, or from the
+                            tensor-core GEMVs (lowbit.kernels.tc_moe) per slot, or from the
                             device config's GROUPED_FROM tokens per expert (each expert read
                             once for all its tokens)
   triton_fused_moe_decode   T <= 16 tokens (nvfp4: 32), T * A <= 256 slots: LUT / fp8 / bf16
@@ -60,7 +60,7 @@ from lowbit.kernels.moe_layout import (
     with_shared_slots,
 )
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
-from lowbit.kernels.tc_gemv import tc_moe_gemv, tc_moe_grouped, tc_moe_refusal
+from lowbit.kernels.tc_moe import tc_moe_gemv, tc_moe_grouped, tc_moe_refusal
 from lowbit.kernels.weights import DECODE_E2M1, Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"

@@ -10,8 +10,6 @@ import torch  # noqa: E402
 from lowbit.errors import LowbitError  # noqa: E402
 from lowbit.kernels import linear, moe_experts, routes  # noqa: E402
 from lowbit.kernels.routes import DEFAULT, MEASURED_NEGATIVE, OPT_IN, Route  # noqa: E402
-from lowbit.kernels.samples import random_lut_view  # noqa: E402
-from lowbit.kernels.weights import resolve  # noqa: E402
 
 
 class Call:
@@ -249,31 +247,3 @@ def test_moe_decode_route_token_limits(monkeypatch, case, t, want):
     monkeypatch.setattr(moe_op, "fused_moe", lambda *a, **k: ran.append("tiles"))
     moe_op._run("decode")(call)
     assert ran == [want]
-
-
-def test_tc_gemv_admission_reasons():
-    """The tensor-core nvfp4 routes refuse what their kernel cannot read, with the reason, in
-    this order: format, tables, activation dtype, M, K, alignment, then the device."""
-    from lowbit.kernels import moe_op
-    from lowbit.kernels.tc_gemv import tc_gemv_refusal, tc_moe_refusal
-    from tests.kernels.cases import make_weight
-
-    nv = make_weight("nvfp4_two_tables", 256, 512)
-    one = resolve(random_lut_view(256, 512, bits=4, table="e2m1", block_size=16, scale_kind="e4m3"))
-    x = torch.randn(3, 512).bfloat16()
-    assert "nvfp4 only" in tc_gemv_refusal(x, make_weight("int4_g32_offsets", 256, 512))
-    assert tc_gemv_refusal(x, nv) == tc_gemv_refusal(x, one)  # per-row tables are read
-    assert "bf16" in tc_gemv_refusal(x.half(), one)
-    assert "M = 17 > 16" in tc_gemv_refusal(torch.randn(17, 512).bfloat16(), one)
-    k400 = resolve(random_lut_view(256, 400, bits=4, table="e2m1", block_size=16, scale_kind="e4m3"))
-    assert "multiple of 128" in tc_gemv_refusal(torch.randn(1, 400).bfloat16(), k400)
-    assert "CUDA only" in tc_gemv_refusal(x, one)
-    stack = resolve(random_lut_view(64, 512, lead=(8,), bits=4, table="e2m1", block_size=16,
-                                    scale_kind="e4m3"))
-    w2 = resolve(random_lut_view(512, 32, lead=(8,), bits=4, table="e2m1", block_size=16,
-                                 scale_kind="e4m3"))
-    assert "biases" in tc_moe_refusal(x, stack, w2, b13=torch.zeros(8, 64))
-    assert "K = 32" in tc_moe_refusal(x, stack, w2)  # w2's K (the expert width) too
-    ids = torch.zeros(65, 2, dtype=torch.int32)
-    call = moe_op.MoeCall(torch.randn(65, 512).bfloat16(), ids, torch.rand(65, 2), stack, w2)
-    assert "65 tokens > 64" in moe_op._admit_tc(call)

@@ -1,0 +1,71 @@
+"""Admission of the tensor-core nvfp4 kernels (lowbit.kernels.tc_gemv, tc_moe) on the CPU:
+each refusal names its reason. The kernels themselves are Gluon (CUDA only): their
+correctness tests are tests/gpu/test_tc_gemv_gpu.py and tests/gpu/test_tc_moe_gpu.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.kernels.samples import random_lut_view
+from lowbit.kernels.weights import resolve
+
+
+def test_tc_gemv_admission_reasons():
+    """The tensor-core nvfp4 routes refuse what their kernel cannot read, with the reason, in
+    this order: format, tables, activation dtype, M, K, alignment, then the device."""
+    from lowbit.kernels import moe_op
+    from lowbit.kernels.tc_gemv import tc_gemv_refusal
+    from lowbit.kernels.tc_moe import tc_moe_refusal
+    from tests.kernels.cases import make_weight
+
+    nv = make_weight("nvfp4_two_tables", 256, 512)
+    one = resolve(random_lut_view(256, 512, bits=4, table="e2m1", block_size=16, scale_kind="e4m3"))
+    x = torch.randn(3, 512).bfloat16()
+    assert "nvfp4 only" in tc_gemv_refusal(x, make_weight("int4_g32_offsets", 256, 512))
+    assert tc_gemv_refusal(x, nv) == tc_gemv_refusal(x, one)  # per-row tables are read
+    assert "bf16" in tc_gemv_refusal(x.half(), one)
+    assert "M = 17 > 16" in tc_gemv_refusal(torch.randn(17, 512).bfloat16(), one)
+    k400 = resolve(random_lut_view(256, 400, bits=4, table="e2m1", block_size=16, scale_kind="e4m3"))
+    assert "multiple of 128" in tc_gemv_refusal(torch.randn(1, 400).bfloat16(), k400)
+    assert "CUDA only" in tc_gemv_refusal(x, one)
+    stack = resolve(random_lut_view(64, 512, lead=(8,), bits=4, table="e2m1", block_size=16,
+                                    scale_kind="e4m3"))
+    w2 = resolve(random_lut_view(512, 32, lead=(8,), bits=4, table="e2m1", block_size=16,
+                                 scale_kind="e4m3"))
+    assert "biases" in tc_moe_refusal(x, stack, w2, b13=torch.zeros(8, 64))
+    assert "K = 32" in tc_moe_refusal(x, stack, w2)  # w2's K (the expert width) too
+    ids = torch.zeros(65, 2, dtype=torch.int32)
+    call = moe_op.MoeCall(torch.randn(65, 512).bfloat16(), ids, torch.rand(65, 2), stack, w2)
+    assert "65 tokens > 64" in moe_op._admit_tc(call)
+
+
+def test_kernels_compile_for_sm90_without_shared_memory_in_the_loop():
+    """The Gluon kernels compile for the H200's sm_90 on any machine (scripts/tune_tc_gemv.py
+    --static, in a process without the interpreter), and the layout map holds: the K loop
+    loads codes 16 bytes a thread and feeds the tensor cores with no trip through shared
+    memory (a layout conversion there would show as LDS / STS in the loop)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    from lowbit.kernels import tc_gemv
+
+    if not tc_gemv.HAS_GLUON:
+        pytest.skip("triton without Gluon")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(root / "scripts" / "tune_tc_gemv.py"), "--static"],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(stats) == {"linear", "moe_fc1", "moe_fc2", "grouped_fc1", "grouped_fc2"}
+    for name, st in stats.items():
+        assert st["loop"] > 100 and st["ops"].get("HMMA", 0) >= 16, (name, st)
+        assert st["ldg128"] > 0 and st["ldg_u8"] == 0, (name, st)
+        if name != "moe_fc2":  # FC2 broadcasts its activation through shared memory by design
+            assert st["ops"].get("LDS", 0) == 0 and st["ops"].get("STS", 0) == 0, (name, st)
