@@ -46,7 +46,7 @@ from lowbit.kernels.decode import (
     weight_args,
 )
 from lowbit.kernels.dequant_gemm import _gemv_codes, _gemv_kernel, gated_act, split_plan
-from lowbit.kernels.moe_slots import combine_slots, sort_by_expert
+from lowbit.kernels.moe_slots import combine_slots, flat_slots, moe_output, sort_by_expert
 from lowbit.kernels.runtime import (
     interpreting,
     round_for_dot,
@@ -329,9 +329,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
     s = t * a_top
     e = w13.lead[0]
     inter = w13.n // 2
-    ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
-    tw = weights.reshape(-1).to(torch.float32).contiguous()
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x, ids_flat, tw = flat_slots(x, ids, weights)
     cfg = config or launch.lookup(f"moe_{mode}", moe_fmt_keys(w13), e, h, t)
     if mode == "decode":
         assert s <= 256, "the decode mapping takes at most 256 slots"
@@ -413,12 +411,9 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     s = t * a_top
     inter = w13.n // 2
     cfg = config or launch.lookup("moe_gemv", moe_fmt_keys(w13), w13.lead[0], h, t)
-    ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
-    tw = weights.reshape(-1).to(torch.float32).contiguous()
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x, ids_flat, tw = flat_slots(x, ids, weights)
     h1 = torch.empty(s, 2 * inter, dtype=torch.float32, device=x.device)
-    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
-    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
+    y = moe_output(x, out)
     act = act_consts(activation)
     order = None
     if cfg.get("SORT_SLOTS"):  # every slot stays in the order, whatever its id

@@ -45,7 +45,7 @@ from lowbit.kernels.moe import (
     _tile_slots,
 )
 from lowbit.kernels.moe_layout import HybridExperts
-from lowbit.kernels.moe_slots import combine_slots, sort_by_expert
+from lowbit.kernels.moe_slots import combine_slots, flat_slots, sort_by_expert
 from lowbit.kernels.runtime import (
     interpreting,
     round_for_dot,
@@ -176,9 +176,7 @@ def fused_moe_hybrid(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     assert h == experts.hidden, (h, experts.hidden)
     fmt = "+".join(experts.formats())
     cfg = {**launch.lookup(f"moe_hybrid_{mode}", fmt, e, h, t), **(config or {})}
-    ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
-    tw = weights.reshape(-1).to(torch.float32).contiguous()
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x, ids_flat, tw = flat_slots(x, ids, weights)
     if mode == "decode":
         assert s <= 256, "the decode mapping takes at most 256 slots"
         bm, tiles = max(16, triton.next_power_of_2(t)), min(e, s)

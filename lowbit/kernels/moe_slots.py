@@ -69,6 +69,22 @@ def _expert_place_kernel(ids_ptr, hist_ptr, order_ptr, tile_end_ptr, seg_start_p
     tl.store(order_ptr + pos, sl, mask=(sl < S) & named)
 
 
+def flat_slots(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """(x with unit column stride, ids_flat int32 [S], tw float32 [S]) of a routing ids /
+    weights [T, A]: slot s = t * A + j, the order every fused MoE kernel indexes."""
+    x = x if x.stride(1) == 1 else x.contiguous()
+    return (x, ids.reshape(-1).to(torch.int32).contiguous(),
+            weights.reshape(-1).to(torch.float32).contiguous())
+
+
+def moe_output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """y [T, H]: out (x.dtype or float32, unit column stride) or a new tensor in x.dtype."""
+    t, h = x.shape
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
+    return y
+
+
 def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
     """Device-side grouping of the slots by expert, with no host read (CUDA-graph safe).
 

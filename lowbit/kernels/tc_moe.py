@@ -24,7 +24,7 @@ import torch
 from lowbit.formats.views import LutWeight
 from lowbit.kernels import launch
 from lowbit.kernels.decode import E2M1_BF16_POST, weight_args
-from lowbit.kernels.moe_slots import combine_slots, sort_by_expert
+from lowbit.kernels.moe_slots import combine_slots, flat_slots, moe_output, sort_by_expert
 from lowbit.kernels.tc_gemv import (
     BK_UNIT,
     DEFAULT,
@@ -168,12 +168,9 @@ def tc_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     s = t * a_top
     inter = w2.kp
     cfg = config or launch.lookup("tc_moe", "nvfp4", w13.lead[0], h, t)
-    ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
-    tw = weights.reshape(-1).to(torch.float32).contiguous()
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x, ids_flat, tw = flat_slots(x, ids, weights)
     h1 = torch.empty(s, 2 * inter, dtype=torch.float32, device=x.device)
-    y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
-    assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
+    y = moe_output(x, out)
     _launch(x, h1, None, w13, s, 2 * inter, h, dict(DEFAULT, **cfg.get("fc1", cfg)), s, 1,
             ids_flat, tw, a_top)
     _launch(h1, y, None, w2, s, h, inter, dict(DEFAULT, **cfg.get("fc2", cfg)), s, 2,
@@ -205,9 +202,7 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     bk, nw, mb = cfg["BK"], cfg["num_warps"], 8
     bn1 = 32 * nw  # FC1 pairs row r with r + BN / 2 in one thread (the mma layout's repeat)
     bn2 = cfg["BN"]
-    ids_flat = ids.reshape(-1).to(torch.int32).contiguous()
-    tw = weights.reshape(-1).to(torch.float32).contiguous()
-    x = x if x.stride(1) == 1 else x.contiguous()
+    x, ids_flat, tw = flat_slots(x, ids, weights)
     order, tile_end, seg_start, counts, tiles = sort_by_expert(ids_flat, e, mb)
     act = torch.empty(s, inter, dtype=torch.bfloat16, device=x.device)
     ys = torch.zeros(s, h, dtype=torch.float32, device=x.device)  # slots placed nowhere add 0
