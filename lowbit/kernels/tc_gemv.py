@@ -271,6 +271,7 @@ if HAS_GLUON:
                 acc += gl.load(bias_ptr + ro, mask=ro < N, other=0.0).to(gl.float32)[:, None]
             gl.store(y_ptr + yoff, acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
+
 def tc_gemv_refusal(x: torch.Tensor, w) -> str | None:
     """Why tc_gemv cannot take this call, or None (the call's shape and format first, then
     where it runs)."""
