@@ -49,7 +49,7 @@ from lowbit.formats.views import DenseWeight, Fp8View
 from lowbit.kernels import launch, router_op
 from lowbit.kernels.dequant import lut_dequant_mm
 from lowbit.kernels.dequant_gemm import lut_gemm, lut_gemv, reference_linear
-from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8
+from lowbit.kernels.fp8_gemm import fp8_w8a8, reference_w8a8, scaled_mm_w8a8
 from lowbit.kernels.moe import fused_moe, fused_moe_gemv, moe_fmt_keys, reference_moe, torch_act
 from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid
 from lowbit.kernels.moe_layout import hybrid_experts, make_group, shared_group, with_shared_slots
@@ -197,6 +197,9 @@ def _ours(n: int, k: int) -> dict:
                              "gemv", lut_gemv)
     out["fp8 w8a8 (128x128)"] = (lambda i: resolve(random_fp8_view(n, k, layout="block", device=DEV, seed=i)),
                                  "w8a8", fp8_w8a8)
+    if not SMOKE:  # route torch_scaled_mm: per-token quantization + torch._scaled_mm
+        out["fp8 w8a8 _scaled_mm"] = (lambda i: resolve(random_fp8_view(n, k, layout="channel", device=DEV,
+                                                                        seed=i)), "w8a8", scaled_mm_w8a8)
     return out
 
 

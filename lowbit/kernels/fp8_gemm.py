@@ -100,7 +100,7 @@ def w8a8_refusal(x: torch.Tensor, w: Fp8View) -> str | None:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (xq float8_e4m3fn [M, K], sx float32 [M]) with a per-row scale."""
     m, k = x.shape
-    if interpreting():  # triton 3.6's interpreter rounds fp32 -> e4m3 wrongly across binades
+    if interpreting() or not x.is_cuda:  # triton 3.6's interpreter rounds fp32 -> e4m3 wrongly across binades
         sx = (x.float().abs().amax(1).clamp(min=1e-12) / E4M3_MAX).contiguous()
         xq = (x.float() / sx[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return xq, sx
@@ -137,6 +137,39 @@ def fp8_w8a8(x: torch.Tensor, w: Fp8View, bias: torch.Tensor | None = None,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )
     return y
+
+
+def scaled_mm_refusal(x: torch.Tensor, w: Fp8View) -> str | None:
+    """Why scaled_mm_w8a8 cannot take this call, or None."""
+    reason = w8a8_refusal(x, w)
+    if reason is not None:
+        return reason
+    if w.scales.shape[-1] != 1 or w.block_rows != 1:
+        return "torch._scaled_mm's row-wise mode reads one weight scale per row, not 128x128 blocks"
+    if x.dtype != torch.bfloat16:
+        return f"torch._scaled_mm's row-wise mode writes bf16, activations are {x.dtype}"
+    if x.shape[1] % 16 or w.n % 16:
+        return f"torch._scaled_mm needs K and N multiples of 16, got K = {x.shape[1]}, N = {w.n}"
+    if w.codes.stride(-1) != 1 or w.codes.stride(-2) % 16:
+        return "fp8 code rows are not 16-byte aligned"
+    return None
+
+
+def scaled_mm_w8a8(x: torch.Tensor, w: Fp8View, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] in x.dtype: the W8A8 product of fp8_w8a8 (the same per-row activation
+    quantization, quantize_rows) through torch._scaled_mm (cuBLASLt fp8 GEMM with row-wise
+    scales): sx [M, 1] on the activations, the weight's row scales [1, N]. The activation
+    rows are padded to a multiple of 16 with zeros."""
+    assert x.dim() == 2 and w.lead == () and scaled_mm_refusal(x, w) is None
+    m = x.shape[0]
+    xq, sx = quantize_rows(x if x.stride(1) == 1 else x.contiguous())
+    pad = -m % 16
+    if pad:
+        xq = torch.cat([xq, xq.new_zeros(pad, xq.shape[1])])
+        sx = torch.cat([sx, sx.new_ones(pad)])
+    y = torch._scaled_mm(xq, w.codes.t(), scale_a=sx[:, None], out_dtype=x.dtype,
+                         scale_b=w.scales.reshape(1, -1).float())[:m]
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def reference_w8a8(x: torch.Tensor, w: Fp8View, bias: torch.Tensor | None = None) -> torch.Tensor:

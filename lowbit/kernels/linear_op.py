@@ -13,6 +13,7 @@ Routes, in selection order (see lowbit.kernels.routes; status and record in docs
   triton_lut_gemm    tensor-core tiles with in-register decode, bf16/fp16 activations
   triton_fp8_w8a16   the gemv (M <= 4; forced: gemv to 16, gemm above) on fp8 weights
   triton_fp8_w8a8    fp8 x fp8 tensor-core GEMM with per-token activation scales (sm_89+)
+  torch_scaled_mm    the same W8A8 product through torch._scaled_mm (per-row weight scales)
   triton_vq_gemv     vector codebook (vq2 / vq3 / vq4) GEMV, M <= 4 (M <= 16 forced); OPT_IN
   torch              reference: decode with the format's twin, float32 matmul (dense: F.linear)
 """
@@ -34,8 +35,8 @@ from lowbit.kernels.dequant_gemm import (
     lut_gemv,
     reference_linear,
 )
-from lowbit.kernels.fp8_gemm import fp8_w8a8, w8a8_refusal
-from lowbit.kernels.runtime import fp8_refusal, triton_refusal
+from lowbit.kernels.fp8_gemm import fp8_w8a8, scaled_mm_refusal, scaled_mm_w8a8, w8a8_refusal
+from lowbit.kernels.runtime import capability, fp8_refusal, triton_refusal
 from lowbit.kernels.tc_gemv import tc_gemv, tc_gemv_refusal
 from lowbit.kernels.vq_gemv import vq_gemv, vq_gemv_refusal
 from lowbit.kernels.weights import Resolved, resolve
@@ -220,6 +221,20 @@ def _admit_vq_gemv(call: LinearCall) -> str | None:
     return _common_refusal(call, (VqWeight,)) or vq_gemv_refusal(call.x, call.weight, call.bias)
 
 
+def _admit_scaled_mm(call: LinearCall) -> str | None:
+    if not isinstance(call.weight, Fp8View) or call.weight.lead != ():
+        return _common_refusal(call, (Fp8View,))
+    if call.x.is_cuda and capability(call.x.device.index or 0) < (8, 9):
+        return "fp8 GEMMs need compute capability 8.9+"
+    return scaled_mm_refusal(call.x, call.weight)
+
+
+routes.register("linear", routes.Route(
+    "torch_scaled_mm", routes.OPT_IN, "no GPU record of the route yet: the bare torch._scaled_mm "
+    "(peer rows of docs/BENCHMARKS.md#kernels, activations pre-quantized) takes 17.2-19.3 us at "
+    "M = 1-16 on 4096x14336 / 14336x4096 against 32 us for triton_fp8_w8a16 at M = 1; W8A8 "
+    "numerics (per-token activation scales), as triton_fp8_w8a8", _admit_scaled_mm,
+    lambda call: scaled_mm_w8a8(call.x, call.weight, call.bias)))
 routes.register("linear", routes.Route(
     "triton_vq_gemv", routes.OPT_IN, "no GPU record yet (vector codebook gemv, M <= 4; "
     "M <= 16 when forced; tested against its twin in the interpreter)", _admit_vq_gemv,

@@ -258,3 +258,17 @@ def test_fused_router_in_a_graph(monkeypatch):
                     assert (~same).sum() <= max(1, t // 16), (e, t)
                 assert torch.equal(ids[same], want_ids[same]), (e, t)
                 torch.testing.assert_close(w[same], want_w[same], rtol=0, atol=1e-5)
+
+
+def test_scaled_mm_route_real_size(monkeypatch):
+    """torch_scaled_mm (OPT_IN): W8A8 through torch._scaled_mm's row-wise mode on the GPU,
+    against the twin of the same per-token quantization; odd M pads to 16 rows."""
+    from lowbit.kernels.fp8_gemm import reference_w8a8
+
+    monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "torch_scaled_mm")
+    w = make_weight("fp8_channel", 4096, 2048, seed=11, device=DEV)
+    bias = torch.randn(4096, device=DEV)
+    for m in (1, 5, 16, 33):
+        x = torch.randn(m, 2048, device=DEV, dtype=torch.bfloat16)
+        y = linear(x, w, bias)
+        assert rel_err(y, reference_w8a8(x, w, bias)) < 1e-2, m

@@ -29,3 +29,30 @@ def test_w8a8_matches_twin(layout):
 def test_w8a8_refuses_e8m0_scales():
     w = random_fp8_view(32, 64, layout="mx")
     assert "float32 weight scales" in w8a8_refusal(torch.randn(1, 64), w)
+
+
+def test_scaled_mm_route_matches_twin(monkeypatch):
+    """The forced torch_scaled_mm route (W8A8 through torch._scaled_mm, also on the CPU) gives
+    reference_w8a8's product, rounded once to bf16; odd M pads the rows to 16."""
+    from lowbit.kernels import linear
+    from lowbit.kernels.weights import resolve
+
+    monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "torch_scaled_mm")
+    w = resolve(random_fp8_view(96, 320, layout="channel", seed=3))
+    bias = torch.randn(96)
+    for m in (1, 5, 17):
+        x = torch.randn(m, 320).bfloat16()
+        y = linear(x, w, bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 96)
+        assert rel_err(y, reference_w8a8(x, w, bias)) < 1e-2, m
+
+
+def test_scaled_mm_refusals():
+    from lowbit.kernels.fp8_gemm import scaled_mm_refusal
+    from lowbit.kernels.weights import resolve
+
+    x = torch.randn(2, 256).bfloat16()
+    assert "128x128" in scaled_mm_refusal(x, resolve(random_fp8_view(256, 256, layout="block")))
+    assert "writes bf16" in scaled_mm_refusal(x.half(), resolve(random_fp8_view(64, 256, layout="channel")))
+    assert "multiples of 16" in scaled_mm_refusal(x, resolve(random_fp8_view(40, 256, layout="channel")))
+    assert scaled_mm_refusal(x, resolve(random_fp8_view(64, 256, layout="channel"))) is None
