@@ -102,7 +102,8 @@ def test_route_table_rows(op):
 def test_every_real_route_cites_a_record():
     names = {op: [r.name for r in o.routes] for op, o in routes.ops().items()}
     assert names["linear"] == ["dense", "triton_tc_gemv", "triton_lut_gemv", "triton_lut_dequant",
-                               "triton_lut_gemm", "triton_fp8_w8a16", "triton_fp8_w8a8", "triton_vq_gemv",
+                               "triton_lut_gemm", "triton_fp8_w8a16", "triton_fp8_w8a8", "torch_scaled_mm",
+                               "triton_vq_gemv",
                                "torch"]
     assert names["moe"] == ["triton_moe_shared_slots", "triton_tc_moe", "triton_fused_moe_decode",
                             "triton_moe_grouped", "torch"]
