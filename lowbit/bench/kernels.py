@@ -5,11 +5,14 @@
 1. Ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 matmul.
 2. Linear, N x K in {4096x14336, 14336x4096, 2048x6144}, M in {1, 4, 16}: peers torch bf16
    (cuBLAS), torch._weight_int4pack_mm (tinygemm, int4 g128), torch._scaled_mm (fp8, M
-   padded to 16); ours per weight format (gemv; gemm at M = 16; fp8 W8A8).
+   padded to 16); ours per weight format (gemv; gemm at M = 16; fp8 W8A8, in Triton and
+   through torch._scaled_mm) and the tensor-core nvfp4 gemv ("mma gemv", lowbit.kernels.tc_gemv).
 3. MoE layer at C1/C4/C16/C32/C64 for Qwen3-30B-A3B (E=128, top-8, 2048 -> 768) and Mixtral
    (E=8, top-2, 4096 -> 14336): peer torch bf16 (loop over the experts used), ours in
    nvfp4 and int4 (per-slot gemv, decode tiles up to 256 slots, grouped tiles and the gemv
-   with its slots launched in expert order from C16) and bf16 (tensor-core tiles);
+   with its slots launched in expert order from C16; nvfp4 also the tensor-core per-slot
+   "mma gemv" and, from C4, the expert-grouped "mma grouped" of lowbit.kernels.tc_moe) and
+   bf16 (tensor-core tiles);
    DeepSeek-V3 (E=256, top-8, 7168 -> 2048) in nvfp4 and gpt-oss-20b (E=32, top-4,
    2880 -> 2880) in mxfp4 with its expert biases and clamped SwiGLU (MOE_EXTRAS), on every
    implementation, the torch peer included.
