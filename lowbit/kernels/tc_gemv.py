@@ -21,6 +21,12 @@ one by one. Written in Gluon (triton.experimental.gluon) because the layouts are
   per-row alpha * g * 2**-6 multiplies the float32 accumulator once (decode.E2M1_BF16_POST).
 - Split-K when N / BN programs cannot fill the SMs, deterministic as in dequant_gemm: each
   split writes its partial to a workspace, the last to arrive sums them in split order.
+- PREFETCH: the next K step's loads are in flight while this one is decoded. No load is
+  masked: rows past N and activation rows past M read the last valid row, and their products
+  land in accumulator rows / columns that are never stored (K is whole 128-code groups).
+The kernel's MOE modes (per-slot expert FC1 / FC2) and the K loop (`_mainloop`) also serve
+lowbit.kernels.tc_moe. Configs: "tc_gemv" in lowbit/kernels/configs/<device>.json
+(scripts/tune_tc_gemv.py).
 Reference twin: dequant_gemm.reference_linear (exact tiles: no weight rounding).
 """
 
