@@ -75,6 +75,8 @@ E2M1_GEMV_MAX_TOKENS = 32
 # against 539 for the grouped tiles (docs/BENCHMARKS.md#kernels, "Tensor-core nvfp4 gemv");
 # above 64 (prefill chunks) the grouped tiles keep it
 TC_MOE_MAX_TOKENS = 64
+
+
 @dataclass
 class MoeCall:
     x: torch.Tensor  # [T, H]
@@ -251,6 +253,8 @@ routes.register("moe", routes.Route(
     BENCH + " (H200, DeepSeek-V3 nvfp4, moe_mixed rows: 540 / 1,938 / 6,892 us at C1 / C4 / C16 "
     "against 423 / 1,488 / 6,363 for the routed launch + the shared MLP as three gemvs)",
     _admit_shared, _run_shared))
+
+
 def _admit_tc(call: MoeCall) -> str | None:
     t = call.ids.shape[0]
     if t > TC_MOE_MAX_TOKENS:
@@ -275,9 +279,10 @@ def _run_tc(call: MoeCall) -> torch.Tensor:
 
 routes.register("moe", routes.Route(
     "triton_tc_moe", routes.DEFAULT,
-    BENCH + " (H200, Qwen3-30B-A3B nvfp4, C1 / C4 / C16 / C32 / C64: 17 / 42 / 127 / 237 / 463 us "
-    "against 19 / 56 / 196 / 382 us for the CUDA-core per-slot gemv and 539 us for the grouped "
-    "tiles at C64)", _admit_tc, _then_shared(_run_tc)))
+    BENCH + " (H200, Qwen3-30B-A3B nvfp4, per slot C1 / C4: 17 / 42 us against 19 / 56 for the "
+    "CUDA-core gemv; expert-grouped C8 / C16 / C32 / C64: 71 / 103 / 132 / 150 us against 77 / "
+    "127 / 237 / 454 per slot, and 539 for the grouped tiles at C64)", _admit_tc,
+    _then_shared(_run_tc)))
 routes.register("moe", routes.Route(
     "triton_fused_moe_decode", routes.DEFAULT,
     BENCH + " (Qwen3-30B-A3B and Mixtral C1-C16: 22-1476 us, 2-277x the torch bf16 expert "
