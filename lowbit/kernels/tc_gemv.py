@@ -68,6 +68,11 @@ if HAS_GLUON:
     _SCALE_2_118 = gl.constexpr(2.0**118)
 
     @gluon.constexpr_function
+    def _mma_layout(W):
+        """mma.sync m16n8k16 accumulators, W warps stacked along the weight rows."""
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
+
+    @gluon.constexpr_function
     def _code_layout(BN, BKW, W):
         """Real code words [BN, BKW] (int32, 8 codes each): a thread holds 4 contiguous words
         (16 bytes) of a 16-word group for rows g and g + 8 (and the row / group repeats in
@@ -128,8 +133,7 @@ if HAS_GLUON:
                   MB: gl.constexpr, W: gl.constexpr, MOE: gl.constexpr, PREFETCH: gl.constexpr):
         """acc [BN, MB] float32 (mma layout) = the decoded weight rows at cptr / sptr times the
         activations at xptr (MOE 2: SiLU(gate) * up of the row at hrow) over k0 <= k < k1."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
-                                                      instr_shape=[16, 8])
+        mma: gl.constexpr = _mma_layout(W)
         LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
         LX: gl.constexpr = _x_layout(BK, MB, W)
@@ -194,8 +198,7 @@ if HAS_GLUON:
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         pid_m = gl.program_id(2)
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
-                                                      instr_shape=[16, 8])
+        mma: gl.constexpr = _mma_layout(W)
         LC: gl.constexpr = _code_layout(BN, BK // 8, W)
         LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
         LX: gl.constexpr = _x_layout(BK, MB, W)

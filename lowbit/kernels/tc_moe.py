@@ -38,7 +38,14 @@ if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from lowbit.kernels.tc_gemv import _code_layout, _mainloop, _scale_layout, _silu_mul, _x_layout
+    from lowbit.kernels.tc_gemv import (
+        _code_layout,
+        _mainloop,
+        _mma_layout,
+        _scale_layout,
+        _silu_mul,
+        _x_layout,
+    )
 
     @gluon.jit
     def _slot_of(order_ptr, seg, j0, n, last, S):
@@ -66,8 +73,7 @@ if HAS_GLUON:
         # slot's output times its routing weight (moe_slots.combine_slots sums a token's).
         pid_n = gl.program_id(0)
         p = gl.program_id(1)
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
-                                                      instr_shape=[16, 8])
+        mma: gl.constexpr = _mma_layout(W)
         LC: gl.constexpr = _code_layout(BN, BK // 8, W)
         LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
         LX: gl.constexpr = _x_layout(BK, MB, W)
