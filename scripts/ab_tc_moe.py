@@ -1,7 +1,7 @@
 """A/B of the two tensor-core nvfp4 MoE schedules at the Qwen3-30B-A3B shape, then set
 "GROUPED_FROM" in the device's tc_moe configs (scripts/pick_grouped.py's rule).
 
-  python scripts/ab_tc_moe.py OUT_JSON [--c 8,16,32,64]
+  python scripts/ab_tc_moe.py OUT_JSON [--c 8,16,32,64] [--mb 8,16,32]
 
 Times tc_moe_gemv (per slot) and tc_moe_grouped (each expert once) as lowbit.bench.kernels
 does (CUDA-graph replay over 8 routings), checks both against the torch twin at each C, and
@@ -31,6 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--c", default="8,16,32,64")
+    ap.add_argument("--mb", default="8", help="grouped: slots a tile (comma list: one row each)")
     a = ap.parse_args()
     dev, (e, top, h, inter) = "cuda", (128, 8, 2048, 768)
     kw = BENCH_LUT_FORMATS["nvfp4"]
@@ -43,7 +44,11 @@ def main() -> None:
                     torch.rand(c, e, device=dev, generator=g).topk(top, -1).indices.to(torch.int32),
                     torch.rand(c, top, device=dev, generator=g)) for _ in range(8)]
         ref = reference_moe(*batches[0], w13, w2, dot_dtype=torch.bfloat16)
-        for name, fn in (("mma gemv", tc_moe_gemv), ("mma grouped", tc_moe_grouped)):
+        impls = [("mma gemv", tc_moe_gemv)] + [
+            (f"mma grouped{'' if mb == '8' else ' mb' + mb}",
+             lambda *a, mb=int(mb): tc_moe_grouped(*a, config=dict(MB=mb, BK=128 if mb > 16 else 256)))
+            for mb in a.mb.split(",")]
+        for name, fn in impls:
             y = fn(*batches[0], w13, w2)
             err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
             t = timed([lambda b=b, fn=fn: fn(*b, w13, w2) for b in batches])

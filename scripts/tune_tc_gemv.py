@@ -85,8 +85,12 @@ def _static_one(kernel, consts: dict, types: dict) -> dict:
         f.write(compiled.asm["cubin"])
         f.flush()
         sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
     n, ops = _loop_stats(sass)
-    return {"loop": n, "ops": dict(ops), "ldg128": len(re.findall(r"LDG\.E\.128", sass)),
+    stack = re.search(r"STACK:(\d+)", res)
+    return {"loop": n, "ops": dict(ops), "regs": int(re.search(r"REG:(\d+)", res).group(1)),
+            "stack": int(stack.group(1)) if stack else -1,
+            "ldg128": len(re.findall(r"LDG\.E\.128", sass)),
             "ldg_u8": len(re.findall(r"LDG\.E\.U8", sass))}
 
 
@@ -101,7 +105,9 @@ def static() -> None:
                                   dict(TYPES, x_ptr="*fp32")),
            "grouped_fc1": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=1), TYPES),
            "grouped_fc2": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=2, BN=64),
-                                      dict(TYPES, y_ptr="*fp32"))}
+                                      dict(TYPES, y_ptr="*fp32")),
+           "grouped_fc1_mb32": _static_one(tc_moe._tc_moe_grouped_kernel,
+                                           dict(grp, FC=1, MB=32, BK=128), TYPES)}
     print(json.dumps(out))
 
 

@@ -184,7 +184,10 @@ def tc_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     return y
 
 
-GROUPED = {"BN": 128, "BK": 256, "num_warps": 4, "PREFETCH": True}
+# MB: slots of one expert a program takes as the MMA's B columns (8, 16 or 32): more columns
+# read an expert fewer times when it has many tokens (prefill chunks), at more registers (sm_90,
+# FC1 with BN 128: MB 16 195 registers at BK 256; MB 32 spills at BK 256, 202 registers at 128)
+GROUPED = {"BN": 128, "BK": 256, "num_warps": 4, "PREFETCH": True, "MB": 8}
 
 
 def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: LutWeight,
@@ -192,7 +195,7 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE layer with each expert's weights read once for all the tokens routed to it
     (nvfp4, SiLU, no biases): the slots sorted by expert on the device
-    (moe_slots.sort_by_expert), FC1 on tiles of up to 8 slots of one expert writing
+    (moe_slots.sort_by_expert), FC1 on tiles of up to MB slots of one expert writing
     bf16(SiLU(gate) * up) [S, I], FC2 writing each slot's output times its routing weight
     [S, H] (zeroed first: a slot placed nowhere adds 0), then the ordered sum per token
     (moe_slots.combine_slots). Six launches, no host read. Same contract as
@@ -205,7 +208,7 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     e = w13.lead[0]
     inter = w2.kp
     cfg = dict(GROUPED, **(config or {}))
-    bk, nw, mb = cfg["BK"], cfg["num_warps"], 8
+    bk, nw, mb = cfg["BK"], cfg["num_warps"], cfg["MB"]
     bn1 = 32 * nw  # FC1 pairs row r with r + BN / 2 in one thread (the mma layout's repeat)
     bn2 = cfg["BN"]
     x, ids_flat, tw = flat_slots(x, ids, weights)
