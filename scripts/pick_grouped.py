@@ -2,9 +2,9 @@
 
   python scripts/pick_grouped.py KERNELS_JSON
 
-The smallest token count C of the record's Qwen3-30B-A3B nvfp4 MoE rows from which the
-expert-grouped tensor-core MoE ("mma grouped") is faster than the per-slot one ("mma gemv")
-at C and at every larger C measured; written into every tc_moe entry of
+The smallest token count C (at most the route's 64) of the record's Qwen3-30B-A3B nvfp4 MoE
+rows from which the expert-grouped tensor-core MoE ("mma grouped") is faster than the per-slot
+one ("mma gemv") at C and at every larger C measured; written into every tc_moe entry of
 lowbit/kernels/configs/<device>.json (removed when no such C exists).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lowbit.kernels import launch  # noqa: E402
+from lowbit.kernels import launch, moe_op  # noqa: E402
 
 
 def main() -> None:
@@ -25,7 +25,9 @@ def main() -> None:
     for r in rec["rows"]:
         if r.get("kind") == "moe" and r.get("shape") == "qwen3-30b-a3b":
             us[(r["impl"], r["M"])] = r["us"]
-    cs = sorted(c for (impl, c) in us if impl == "ours nvfp4 mma grouped")
+    # the route takes at most TC_MOE_MAX_TOKENS tokens: larger C (prefill sweeps) do not count
+    cs = sorted(c for (impl, c) in us
+                if impl == "ours nvfp4 mma grouped" and c <= moe_op.TC_MOE_MAX_TOKENS)
     pick = None
     for c in reversed(cs):
         if us[("ours nvfp4 mma grouped", c)] < us.get(("ours nvfp4 mma gemv", c), float("inf")):
