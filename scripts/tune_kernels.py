@@ -108,6 +108,17 @@ def _loop_stats(sass: str) -> tuple[int, collections.Counter]:
     return best[1] - best[0] + 1, ops
 
 
+def disassemble(cubin: bytes) -> tuple[str, str]:
+    """(resource usage, SASS) of a cubin, from triton's bundled cuobjdump."""
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    return res, sass
+
+
 def compile_static(kernel, args, kwargs, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
 
@@ -115,12 +126,7 @@ def compile_static(kernel, args, kwargs, arch: int) -> dict:
     sig, consts, attrs = _signature(kernel, args, kwargs)
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    res, sass = disassemble(compiled.asm["cubin"])
     regs = re.search(r"REG:(\d+)", res)
     n, ops = _loop_stats(sass)
     return {"kernel": kernel.fn.__name__, "regs": int(regs.group(1)) if regs else -1,

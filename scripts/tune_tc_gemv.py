@@ -65,13 +65,11 @@ TYPES = {"x_ptr": "*bf16", "y_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": 
 
 def _static_one(kernel, consts: dict, types: dict) -> dict:
     import re
-    import subprocess
-    import tempfile
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from tune_kernels import _loop_stats
+    from tune_kernels import _loop_stats, disassemble
 
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in kernel.arg_names}
     aligned = [i for i, n in enumerate(kernel.arg_names)
@@ -80,12 +78,7 @@ def _static_one(kernel, consts: dict, types: dict) -> dict:
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": consts["W"]})
-    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
-        res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    res, sass = disassemble(compiled.asm["cubin"])
     n, ops = _loop_stats(sass)
     stack = re.search(r"STACK:(\d+)", res)
     return {"loop": n, "ops": dict(ops), "regs": int(re.search(r"REG:(\d+)", res).group(1)),
