@@ -14,7 +14,8 @@
 #   attention  python -m lowbit.bench.attention: paged decode attention vs SDPA
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
 #              $QUANT (ENGINE_FORMATS overrides the list), default routes and flags (what a user gets): pp/tg cells, batched
-#              decode, kernels per decode step from a profile, graph status, route calls
+#              decode, kernels per decode step from a profile, graph status, route calls;
+#              ENGINE_FORMATS="nvfp4 nvfp4+nopdl" adds a run with LOWBIT_PDL=0
 # Writes under $OUT (default ./gpu_out); the last lines printed are the summary tables. The
 # records (*-latency-*.json, kernel JSON) are in $OUT/results.tar.gz: $OUT returns at most 8 files.
 set -uo pipefail
@@ -94,11 +95,13 @@ fi
 if has engine; then
   # one log for both formats ($OUT holds at most 8 files): the [latency] progress lines
   # stream in as they come (a capped run still shows its last step), the table comes last
-  for fmt in ${ENGINE_FORMATS:-bf16 $QUANT}; do
+  # a format suffixed +nopdl runs with LOWBIT_PDL=0 (the programmatic-dependent-launch A/B)
+  for spec in ${ENGINE_FORMATS:-bf16 $QUANT}; do
+    fmt=${spec%+nopdl}; pdl=1; [ "$fmt" != "$spec" ] && pdl=0
     cap=$T_ENGINE_BF16; [ "$fmt" != bf16 ] && cap=$T_ENGINE_Q
-    echo "== engine latency: $fmt (default routes, cap ${cap} s)" | tee -a "$OUT/engine.log"
+    echo "== engine latency: $spec (default routes, cap ${cap} s)" | tee -a "$OUT/engine.log"
     q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
-    timeout "$cap" python3 -m lowbit bench latency x --random-weights \
+    LOWBIT_PDL=$pdl timeout "$cap" python3 -m lowbit bench latency x --random-weights \
       --config "$CONFIG" "${q[@]}" $CELLS --records "$RES" --append-md "$OUT/engine.md" 2>&1 \
       | grep --line-buffered -v "^loading" | tee -a "$OUT/engine.log"
     rc=${PIPESTATUS[0]}

@@ -122,7 +122,7 @@ def disassemble(cubin: bytes) -> tuple[str, str]:
 def compile_static(kernel, args, kwargs, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
 
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
     sig, consts, attrs = _signature(kernel, args, kwargs)
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)

@@ -77,11 +77,15 @@ def _static_one(kernel, consts: dict, types: dict) -> dict:
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts,
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": consts["W"]})
+                              options={"num_warps": consts["W"], "launch_pdl": consts["PDL"]})
     res, sass = disassemble(compiled.asm["cubin"])
     n, ops = _loop_stats(sass)
     stack = re.search(r"STACK:(\d+)", res)
+    ptx = compiled.asm["ptx"]
+    head = ptx.split("griddepcontrol.wait")[0] if "griddepcontrol.wait" in ptx else ""
     return {"loop": n, "ops": dict(ops), "regs": int(re.search(r"REG:(\d+)", res).group(1)),
+            "pdl_waits": ptx.count("griddepcontrol.wait"),
+            "loads_before_wait": len(re.findall(r"ld\.global", head)),
             "stack": int(stack.group(1)) if stack else -1,
             "ldg128": len(re.findall(r"LDG\.E\.128", sass)),
             "ldg_u8": len(re.findall(r"LDG\.E\.U8", sass))}
@@ -90,8 +94,9 @@ def _static_one(kernel, consts: dict, types: dict) -> dict:
 def static() -> None:
     from lowbit.kernels import tc_gemv, tc_moe
 
-    lin = dict(HAS_TIDX=True, HAS_BIAS=False, BN=64, BK=256, MB=8, W=4, SPLIT=True, PREFETCH=True)
-    grp = dict(EP=128, HAS_TIDX=True, BN=128, BK=256, MB=8, W=4, PREFETCH=True)
+    lin = dict(HAS_TIDX=True, HAS_BIAS=False, BN=64, BK=256, MB=8, W=4, SPLIT=True, PREFETCH=True,
+               PDL=True)
+    grp = dict(EP=128, HAS_TIDX=True, BN=128, BK=256, MB=8, W=4, PREFETCH=True, PDL=True)
     out = {"linear": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=0), TYPES),
            "moe_fc1": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=1), TYPES),
            "moe_fc2": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=2),

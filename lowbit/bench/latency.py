@@ -34,7 +34,7 @@ from lowbit.bench.step_profile import format_profile, profile_decode, profile_pr
 from lowbit.config import EngineConfig
 from lowbit.distributed import engine_model
 from lowbit.errors import LowbitError
-from lowbit.kernels import routes
+from lowbit.kernels import launch, routes
 
 
 @dataclass
@@ -173,6 +173,11 @@ def prefill_graph_status(engine) -> str:
     if graphs is None:
         return f"prefill CUDA graphs OFF: {getattr(runner, 'prefill_graphs_off', 'not in this engine')}"
     return graphs.status()
+
+
+def pdl_line(device) -> str:
+    """Whether the Triton kernels launch with programmatic dependent launch (lowbit.kernels.launch)."""
+    return "programmatic dependent launch " + launch.pdl_status(device)
 
 
 def route_summary() -> dict:
@@ -330,7 +335,7 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "memory_after_load": mem_loaded, "memory": mem, "copy_bandwidth_Bps": bw,
             "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw),
             "graphs": graph_status(s.llm.engine), "prefill_graphs": prefill_graph_status(s.llm.engine),
-            "async": async_status(s.llm.engine),
+            "async": async_status(s.llm.engine), "pdl": pdl_line(s.device),
             "routes": route_summary(), "step_profiles": profiles,
             "expert_cache": expert_cache_summary(s.llm.engine)}
 
@@ -368,7 +373,8 @@ def summary_md(rec: dict) -> str:
             f"({'device' if 'peak_device_bytes' in mem else 'RSS'}); copy bandwidth "
             f"{rec['copy_bandwidth_Bps'] / 1e9:.1f} GB/s; active weight bytes per token "
             f"{rec['weight_bytes']['active'] / 2**20:.1f} MiB; {rec['repeats']} repeats, mean ± sd")
-    lines = [foot, rec.get("graphs", ""), rec.get("prefill_graphs", ""), rec.get("async", "")]
+    lines = [foot, rec.get("graphs", ""), rec.get("prefill_graphs", ""), rec.get("async", ""),
+             rec.get("pdl", "")]
     ec = rec.get("expert_cache")
     if ec:
         h2d = ec.get("h2d_bandwidth_Bps")

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.kernels import launch
+from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.runtime import (
     interpreting,
     semaphore,
@@ -211,7 +212,9 @@ def _decode_split_kernel(
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, DIRECT: tl.constexpr, FOLD: tl.constexpr, SP: tl.constexpr,
     FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -292,7 +295,8 @@ def _merge_head(part_ptr, ml_ptr, sinks_ptr, out_ptr, b, h, H, S, stride_ot, str
 @triton.jit
 def _decode_reduce_kernel(part_ptr, ml_ptr, sinks_ptr, out_ptr, S, stride_ot, stride_oh,
                           H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr,
-                          HAS_SINKS: tl.constexpr):
+                          HAS_SINKS: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     _merge_head(part_ptr, ml_ptr, sinks_ptr, out_ptr, tl.program_id(0), tl.program_id(1), H, S,
                 stride_ot, stride_oh, D, BD, SP, HAS_SINKS)
 
@@ -418,10 +422,11 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
         q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BD=BD, BS=pool.block_size, BN=cfg["BN"],
         DIRECT=S == 1, FOLD=fold, SP=SP, **flags, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=cfg["num_stages"], **launch.pdl_args(q))
     if S > 1 and not fold:
         launch.run(_decode_reduce_kernel, (B, H), part, ml, sinks_arg, out, S, out.stride(0),
-                   out.stride(1), H=H, D=D, BD=BD, SP=SP, HAS_SINKS=sinks is not None, num_warps=4)
+                   out.stride(1), H=H, D=D, BD=BD, SP=SP, HAS_SINKS=sinks is not None, num_warps=4,
+                   **launch.pdl_args(q))
     return out
 
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import re
 from pathlib import Path
 
-from lowbit.kernels.runtime import device_name
+import torch
+
+from lowbit.kernels.runtime import device_name, interpreting
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -74,9 +77,45 @@ def choice(fmt: str, n: int, k: int, m: int, device: str | None = None) -> str |
 
 def clear_cache() -> None:
     _file.cache_clear()
+    _pdl_status.cache_clear()
 
 
 _RECORDER: list | None = None
+
+# -- programmatic dependent launch ------------------------------------------------------------
+# On sm_90+, a kernel launched with the PDL attribute may start while the kernel before it
+# in the stream is still running; CUDA graphs keep that as a programmatic edge. Every kernel
+# that takes a `PDL` constexpr follows one protocol (pdl_enter in lowbit.kernels.pdl):
+# before `griddepcontrol.wait` it may only compute addresses and load memory no earlier
+# kernel writes (weights, norm gains, code tables); after the wait it signals
+# `griddepcontrol.launch_dependents` and does everything else. So a kernel's reads of
+# activations and all of its writes happen after every earlier kernel has completed, the
+# next kernel can launch and fetch its weights while this one runs, and at most two
+# kernels of a chain overlap. LOWBIT_PDL=0 turns it off (A/B runs).
+
+
+@functools.cache
+def _pdl_status(index: int) -> str:
+    if os.environ.get("LOWBIT_PDL", "1") == "0":
+        return "off: LOWBIT_PDL=0"
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 9:
+        return f"off: sm_{major}{minor} has no programmatic dependent launch (sm_90+)"
+    return f"on (sm_{major}{minor})"
+
+
+def pdl_status(device: torch.device | str | None = None) -> str:
+    """"on (sm_90)" or "off: <reason>" for kernels launched on device."""
+    device = torch.device(device if device is not None else "cuda")
+    if device.type != "cuda" or interpreting():
+        return f"off: not a CUDA launch ({device.type})"
+    return _pdl_status(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """Launch kwargs for a kernel with a `PDL` constexpr whose tensors live with t."""
+    on = t.is_cuda and not interpreting() and pdl_status(t.device).startswith("on")
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def run(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 
 from lowbit.kernels import launch
+from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.runtime import tl, triton
 
 
 @triton.jit
-def _moe_combine_kernel(ys_ptr, y_ptr, H, A, stride_yt, BN: tl.constexpr):
+def _moe_combine_kernel(ys_ptr, y_ptr, H, A, stride_yt, BN: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cmask = cols < H
@@ -25,9 +27,11 @@ def _moe_combine_kernel(ys_ptr, y_ptr, H, A, stride_yt, BN: tl.constexpr):
 
 
 @triton.jit
-def _expert_hist_kernel(ids_ptr, hist_ptr, S, E, EP: tl.constexpr, BS: tl.constexpr):
+def _expert_hist_kernel(ids_ptr, hist_ptr, S, E, EP: tl.constexpr, BS: tl.constexpr,
+                        PDL: tl.constexpr):
     """Program b: hist [b, :E] = how many of slots b * BS .. + BS name each expert (ids
     outside 0..E-1 are counted nowhere)."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     sl = b * BS + tl.arange(0, BS)
     ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1)
@@ -39,11 +43,12 @@ def _expert_hist_kernel(ids_ptr, hist_ptr, S, E, EP: tl.constexpr, BS: tl.conste
 @triton.jit
 def _expert_place_kernel(ids_ptr, hist_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
                          S, E, NB, EP: tl.constexpr, BS: tl.constexpr, RB: tl.constexpr,
-                         BM: tl.constexpr):
+                         BM: tl.constexpr, PDL: tl.constexpr):
     """Program b: each slot of block b goes to order[seg_start[e] + (slots of e in blocks
     before b) + (its rank among e's slots in block b)]: a stable counting sort. Every program
     sums the [NB, E] histogram itself (no third launch); program 0 also writes counts,
     seg_start and tile_end (cumulative tiles of BM)."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     ev = tl.arange(0, EP)
     em = ev < E
@@ -107,9 +112,11 @@ def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
         nb = triton.cdiv(s, bs)
         rb = max(1, min(triton.next_power_of_2(nb), 8192 // ep))
         hist = torch.empty(nb, e, dtype=torch.int32, device=dev)
-        launch.run(_expert_hist_kernel, (nb,), ids_flat, hist, s, e, EP=ep, BS=bs, num_warps=4)
+        pdl = launch.pdl_args(ids_flat)
+        launch.run(_expert_hist_kernel, (nb,), ids_flat, hist, s, e, EP=ep, BS=bs, num_warps=4,
+                   **pdl)
         launch.run(_expert_place_kernel, (nb,), ids_flat, hist, order, tile_end, seg_start,
-                   counts, s, e, nb, EP=ep, BS=bs, RB=rb, BM=bm, num_warps=4)
+                   counts, s, e, nb, EP=ep, BS=bs, RB=rb, BM=bm, num_warps=4, **pdl)
     else:
         tile_end.zero_(), seg_start.zero_(), counts.zero_()
     return order, tile_end, seg_start, counts, triton.cdiv(s, bm) + min(e, s)
@@ -124,5 +131,5 @@ def combine_slots(ys: torch.Tensor, x: torch.Tensor, a_top: int,
     assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
     bnc = min(1024, triton.next_power_of_2(h))
     launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, h, a_top, y.stride(0),
-               BN=bnc, num_warps=4)
+               BN=bnc, num_warps=4, **launch.pdl_args(ys))
     return y

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.kernels import launch, routes
+from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.runtime import tl, triton, triton_refusal
 
 RECORD = "docs/BENCHMARKS.md#decode-graph"
@@ -91,10 +92,12 @@ def round_to(x, DT: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, D, d_float, stride_x, stride_res, eps,
                      BLOCK_D: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
-                     HAS_RES: tl.constexpr):
+                     HAS_RES: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_enter(PDL)
     r = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
@@ -103,7 +106,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, D, d_float, stride_x, 
     mean_sq = tl.math.div_rn(tl.sum(r * r, axis=0), d_float)
     inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
     n = round_to(r * inv, XDT)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * D + cols, round_to(w * n, YDT), mask=mask)
 
 
@@ -159,7 +161,7 @@ def _run_triton(call: NormCall) -> tuple[torch.Tensor, torch.Tensor]:
     block = triton.next_power_of_2(D)
     launch.run(_rms_norm_kernel, (x2.shape[0],), x2, res2, w, y, r, D, float(D), x2.stride(0), res2.stride(0),
                call.eps, BLOCK_D=block, XDT=DTYPE_CODE[x.dtype], YDT=DTYPE_CODE[y.dtype],
-               HAS_RES=res is not None, num_warps=_num_warps(block))
+               HAS_RES=res is not None, num_warps=_num_warps(block), **launch.pdl_args(x))
     return y, r
 
 

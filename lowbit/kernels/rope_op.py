@@ -48,6 +48,7 @@ import torch
 from lowbit.kernels import attention_op, launch, routes
 from lowbit.kernels.attention import FP8
 from lowbit.kernels.norm_op import DTYPE_CODE, FLOAT_DTYPES, rms_norm_reference, round_to
+from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.runtime import capability, tl, triton, triton_refusal
 
 RECORD = "docs/BENCHMARKS.md#decode-graph"
@@ -161,7 +162,8 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
                          H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, BHALF: tl.constexpr,
                          BH: tl.constexpr, DT: tl.constexpr, NDT: tl.constexpr,
                          HAS_NORM: tl.constexpr, HAS_POOL: tl.constexpr, IS_FP8: tl.constexpr,
-                         RECIP: tl.constexpr):
+                         RECIP: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)  # [BH] q heads, then k heads
     j = tl.arange(0, BHALF)
@@ -287,7 +289,7 @@ def _run_triton(call: RopeCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
                pk.stride(0), pk.stride(1), pv.stride(0), pv.stride(1), ks.stride(0), vs.stride(0),
                call.eps, H=H, HKV=Hkv, DH=Dh, BHALF=bhalf, BH=bh, DT=DTYPE_CODE[qkv.dtype],
                NDT=DTYPE_CODE[ndt], HAS_NORM=norm, HAS_POOL=pool is not None, IS_FP8=fp8,
-               RECIP=qkv.is_cuda, num_warps=4 if bh * bhalf >= 512 else 1)
+               RECIP=qkv.is_cuda, num_warps=4 if bh * bhalf >= 512 else 1, **launch.pdl_args(qkv))
     return q, k, v
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.kernels import launch, routes
+from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.runtime import semaphore, tl, triton, triton_refusal
 
 RECORD = "docs/BENCHMARKS.md#decode-graph"
@@ -152,9 +153,10 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, stride_t, scaling,
                    G: tl.constexpr, GS: tl.constexpr, BG: tl.constexpr, BGS: tl.constexpr,
                    A: tl.constexpr, BA: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                   TOP2: tl.constexpr):
+                   TOP2: tl.constexpr, PDL: tl.constexpr):
     """Row t of logits [T, E] (row stride stride_t, unit column stride) -> ids [T, A] int32,
     w [T, A] float32 (contiguous)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     g, j, e, valid = _row_block(G, GS, BG, BGS)
     x = tl.load(logits_ptr + t * stride_t + e, mask=valid, other=float("-inf"))
@@ -184,8 +186,10 @@ def _gate_rows(x_ptr, stride_x, t, tmask, gw_ptr, gb_ptr, es, emask, D,
 
 @triton.jit
 def _gate_gemv_kernel(x_ptr, gw_ptr, gb_ptr, out_ptr, T, D, E, stride_x,
-                      BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, HAS_GB: tl.constexpr):
+                      BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, HAS_GB: tl.constexpr,
+                      PDL: tl.constexpr):
     """Program (tb, eb): logits [T, E] float32 of tokens tb * BT .. + BT, experts eb * BE .. + BE."""
+    pdl_enter(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     es = tl.program_id(1) * BE + tl.arange(0, BE)
     tmask = t < T
@@ -347,7 +351,7 @@ def triton_gate_logits(x: torch.Tensor, gate_w: torch.Tensor, gate_b: torch.Tens
     launch.run(_gate_gemv_kernel, (triton.cdiv(T, cfg["BT"]), triton.cdiv(E, cfg["BE"])),
         x, gate_w, gate_w if gate_b is None else gate_b, out, T, D, E, x.stride(0),
         BT=cfg["BT"], BE=cfg["BE"], BD=cfg["BD"], HAS_GB=gate_b is not None,
-        num_warps=cfg["num_warps"])
+        num_warps=cfg["num_warps"], **launch.pdl_args(x))
     return out
 
 
@@ -365,7 +369,7 @@ def _run_triton(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
     consts = _rank_consts(spec, E, call.bias is not None)
     launch.run(_router_kernel, (T,),
         logits, bias, ids, w, logits.stride(0), float(spec.scaling), **consts,
-        num_warps=4 if consts["G"] * consts["BGS"] >= 512 else 1)
+        num_warps=4 if consts["G"] * consts["BGS"] >= 512 else 1, **launch.pdl_args(logits))
     return ids, w
 
 

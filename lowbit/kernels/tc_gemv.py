@@ -112,6 +112,16 @@ if HAS_GLUON:
         return gate * gl.where(gate >= 0, 1.0 / (1.0 + ez), ez / (1.0 + ez)) * up
 
     @gluon.jit
+    def _pdl_enter(PDL: gl.constexpr):
+        """lowbit.kernels.pdl.pdl_enter for Gluon kernels: wait for the kernels before this
+        one, then let the next one launch (the protocol in lowbit.kernels.launch)."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _tile_loads(cptr, sptr, xptr, hrow, kc, K, BK: gl.constexpr, MOE: gl.constexpr,
                     L1: gl.constexpr):
         """One K step's code bytes, scale bytes and activations: x^T [BK, MB] (MOE 0, 1), or
@@ -130,9 +140,12 @@ if HAS_GLUON:
 
     @gluon.jit
     def _mainloop(cptr, sptr, xptr, hrow, k0, k1, K, BN: gl.constexpr, BK: gl.constexpr,
-                  MB: gl.constexpr, W: gl.constexpr, MOE: gl.constexpr, PREFETCH: gl.constexpr):
+                  MB: gl.constexpr, W: gl.constexpr, MOE: gl.constexpr, PREFETCH: gl.constexpr,
+                  PDL: gl.constexpr):
         """acc [BN, MB] float32 (mma layout) = the decoded weight rows at cptr / sptr times the
-        activations at xptr (MOE 2: SiLU(gate) * up of the row at hrow) over k0 <= k < k1."""
+        activations at xptr (MOE 2: SiLU(gate) * up of the row at hrow) over k0 <= k < k1.
+        PDL (MOE 0 only): the first K step's codes and scales are loaded before the wait for
+        the kernel that writes x, so they are in flight while that kernel finishes."""
         mma: gl.constexpr = _mma_layout(W)
         LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -140,8 +153,15 @@ if HAS_GLUON:
         L1: gl.constexpr = gl.BlockedLayout([max(BK // (32 * W), 1)], [32], [W], [0])
         G: gl.constexpr = BK // 128
         acc = gl.zeros([BN, MB], gl.float32, layout=mma)
-        codes, sc, xa, xb = _tile_loads(cptr, sptr, xptr, hrow, gl.multiple_of(k0, BK), K, BK,
-                                        MOE, L1)
+        if PDL:
+            codes = gl.load(cptr + gl.multiple_of(k0 // 8, BK // 8))
+            sc = gl.load(sptr + gl.multiple_of(k0 // 16, BK // 16))
+            _pdl_enter(PDL)
+            xa = gl.load(xptr + gl.multiple_of(k0, BK))
+            xb = k0
+        else:
+            codes, sc, xa, xb = _tile_loads(cptr, sptr, xptr, hrow, gl.multiple_of(k0, BK), K,
+                                            BK, MOE, L1)
         for kk in range(k0, k1, BK):
             # the next tile (the last one again at the end: in bounds, unused)
             kn = gl.multiple_of(gl.minimum(kk + BK, k1 - BK), BK)
@@ -188,7 +208,7 @@ if HAS_GLUON:
                         SPLIT_K, ids_ptr, tw_ptr, A, stride_ce, stride_se, tidx_ptr, stride_te,
                         HAS_TIDX: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                         MB: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
-                        MOE: gl.constexpr, PREFETCH: gl.constexpr):
+                        MOE: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr):
         # MOE 0: y [M, N] = x [M, K] @ W^T. MOE 1 (expert FC1) / 2 (expert FC2): program axis 2
         # is a routed slot s of M = S; the weight is expert ids[s] of a stack, the activation
         # row x[s // A] (FC1) or SiLU(h[s, :K]) * h[s, K:] (FC2, h = FC1's float32 output);
@@ -203,7 +223,8 @@ if HAS_GLUON:
         LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
         LX: gl.constexpr = _x_layout(BK, MB, W)
 
-        if MOE > 0:
+        if MOE > 0:  # the expert id is written by the router: wait before reading it
+            _pdl_enter(PDL)
             e = gl.load(ids_ptr + pid_m).to(gl.int64)
             codes_ptr += e * stride_ce
             scales_ptr += e * stride_se
@@ -227,7 +248,8 @@ if HAS_GLUON:
 
         k0 = pid_k * k_split
         k1 = gl.minimum(k0 + k_split, K)
-        acc = _mainloop(cptr, sptr, xptr, hrow, k0, k1, K, BN, BK, MB, W, MOE, PREFETCH)
+        acc = _mainloop(cptr, sptr, xptr, hrow, k0, k1, K, BN, BK, MB, W, MOE, PREFETCH,
+                        PDL if MOE == 0 else False)
         ro = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         if HAS_TIDX:  # per-row code tables (merged projections): alpha of the row's table
             t = gl.load(tidx_ptr + gl.minimum(ro, N - 1))
@@ -350,7 +372,7 @@ def _launch(x, y, bias, w, m, n, k, cfg, slots=1, moe=0, ids=None, tw=None, a_to
                x if tw is None else tw, a_top, a.stride_ce // 4, a.stride_se, a.tidx, a.stride_te,
                HAS_TIDX=a.has_tidx, HAS_BIAS=bias is not None, BN=bn, BK=bk, MB=mb, W=cfg["num_warps"],
                SPLIT=split > 1, MOE=moe, PREFETCH=cfg.get("PREFETCH", True),
-               num_warps=cfg["num_warps"])
+               num_warps=cfg["num_warps"], **launch.pdl_args(x))
 
 
 def tc_gemv(x: torch.Tensor, w: LutWeight, bias: torch.Tensor | None = None,

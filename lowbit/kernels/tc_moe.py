@@ -42,6 +42,7 @@ if HAS_GLUON:
         _code_layout,
         _mainloop,
         _mma_layout,
+        _pdl_enter,
         _scale_layout,
         _silu_mul,
         _x_layout,
@@ -63,7 +64,7 @@ if HAS_GLUON:
                                stride_ce, stride_se, stride_te, gpost, EP: gl.constexpr,
                                HAS_TIDX: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                                MB: gl.constexpr, W: gl.constexpr, FC: gl.constexpr,
-                               PREFETCH: gl.constexpr):
+                               PREFETCH: gl.constexpr, PDL: gl.constexpr):
         # Program (pid_n, p): tile p of the slots sorted by expert (moe_slots.sort_by_expert,
         # tiles of MB slots), one expert e, its slots as the MMA's B columns: the expert's
         # weights are read once for up to MB tokens. FC 1: rows [pid_n * BN/2, + BN/2) of the
@@ -78,6 +79,7 @@ if HAS_GLUON:
         LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
         LX: gl.constexpr = _x_layout(BK, MB, W)
         LE: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+        _pdl_enter(PDL)  # the tile map is written by the expert sort
         ev = gl.arange(0, EP, layout=LE)
         te = gl.load(tile_end_ptr + ev, mask=ev < E, other=1 << 30)
         e = gl.sum((te <= p).to(gl.int32), axis=0)  # E: p is past the last tile
@@ -110,7 +112,7 @@ if HAS_GLUON:
         kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LX))
         xptr = x_ptr + xrow.to(gl.int64)[None, :] * stride_xm + kx[:, None]
         k1 = K * valid.to(gl.int32)  # an empty tile runs no K step
-        acc = _mainloop(cptr, sptr, xptr, x_ptr, k1 * 0, k1, K, BN, BK, MB, W, 0, PREFETCH)
+        acc = _mainloop(cptr, sptr, xptr, x_ptr, k1 * 0, k1, K, BN, BK, MB, W, 0, PREFETCH, False)
 
         ro = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         if FC == 1:
@@ -227,5 +229,5 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
                    xin.stride(0), yout.stride(0), a.stride_cn // 4, a.stride_sn,
                    a.stride_ce // 4, a.stride_se, a.stride_te, a.g * E2M1_BF16_POST, EP=ep,
                    HAS_TIDX=a.has_tidx, BN=bn, BK=kb, MB=mb, W=nw, FC=fc,
-                   PREFETCH=cfg["PREFETCH"], num_warps=nw)
+                   PREFETCH=cfg["PREFETCH"], num_warps=nw, **launch.pdl_args(x))
     return combine_slots(ys, x, a_top, out)

@@ -226,7 +226,8 @@ def test_triton_gate_logits_matches_the_float32_gemm(T, E, D, xdtype):
     cfg = router_op.gemv_config(T, E, D)
     out = torch.full((T, E), float("nan"))
     router_op._gate_gemv_kernel[(-(-T // cfg["BT"]), -(-E // cfg["BE"]))](
-        x, gw, gb, out, T, D, E, x.stride(0), BT=cfg["BT"], BE=cfg["BE"], BD=cfg["BD"], HAS_GB=True)
+        x, gw, gb, out, T, D, E, x.stride(0), BT=cfg["BT"], BE=cfg["BE"], BD=cfg["BD"], HAS_GB=True,
+        PDL=False)
     assert not out.isnan().any()
     torch.testing.assert_close(out, gate_logits(x, gw, gb), rtol=1e-5, atol=1e-4)
 

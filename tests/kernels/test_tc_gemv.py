@@ -69,5 +69,9 @@ def test_kernels_compile_for_sm90_without_shared_memory_in_the_loop():
         assert st["loop"] > 100 and st["ops"].get("HMMA", 0) >= 16, (name, st)
         assert st["ldg128"] > 0 and st["ldg_u8"] == 0, (name, st)
         assert st["stack"] == 0 and st["regs"] <= 255, (name, st)  # no register spills
+        # programmatic dependent launch: one wait; only the plain gemv loads (its first
+        # weight tile) before it, the expert kernels first wait for the routing
+        assert st["pdl_waits"] == 1, (name, st)
+        assert (st["loads_before_wait"] > 0) == (name == "linear"), (name, st)
         if name != "moe_fc2":  # FC2 broadcasts its activation through shared memory by design
             assert st["ops"].get("LDS", 0) == 0 and st["ops"].get("STS", 0) == 0, (name, st)
