@@ -2,6 +2,8 @@
 "GROUPED_FROM" in the device's tc_moe configs (scripts/pick_grouped.py's rule).
 
   python scripts/ab_tc_moe.py OUT_JSON [--c 8,16,32,64] [--mb 8,16,32]
+  python scripts/ab_tc_moe.py OUT_JSON --tiles --c 128,512,2048 --mb 16,32   (prefill sizes:
+      against the CUDA-core grouped tiles; sets nothing)
 
 Times tc_moe_gemv (per slot) and tc_moe_grouped (each expert once) as lowbit.bench.kernels
 does (CUDA-graph replay over 8 routings), checks both against the torch twin at each C, and
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from lowbit.bench.kernels import timed  # noqa: E402
-from lowbit.kernels.moe import reference_moe  # noqa: E402
+from lowbit.kernels.moe import fused_moe, reference_moe  # noqa: E402
 from lowbit.kernels.samples import BENCH_LUT_FORMATS, random_lut_view  # noqa: E402
 from lowbit.kernels.tc_moe import tc_moe_gemv, tc_moe_grouped  # noqa: E402
 from lowbit.kernels.weights import resolve  # noqa: E402
@@ -32,6 +34,9 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--c", default="8,16,32,64")
     ap.add_argument("--mb", default="8", help="grouped: slots a tile (comma list: one row each)")
+    ap.add_argument("--tiles", action="store_true",
+                    help="also time the CUDA-core grouped tiles (moe.fused_moe, mode grouped: the "
+                         "route above 64 tokens); off: per slot (too slow at prefill sizes)")
     a = ap.parse_args()
     dev, (e, top, h, inter) = "cuda", (128, 8, 2048, 768)
     kw = BENCH_LUT_FORMATS["nvfp4"]
@@ -44,7 +49,9 @@ def main() -> None:
                     torch.rand(c, e, device=dev, generator=g).topk(top, -1).indices.to(torch.int32),
                     torch.rand(c, top, device=dev, generator=g)) for _ in range(8)]
         ref = reference_moe(*batches[0], w13, w2, dot_dtype=torch.bfloat16)
-        impls = [("mma gemv", tc_moe_gemv)] + [
+        impls = [("tiles", lambda *a: fused_moe(*a, mode="grouped"))] if a.tiles else [
+            ("mma gemv", tc_moe_gemv)]
+        impls += [
             (f"mma grouped{'' if mb == '8' else ' mb' + mb}",
              lambda *a, mb=int(mb): tc_moe_grouped(*a, config=dict(MB=mb, BK=128 if mb > 16 else 256)))
             for mb in a.mb.split(",")]
@@ -57,7 +64,9 @@ def main() -> None:
             print(f"C{c} {name}: {t['us']:.1f} us [{t['min_us']:.1f}-{t['max_us']:.1f}] err {err:.1e}",
                   flush=True)
     Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=1))
-    subprocess.run([sys.executable, str(Path(__file__).with_name("pick_grouped.py")), a.out], check=True)
+    if not a.tiles:
+        subprocess.run([sys.executable, str(Path(__file__).with_name("pick_grouped.py")), a.out],
+                       check=True)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@ profiles `steps` engine steps (the public step: schedule, graph replay or eager 
 sampling, the token read-back) and reports per step:
   kernels         GPU kernels launched (inside a replayed graph too: CUPTI records each node)
   per_layer       kernels / decoder layers
-  kernel_us       the sum of those kernels' GPU times
+  kernel_us       the sum of those kernels' GPU times. With programmatic dependent launch
+                  (lowbit.kernels.launch) a kernel starts before the one ahead of it ends and
+                  its span includes its wait, so spans overlap and this sum overstates
+  busy_us         the time at least one kernel ran: the union of the kernel spans
   step_us         wall time of a step (host included), timed over the same number of steps
                   just before the profiled ones, without the profiler (which slows the host)
-  overhead        step_us / kernel_us: 1.0 when the GPU runs back to back; the host and the
+  overhead        step_us / busy_us: 1.0 when the GPU runs back to back; the host and the
                   gaps between kernels account for the rest
   top             the ten kernels with the most GPU time per step (name, count, us)
 `profile_prefill(engine, tokens)` does the same for one prompt of `tokens` tokens (the
@@ -32,6 +35,16 @@ def _kernel_events(prof) -> list:
             and not e.name.startswith(("Memcpy", "Memset", "[memory]"))]
 
 
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) spans."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def _summary(prof, steps: int, layers: int, step_us: float, top: int) -> dict:
     """Kernels per step (and per layer), their GPU time, the wall time against it, and the
     `top` kernels by time (name, launches and us per step)."""
@@ -40,9 +53,10 @@ def _summary(prof, steps: int, layers: int, step_us: float, top: int) -> dict:
     for e in kernels:
         names[e.name] += 1
         times[e.name] += e.device_time
-    busy = sum(times.values()) / steps
+    busy = _union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / steps
     return {"steps": steps, "kernels": len(kernels) / steps, "per_layer": len(kernels) / steps / layers,
-            "kernel_us": busy, "step_us": step_us, "overhead": step_us / max(busy, 1e-9),
+            "kernel_us": sum(times.values()) / steps, "busy_us": busy, "step_us": step_us,
+            "overhead": step_us / max(busy, 1e-9),
             "top": [(n[:80], names[n] / steps, times[n] / steps) for n, _ in times.most_common(top)]}
 
 
@@ -100,15 +114,19 @@ def profile_prefill(engine, tokens: int = 512, repeats: int = 2) -> dict | None:
     return {"batch": tokens, **_summary(prof, 1, engine.arch.num_layers, 1e6 * wall, 12), "prefill": True}
 
 
+def _busy(p: dict) -> str:
+    return f"{p['busy_us']:.0f}" if "busy_us" in p else "?"  # records before busy_us
+
+
 def format_profile(p: dict) -> str:
     if p.get("prefill"):
         head = (f"prefill of {p['batch']} tokens: {p['kernels']:.0f} kernels "
-                f"({p['per_layer']:.1f} per layer), kernels {p['kernel_us']:.0f} us, wall "
-                f"{p['step_us']:.0f} us ({p['overhead']:.2f}x the kernel time)")
+                f"({p['per_layer']:.1f} per layer), kernels {p['kernel_us']:.0f} us "
+                f"({_busy(p)} us busy), wall {p['step_us']:.0f} us ({p['overhead']:.2f}x the busy time)")
         rows = [f"    {n:<80} x{c:<6.1f} {t:8.1f} us" for n, c, t in p["top"]]
         return "\n".join([head, *rows])
     head = (f"B={p['batch']}: {p['kernels']:.0f} kernels per step ({p['per_layer']:.1f} per layer), "
-            f"kernels {p['kernel_us']:.0f} us, step {p['step_us']:.0f} us "
-            f"({p['overhead']:.2f}x the kernel time)")
+            f"kernels {p['kernel_us']:.0f} us ({_busy(p)} us busy), step {p['step_us']:.0f} us "
+            f"({p['overhead']:.2f}x the busy time)")
     rows = [f"    {n:<80} x{c:<6.1f} {t:8.1f} us" for n, c, t in p["top"]]
     return "\n".join([head, *rows])
