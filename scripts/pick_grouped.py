@@ -25,9 +25,9 @@ def main() -> None:
     for r in rec["rows"]:
         if r.get("kind") == "moe" and r.get("shape") == "qwen3-30b-a3b":
             us[(r["impl"], r["M"])] = r["us"]
-    # the route takes at most TC_MOE_MAX_TOKENS tokens: larger C (prefill sweeps) do not count
+    # per slot runs up to TC_MOE_PER_SLOT_MAX_TOKENS: larger C (prefill sweeps) do not count
     cs = sorted(c for (impl, c) in us
-                if impl == "ours nvfp4 mma grouped" and c <= moe_op.TC_MOE_MAX_TOKENS)
+                if impl == "ours nvfp4 mma grouped" and c <= moe_op.TC_MOE_PER_SLOT_MAX_TOKENS)
     pick = None
     for c in reversed(cs):
         if us[("ours nvfp4 mma grouped", c)] < us.get(("ours nvfp4 mma gemv", c), float("inf")):

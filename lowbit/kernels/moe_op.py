@@ -71,10 +71,13 @@ DECODE_MAX_SLOTS = 256
 # "Batched decode"); at C64 the tiles win (558 against 751), and int4 g128 keeps the tiles
 # from C32 (435 against 493)
 E2M1_GEMV_MAX_TOKENS = 32
-# the tensor-core nvfp4 MoE up to 64 tokens: H200, Qwen3-30B-A3B, C64 150 us (expert-grouped)
-# against 539 for the grouped tiles (docs/BENCHMARKS.md#kernels, "Tensor-core nvfp4 gemv");
-# above 64 (prefill chunks) the grouped tiles keep it
-TC_MOE_MAX_TOKENS = 64
+# the tensor-core nvfp4 MoE: per slot or expert-grouped up to 64 tokens (H200, Qwen3-30B-A3B,
+# C64 150 us expert-grouped against 539 for the grouped tiles), and expert-grouped up to 2,048
+# where the device config names a grouped schedule for the shape (C128 / C512 / C2048: 205 /
+# 428 / 1,269 us with 16 / 32 / 32 slots a tile, against 561 / 578 / 1,450 for the tiles;
+# docs/BENCHMARKS.md#kernels, "Tensor-core nvfp4 gemv"); above that the grouped tiles
+TC_MOE_PER_SLOT_MAX_TOKENS = 64
+TC_MOE_MAX_TOKENS = 2048
 
 
 @dataclass
@@ -255,10 +258,17 @@ routes.register("moe", routes.Route(
     _admit_shared, _run_shared))
 
 
+def _tc_config(call: MoeCall) -> dict:
+    return launch.lookup("tc_moe", "nvfp4", call.experts, call.x.shape[1], call.x.shape[0])
+
+
 def _admit_tc(call: MoeCall) -> str | None:
     t = call.ids.shape[0]
     if t > TC_MOE_MAX_TOKENS:
-        return f"{t} tokens > {TC_MOE_MAX_TOKENS}: the grouped tiles read each expert once"
+        return f"{t} tokens > {TC_MOE_MAX_TOKENS}: the grouped tiles"
+    if t > TC_MOE_PER_SLOT_MAX_TOKENS and t < _tc_config(call).get("GROUPED_FROM", 1 << 30):
+        return (f"{t} tokens > {TC_MOE_PER_SLOT_MAX_TOKENS} and no expert-grouped schedule is "
+                "tuned for this shape on this device: the grouped tiles")
     if isinstance(call.w13, (HybridExperts, HybridTensor)):
         return "hybrid layouts: the hybrid kernels take them"
     return _refusal(call) or tc_moe_refusal(call.x, call.w13, call.w2, call.activation,
@@ -269,7 +279,7 @@ def _run_tc(call: MoeCall) -> torch.Tensor:
     """Per-slot, or expert-grouped from the token count the device's tuned config names
     ("GROUPED_FROM"; absent: per-slot at every T the route admits)."""
     t = call.x.shape[0]
-    cfg = launch.lookup("tc_moe", "nvfp4", call.experts, call.x.shape[1], t)
+    cfg = _tc_config(call)
     if t >= cfg.get("GROUPED_FROM", 1 << 30):
         return tc_moe_grouped(call.x, call.ids, call.weights, call.w13, call.w2,
                               config=cfg.get("grouped"), out=call.out)
@@ -281,7 +291,8 @@ routes.register("moe", routes.Route(
     "triton_tc_moe", routes.DEFAULT,
     BENCH + " (H200, Qwen3-30B-A3B nvfp4, per slot C1 / C4: 17 / 42 us against 19 / 56 for the "
     "CUDA-core gemv; expert-grouped C8 / C16 / C32 / C64: 71 / 103 / 132 / 150 us against 77 / "
-    "127 / 237 / 454 per slot, and 539 for the grouped tiles at C64)", _admit_tc,
+    "127 / 237 / 454 per slot, and 539 for the grouped tiles at C64; C128 / C512 / C2048: 205 / "
+    "428 / 1,269 us against 561 / 578 / 1,450 for the grouped tiles)", _admit_tc,
     _then_shared(_run_tc)))
 routes.register("moe", routes.Route(
     "triton_fused_moe_decode", routes.DEFAULT,

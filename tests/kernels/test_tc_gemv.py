@@ -35,9 +35,14 @@ def test_tc_gemv_admission_reasons():
                                  scale_kind="e4m3"))
     assert "biases" in tc_moe_refusal(x, stack, w2, b13=torch.zeros(8, 64))
     assert "K = 32" in tc_moe_refusal(x, stack, w2)  # w2's K (the expert width) too
-    ids = torch.zeros(65, 2, dtype=torch.int32)
-    call = moe_op.MoeCall(torch.randn(65, 512).bfloat16(), ids, torch.rand(65, 2), stack, w2)
-    assert "65 tokens > 64" in moe_op._admit_tc(call)
+    def call(t):
+        return moe_op.MoeCall(torch.randn(t, 512).bfloat16(), torch.zeros(t, 2, dtype=torch.int32),
+                              torch.rand(t, 2), stack, w2)
+
+    # above 64 tokens only where the device config tunes an expert-grouped schedule (none
+    # for this shape and device), and never above 2,048
+    assert "65 tokens > 64 and no expert-grouped schedule" in moe_op._admit_tc(call(65))
+    assert "2049 tokens > 2048" in moe_op._admit_tc(call(2049))
 
 
 def test_kernels_compile_for_sm90_without_shared_memory_in_the_loop():
