@@ -72,12 +72,14 @@ DECODE_MAX_SLOTS = 256
 # from C32 (435 against 493)
 E2M1_GEMV_MAX_TOKENS = 32
 # the tensor-core nvfp4 MoE: per slot or expert-grouped up to 64 tokens (H200, Qwen3-30B-A3B,
-# C64 150 us expert-grouped against 539 for the grouped tiles), and expert-grouped up to 2,048
-# where the device config names a grouped schedule for the shape (C128 / C512 / C2048: 205 /
-# 428 / 1,269 us with 16 / 32 / 32 slots a tile, against 561 / 578 / 1,450 for the tiles;
-# docs/BENCHMARKS.md#kernels, "Tensor-core nvfp4 gemv"); above that the grouped tiles
+# C64 150 us expert-grouped against 539 for the grouped tiles), and expert-grouped up to 512
+# where the device config names a grouped schedule for the shape (C128 / C512: 205 / 428 us
+# with 16 / 32 slots a tile, against 561 / 578 for the tiles; engine pp512 19.2 k -> 21.4 k
+# tok/s; docs/BENCHMARKS.md#kernels, "Tensor-core nvfp4 gemv"). Above 512 the grouped tiles:
+# at 2,048-token prefill chunks the two are level in the engine (1,174 against 1,179 us a
+# layer), though the kernel A/B had 1,269 against 1,450
 TC_MOE_PER_SLOT_MAX_TOKENS = 64
-TC_MOE_MAX_TOKENS = 2048
+TC_MOE_MAX_TOKENS = 512
 
 
 @dataclass
@@ -291,8 +293,8 @@ routes.register("moe", routes.Route(
     "triton_tc_moe", routes.DEFAULT,
     BENCH + " (H200, Qwen3-30B-A3B nvfp4, per slot C1 / C4: 17 / 42 us against 19 / 56 for the "
     "CUDA-core gemv; expert-grouped C8 / C16 / C32 / C64: 71 / 103 / 132 / 150 us against 77 / "
-    "127 / 237 / 454 per slot, and 539 for the grouped tiles at C64; C128 / C512 / C2048: 205 / "
-    "428 / 1,269 us against 561 / 578 / 1,450 for the grouped tiles)", _admit_tc,
+    "127 / 237 / 454 per slot, and 539 for the grouped tiles at C64; C128 / C512: 205 / 428 us "
+    "against 561 / 578 for the grouped tiles)", _admit_tc,
     _then_shared(_run_tc)))
 routes.register("moe", routes.Route(
     "triton_fused_moe_decode", routes.DEFAULT,

@@ -129,6 +129,11 @@ if HAS_GLUON:
         otherwise)."""
         codes = gl.load(cptr + gl.multiple_of(kc // 8, BK // 8))
         sc = gl.load(sptr + gl.multiple_of(kc // 16, BK // 16))
+        xa, xb = _x_loads(xptr, hrow, kc, K, BK, MOE, L1)
+        return codes, sc, xa, xb
+
+    @gluon.jit
+    def _x_loads(xptr, hrow, kc, K, BK: gl.constexpr, MOE: gl.constexpr, L1: gl.constexpr):
         if MOE == 2:
             hk = hrow + kc + gl.arange(0, BK, layout=L1)
             xa = gl.load(hk)
@@ -136,7 +141,7 @@ if HAS_GLUON:
         else:
             xa = gl.load(xptr + kc)
             xb = kc
-        return codes, sc, xa, xb
+        return xa, xb
 
     @gluon.jit
     def _mainloop(cptr, sptr, xptr, hrow, k0, k1, K, BN: gl.constexpr, BK: gl.constexpr,
@@ -144,8 +149,8 @@ if HAS_GLUON:
                   PDL: gl.constexpr):
         """acc [BN, MB] float32 (mma layout) = the decoded weight rows at cptr / sptr times the
         activations at xptr (MOE 2: SiLU(gate) * up of the row at hrow) over k0 <= k < k1.
-        PDL (MOE 0 only): the first K step's codes and scales are loaded before the wait for
-        the kernel that writes x, so they are in flight while that kernel finishes."""
+        PDL: the first K step's codes and scales are loaded before the wait for the kernel
+        that writes x, so they are in flight while that kernel finishes."""
         mma: gl.constexpr = _mma_layout(W)
         LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -157,8 +162,7 @@ if HAS_GLUON:
             codes = gl.load(cptr + gl.multiple_of(k0 // 8, BK // 8))
             sc = gl.load(sptr + gl.multiple_of(k0 // 16, BK // 16))
             _pdl_enter(PDL)
-            xa = gl.load(xptr + gl.multiple_of(k0, BK))
-            xb = k0
+            xa, xb = _x_loads(xptr, hrow, gl.multiple_of(k0, BK), K, BK, MOE, L1)
         else:
             codes, sc, xa, xb = _tile_loads(cptr, sptr, xptr, hrow, gl.multiple_of(k0, BK), K,
                                             BK, MOE, L1)
@@ -223,9 +227,14 @@ if HAS_GLUON:
         LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
         LX: gl.constexpr = _x_layout(BK, MB, W)
 
-        if MOE > 0:  # the expert id is written by the router: wait before reading it
+        if MOE == 1:  # the expert id is written by the router, the kernel before: wait
             _pdl_enter(PDL)
             e = gl.load(ids_ptr + pid_m).to(gl.int64)
+        elif MOE == 2:
+            # FC2 runs after FC1, which signals its dependents only after its own wait: when
+            # FC2 starts, the router that wrote the ids has completed. Read them from L2 (.cg)
+            # and fetch the expert's first weight tile before waiting for FC1's output.
+            e = gl.load(ids_ptr + pid_m, cache_modifier=".cg").to(gl.int64)
             codes_ptr += e * stride_ce
             scales_ptr += e * stride_se
             tidx_ptr += e * stride_te
@@ -249,7 +258,7 @@ if HAS_GLUON:
         k0 = pid_k * k_split
         k1 = gl.minimum(k0 + k_split, K)
         acc = _mainloop(cptr, sptr, xptr, hrow, k0, k1, K, BN, BK, MB, W, MOE, PREFETCH,
-                        PDL if MOE == 0 else False)
+                        PDL if MOE != 1 else False)
         ro = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         if HAS_TIDX:  # per-row code tables (merged projections): alpha of the row's table
             t = gl.load(tidx_ptr + gl.minimum(ro, N - 1))
