@@ -235,6 +235,7 @@ if HAS_GLUON:
             # FC2 starts, the router that wrote the ids has completed. Read them from L2 (.cg)
             # and fetch the expert's first weight tile before waiting for FC1's output.
             e = gl.load(ids_ptr + pid_m, cache_modifier=".cg").to(gl.int64)
+        if MOE > 0:
             codes_ptr += e * stride_ce
             scales_ptr += e * stride_se
             tidx_ptr += e * stride_te
