@@ -60,7 +60,8 @@ def _time_best(fns_for, cands) -> tuple[float, dict, float | None]:
 TYPES = {"x_ptr": "*bf16", "y_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": "*u8",
          "ab_ptr": "*fp32", "tidx_ptr": "*i32", "tw_ptr": "*fp32", "gpost": "fp32",
          "bias_ptr": "*bf16", "ws_ptr": "*fp32", "sem_ptr": "*i32", "ids_ptr": "*i32",
-         "order_ptr": "*i32", "tile_end_ptr": "*i32", "seg_start_ptr": "*i32", "counts_ptr": "*i32"}
+         "order_ptr": "*i32", "tile_end_ptr": "*i32", "seg_start_ptr": "*i32", "counts_ptr": "*i32",
+         "need_ptr": "*i32", "out_ptr": "*bf16"}
 
 
 def _static_one(kernel, consts: dict, types: dict) -> dict:
@@ -96,14 +97,15 @@ def static() -> None:
 
     lin = dict(HAS_TIDX=True, HAS_BIAS=False, BN=64, BK=256, MB=8, W=4, SPLIT=True, PREFETCH=True,
                PDL=True)
-    grp = dict(EP=128, HAS_TIDX=True, BN=128, BK=256, MB=8, W=4, PREFETCH=True, PDL=True)
+    grp = dict(EP=128, HAS_TIDX=True, BN=128, BK=256, MB=8, W=4, PREFETCH=True, PDL=True,
+               FOLD=False)
     out = {"linear": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=0), TYPES),
            "moe_fc1": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=1), TYPES),
            "moe_fc2": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=2),
                                   dict(TYPES, x_ptr="*fp32")),
            "grouped_fc1": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=1), TYPES),
-           "grouped_fc2": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=2, BN=64),
-                                      dict(TYPES, y_ptr="*fp32")),
+           "grouped_fc2": _static_one(tc_moe._tc_moe_grouped_kernel,
+                                      dict(grp, FC=2, BN=64, FOLD=True), dict(TYPES, y_ptr="*fp32")),
            "grouped_fc1_mb32": _static_one(tc_moe._tc_moe_grouped_kernel,
                                            dict(grp, FC=1, MB=32, BK=128), TYPES)}
     print(json.dumps(out))

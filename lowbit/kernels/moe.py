@@ -356,7 +356,7 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
         hbuf, ys, tw, _bias_arg(b2, x), ids_flat, order, tile_end, seg_start, counts, *a2[:6],
         s, e, h, inter, w2.kp, *a2[6:], **c2, BN=cfg["BN2"], BK=cfg["BK2"],
         HAS_BIAS=b2 is not None, **common)
-    return combine_slots(ys, x, a_top, out)
+    return combine_slots(ys, x, a_top, ids_flat, e, out)
 
 
 def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,

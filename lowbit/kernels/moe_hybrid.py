@@ -201,7 +201,7 @@ def fused_moe_hybrid(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     launch.run(_hybrid_fc_kernel, (tiles, triton.cdiv(h, cfg["BN2"])), hbuf, ys, tw, *route,
                s, e, inter, h, a_top, inter, *a2, **c2, FC1=False, BN=cfg["BN2"],
                BK=cfg["BK2"], **common)
-    return combine_slots(ys, x, a_top, out)
+    return combine_slots(ys, x, a_top, ids_flat, e, out)
 
 
 def _expert_dense(w: LutWeight, g: torch.Tensor, le: int, k: int) -> torch.Tensor:

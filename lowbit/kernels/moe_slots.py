@@ -14,14 +14,17 @@ from lowbit.kernels.runtime import tl, triton
 
 
 @triton.jit
-def _moe_combine_kernel(ys_ptr, y_ptr, H, A, stride_yt, BN: tl.constexpr, PDL: tl.constexpr):
+def _moe_combine_kernel(ys_ptr, y_ptr, ids_ptr, H, A, E, stride_yt, BN: tl.constexpr,
+                        PDL: tl.constexpr):
     pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     cmask = cols < H
     acc = tl.zeros([BN], tl.float32)
     for j in range(0, A):
-        acc += tl.load(ys_ptr + (t * A + j).to(tl.int64) * H + cols, mask=cmask, other=0)
+        e = tl.load(ids_ptr + t * A + j)
+        named = (e >= 0) & (e < E)  # a slot placed nowhere was never written: it adds 0
+        acc += tl.load(ys_ptr + (t * A + j).to(tl.int64) * H + cols, mask=cmask & named, other=0)
     tl.store(y_ptr + t.to(tl.int64) * stride_yt + cols, acc.to(y_ptr.dtype.element_ty),
              mask=cmask)
 
@@ -38,6 +41,58 @@ def _expert_hist_kernel(ids_ptr, hist_ptr, S, E, EP: tl.constexpr, BS: tl.conste
     ev = tl.arange(0, EP)
     cnt = tl.sum((ids[:, None] == ev[None, :]).to(tl.int32), 0)
     tl.store(hist_ptr + b * E + ev, cnt, mask=ev < E)
+
+
+@triton.jit
+def _expert_sort_kernel(ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr, S, E,
+                        need_ptr, out_ptr, T, A, H, stride_out,
+                        EP: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
+                        TOKENS: tl.constexpr, TP: tl.constexpr, BH: tl.constexpr,
+                        PDL: tl.constexpr):
+    """One program: the counting sort of _expert_hist_kernel + _expert_place_kernel for few
+    slots, in one launch (the histogram over all blocks, then the blocks placed in order;
+    same outputs bit for bit). TOKENS: also need [T] = how many of token t's A slots are
+    placed (ids inside 0..E-1), and out [t, :H] = 0 for a token with none (no expert kernel
+    will write it)."""
+    pdl_enter(PDL)
+    if TOKENS:
+        tv = tl.arange(0, TP)
+        tm = tv < T
+        need = tl.zeros([TP], tl.int32)
+        for a in range(0, A):
+            e = tl.load(ids_ptr + tv * A + a, mask=tm, other=-1)
+            need += ((e >= 0) & (e < E)).to(tl.int32)
+        tl.store(need_ptr + tv, need, mask=tm)
+        if tl.sum(((need == 0) & tm).to(tl.int32), 0) > 0:  # rare: a NaN routing row
+            hv = tl.arange(0, BH)
+            for t in range(0, T):
+                dead = tl.sum(tl.where((tv == t) & (need == 0), 1, 0), 0) > 0
+                if dead:
+                    for h0 in range(0, H, BH):
+                        tl.store(out_ptr + t * stride_out + h0 + hv,
+                                 tl.zeros([BH], tl.float32).to(out_ptr.dtype.element_ty),
+                                 mask=h0 + hv < H)
+    ev = tl.arange(0, EP)
+    em = ev < E
+    total = tl.zeros([EP], tl.int32)
+    for s0 in range(0, S, BS):
+        sl = s0 + tl.arange(0, BS)
+        ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1)
+        total += tl.sum((ids[:, None] == ev[None, :]).to(tl.int32), 0)
+    seg = tl.cumsum(total, 0) - total
+    tl.store(counts_ptr + ev, total, mask=em)
+    tl.store(seg_start_ptr + ev, seg, mask=em)
+    tl.store(tile_end_ptr + ev, tl.cumsum((total + BM - 1) // BM, 0), mask=em)
+    before = seg
+    for s0 in range(0, S, BS):
+        sl = s0 + tl.arange(0, BS)
+        ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1)
+        hit = (ids[:, None] == ev[None, :]).to(tl.int32)  # [BS, EP]
+        rank = tl.cumsum(hit, 0) - 1
+        pos = tl.sum(hit * before[None, :] + hit * rank, 1)
+        named = tl.sum(hit, 1) > 0
+        tl.store(order_ptr + pos, sl, mask=(sl < S) & named)
+        before += tl.sum(hit, 0)
 
 
 @triton.jit
@@ -90,6 +145,11 @@ def moe_output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return y
 
 
+# up to this many blocks of slots (512 slots at 128 experts), one program sorts them
+# (_expert_sort_kernel): one launch instead of two; larger counts keep the parallel pair
+ONE_PROGRAM_SORT_BLOCKS = 8
+
+
 def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
     """Device-side grouping of the slots by expert, with no host read (CUDA-graph safe).
 
@@ -110,26 +170,55 @@ def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
         ep = max(16, triton.next_power_of_2(e))
         bs = max(16, min(256, 8192 // ep))  # a [BS, EP] one-hot of <= 8,192 int32
         nb = triton.cdiv(s, bs)
-        rb = max(1, min(triton.next_power_of_2(nb), 8192 // ep))
-        hist = torch.empty(nb, e, dtype=torch.int32, device=dev)
         pdl = launch.pdl_args(ids_flat)
-        launch.run(_expert_hist_kernel, (nb,), ids_flat, hist, s, e, EP=ep, BS=bs, num_warps=4,
-                   **pdl)
-        launch.run(_expert_place_kernel, (nb,), ids_flat, hist, order, tile_end, seg_start,
-                   counts, s, e, nb, EP=ep, BS=bs, RB=rb, BM=bm, num_warps=4, **pdl)
+        if nb <= ONE_PROGRAM_SORT_BLOCKS:
+            launch.run(_expert_sort_kernel, (1,), ids_flat, order, tile_end, seg_start, counts,
+                       s, e, counts, counts, 0, 1, 0, 0, EP=ep, BS=bs, BM=bm, TOKENS=False,
+                       TP=16, BH=16, num_warps=4, **pdl)
+        else:
+            rb = max(1, min(triton.next_power_of_2(nb), 8192 // ep))
+            hist = torch.empty(nb, e, dtype=torch.int32, device=dev)
+            launch.run(_expert_hist_kernel, (nb,), ids_flat, hist, s, e, EP=ep, BS=bs,
+                       num_warps=4, **pdl)
+            launch.run(_expert_place_kernel, (nb,), ids_flat, hist, order, tile_end, seg_start,
+                       counts, s, e, nb, EP=ep, BS=bs, RB=rb, BM=bm, num_warps=4, **pdl)
     else:
         tile_end.zero_(), seg_start.zero_(), counts.zero_()
     return order, tile_end, seg_start, counts, triton.cdiv(s, bm) + min(e, s)
 
 
-def combine_slots(ys: torch.Tensor, x: torch.Tensor, a_top: int,
+def sort_for_fold(ids_flat: torch.Tensor, e: int, bm: int, a_top: int, out: torch.Tensor):
+    """sort_by_expert in one program, for an expert kernel that sums each token's slots
+    itself (the last of a token's slots to finish writes out[t]): also need int32 [T], how
+    many of each token's slots are placed, with out[t] zeroed for a token that has none.
+    None when the slots are too many for one program (then: sort_by_expert, combine_slots)."""
+    s = ids_flat.numel()
+    ep = max(16, triton.next_power_of_2(e))
+    bs = max(16, min(256, 8192 // ep))
+    if s == 0 or triton.cdiv(s, bs) > ONE_PROGRAM_SORT_BLOCKS:
+        return None
+    t, h = out.shape
+    dev = ids_flat.device
+    order = torch.empty(s, dtype=torch.int32, device=dev)
+    tile_end, seg_start, counts = (torch.empty(e, dtype=torch.int32, device=dev) for _ in range(3))
+    need = torch.empty(t, dtype=torch.int32, device=dev)
+    launch.run(_expert_sort_kernel, (1,), ids_flat, order, tile_end, seg_start, counts, s, e,
+               need, out, t, a_top, h, out.stride(0), EP=ep, BS=bs, BM=bm, TOKENS=True,
+               TP=max(16, triton.next_power_of_2(t)), BH=min(1024, triton.next_power_of_2(h)),
+               num_warps=4, **launch.pdl_args(ids_flat))
+    return order, tile_end, seg_start, counts, triton.cdiv(s, bm) + min(e, s), need
+
+
+def combine_slots(ys: torch.Tensor, x: torch.Tensor, a_top: int, ids_flat: torch.Tensor, e: int,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, H] = the ordered sum of each token's A routed slot outputs ys [T * A, H] (one
-    launch, deterministic); in x.dtype, or into out (x.dtype or float32)."""
+    launch, deterministic); in x.dtype, or into out (x.dtype or float32). A slot whose id
+    (ids_flat [T * A]) is outside 0..e-1 was placed nowhere: its row of ys is never read."""
     t, h = x.shape
     y = torch.empty(t, h, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (t, h) and y.dtype in (x.dtype, torch.float32) and y.stride(1) == 1
     bnc = min(1024, triton.next_power_of_2(h))
-    launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, h, a_top, y.stride(0),
+    launch.run(_moe_combine_kernel, (t, triton.cdiv(h, bnc)), ys, y, ids_flat, h, a_top, e,
+               y.stride(0),
                BN=bnc, num_warps=4, **launch.pdl_args(ys))
     return y

@@ -12,7 +12,8 @@ Two schedules, both nvfp4 experts with SiLU and no biases, CUDA-graph safe (no h
                   columns so each expert is read once for up to 8 tokens; FC1 pairs gate row r
                   with up row r in one thread and writes bf16(SiLU(gate) * up) [S, I]; FC2
                   writes each slot's output times its routing weight [S, H]; combine_slots
-                  sums a token's in order (six launches with the zeroed slot outputs).
+                  sums a token's in order (four launches to 512 slots, five above: the sort
+                  is one program up to 512 slots, two launches above).
 Reference twin: moe.reference_moe with dot_dtype=torch.bfloat16 (exact nvfp4 tiles: the
 weights are not rounded; x and the activation are).
 """
@@ -24,7 +25,14 @@ import torch
 from lowbit.formats.views import LutWeight
 from lowbit.kernels import launch
 from lowbit.kernels.decode import E2M1_BF16_POST, weight_args
-from lowbit.kernels.moe_slots import combine_slots, flat_slots, moe_output, sort_by_expert
+from lowbit.kernels.moe_slots import (
+    combine_slots,
+    flat_slots,
+    moe_output,
+    sort_by_expert,
+    sort_for_fold,
+)
+from lowbit.kernels.runtime import semaphore
 from lowbit.kernels.tc_gemv import (
     BK_UNIT,
     DEFAULT,
@@ -60,18 +68,22 @@ if HAS_GLUON:
     @gluon.jit
     def _tc_moe_grouped_kernel(x_ptr, y_ptr, codes_ptr, scales_ptr, ab_ptr, tidx_ptr, tw_ptr,
                                order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
+                               ids_ptr, need_ptr, out_ptr, sem_ptr, stride_out,
                                N, K, E, A, S, stride_xm, stride_ym, stride_cn, stride_sn,
                                stride_ce, stride_se, stride_te, gpost, EP: gl.constexpr,
                                HAS_TIDX: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                                MB: gl.constexpr, W: gl.constexpr, FC: gl.constexpr,
-                               PREFETCH: gl.constexpr, PDL: gl.constexpr):
+                               PREFETCH: gl.constexpr, FOLD: gl.constexpr, PDL: gl.constexpr):
         # Program (pid_n, p): tile p of the slots sorted by expert (moe_slots.sort_by_expert,
         # tiles of MB slots), one expert e, its slots as the MMA's B columns: the expert's
         # weights are read once for up to MB tokens. FC 1: rows [pid_n * BN/2, + BN/2) of the
         # gate half and the same rows of the up half (N = I), which the mma layout gives one
         # thread together (row r and r + BN/2: BN = 32 W), so the program writes
         # y [S, I] = bf16(SiLU(gate) * up). FC 2: x = that [S, I]; y [S, N] float32 = the
-        # slot's output times its routing weight (moe_slots.combine_slots sums a token's).
+        # slot's output times its routing weight (moe_slots.combine_slots sums a token's), or
+        # with FOLD the program that writes the last of a token's placed slots (need[t] of
+        # them, moe_slots.sort_for_fold) sums the token's slots in slot order into out [T, N]:
+        # the same sum as combine_slots, with no launch for it.
         pid_n = gl.program_id(0)
         p = gl.program_id(1)
         mma: gl.constexpr = _mma_layout(W)
@@ -142,6 +154,27 @@ if HAS_GLUON:
             oro = pid_n * BN + ro
             gl.store(y_ptr + slot_o.to(gl.int64)[None, :] * stride_ym + oro[:, None],
                      acc.to(y_ptr.dtype.element_ty), mask=(oro < N)[:, None] & ok[None, :])
+            if FOLD:
+                gl.thread_barrier()  # the tile's rows are written before it counts as arrived
+                tok = slot_o // A
+                counter = sem_ptr + tok * gl.num_programs(0) + pid_n
+                arrived = gl.atomic_add(counter, gl.full([MB], 1, gl.int32, layout=no.type.layout),
+                                        mask=ok, sem="acq_rel", scope="gpu")
+                done = ok & (arrived == gl.load(need_ptr + tok, mask=ok, other=0) - 1)
+                for j in range(MB):
+                    if gl.sum(gl.where((no == j) & done, 1, 0), axis=0) > 0:
+                        t = gl.sum(gl.where(no == j, tok, 0), axis=0)
+                        tot = gl.zeros([BN], gl.float32, layout=gl.SliceLayout(1, mma))
+                        for a in range(A):
+                            ea = gl.load(ids_ptr + t * A + a)
+                            named = (ea >= 0) & (ea < E)
+                            tot += gl.load(y_ptr + (t * A + a).to(gl.int64) * stride_ym + oro,
+                                           mask=(oro < N) & named, other=0.0,
+                                           cache_modifier=".cg")
+                        gl.store(out_ptr + t.to(gl.int64) * stride_out + oro,
+                                 tot.to(out_ptr.dtype.element_ty), mask=oro < N)
+                        gl.atomic_xchg(sem_ptr + t * gl.num_programs(0) + pid_n, 0,
+                                       sem="relaxed", scope="gpu")
 
 
 def tc_moe_refusal(x: torch.Tensor, w13, w2, activation=None, b13=None, b2=None) -> str | None:
@@ -199,8 +232,9 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     (nvfp4, SiLU, no biases): the slots sorted by expert on the device
     (moe_slots.sort_by_expert), FC1 on tiles of up to MB slots of one expert writing
     bf16(SiLU(gate) * up) [S, I], FC2 writing each slot's output times its routing weight
-    [S, H] (zeroed first: a slot placed nowhere adds 0), then the ordered sum per token
-    (moe_slots.combine_slots). Six launches, no host read. Same contract as
+    [S, H], then the ordered sum per token (moe_slots.combine_slots, which skips a slot
+    placed nowhere). Four launches up to 512 slots (one-program sort), five above; no host
+    read. Same contract as
     moe.fused_moe_gemv."""
     reason = tc_moe_refusal(x, w13, w2)
     assert reason is None, reason
@@ -214,10 +248,17 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     bn1 = 32 * nw  # FC1 pairs row r with r + BN / 2 in one thread (the mma layout's repeat)
     bn2 = cfg["BN"]
     x, ids_flat, tw = flat_slots(x, ids, weights)
-    order, tile_end, seg_start, counts, tiles = sort_by_expert(ids_flat, e, mb)
+    y = moe_output(x, out)
+    fold = cfg.get("FOLD", True) and sort_for_fold(ids_flat, e, mb, a_top, y)
+    if fold:
+        order, tile_end, seg_start, counts, tiles, need = fold
+    else:
+        order, tile_end, seg_start, counts, tiles = sort_by_expert(ids_flat, e, mb)
+        need = counts
     act = torch.empty(s, inter, dtype=torch.bfloat16, device=x.device)
-    ys = torch.zeros(s, h, dtype=torch.float32, device=x.device)  # slots placed nowhere add 0
+    ys = torch.empty(s, h, dtype=torch.float32, device=x.device)  # unplaced slots are not read
     ep = max(16, 1 << (e - 1).bit_length())
+    sem = semaphore(x.device, t * -(-h // bn2))
     for fc, w, xin, yout, n, k, bn in ((1, w13, x, act, inter, h, bn1),
                                        (2, w2, act, ys, h, inter, bn2)):
         a = weight_args(w)
@@ -225,9 +266,11 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         grid_n = -(-n // (bn // 2 if fc == 1 else bn))
         launch.run(_tc_moe_grouped_kernel, (grid_n, tiles),
                    xin, yout, a.codes.view(torch.int32), a.scales.view(torch.uint8), a.ab,
-                   a.tidx, tw, order, tile_end, seg_start, counts, n, k, e, a_top, s,
+                   a.tidx, tw, order, tile_end, seg_start, counts, ids_flat, need, y, sem,
+                   y.stride(0), n, k, e, a_top, s,
                    xin.stride(0), yout.stride(0), a.stride_cn // 4, a.stride_sn,
                    a.stride_ce // 4, a.stride_se, a.stride_te, a.g * E2M1_BF16_POST, EP=ep,
                    HAS_TIDX=a.has_tidx, BN=bn, BK=kb, MB=mb, W=nw, FC=fc,
-                   PREFETCH=cfg["PREFETCH"], num_warps=nw, **launch.pdl_args(x))
-    return combine_slots(ys, x, a_top, out)
+                   PREFETCH=cfg["PREFETCH"], FOLD=bool(fold) and fc == 2, num_warps=nw,
+                   **launch.pdl_args(x))
+    return y if fold else combine_slots(ys, x, a_top, ids_flat, e, y)

@@ -106,3 +106,44 @@ def test_tc_moe_grouped_matches_twin(t, mb):
     torch.cuda.synchronize()
     ref = reference_moe(x.float(), ids, wts, w13, w2, dot_dtype=torch.bfloat16)
     assert rel_err(y, ref) < 1e-2, (t, mb)
+
+
+@pytest.mark.parametrize("t", [5, 64])
+def test_tc_moe_grouped_folded_sum_equals_combine_launch(t):
+    """Up to 512 slots the grouped FC2 sums each token's slots itself (its last-arriving
+    program); the result equals the separate combine launch's bit for bit, including a token
+    whose routing row names no expert (a NaN row: output 0) and one with a slot placed
+    nowhere (summed without it), and replays in a graph as the routing changes."""
+    from lowbit.kernels.moe import reference_moe
+    from lowbit.kernels.tc_moe import tc_moe_grouped
+
+    e, top, h, inter = 64, 8, 2048, 768
+    w13, w2 = _stack(2 * inter, h, e, seed=7, tables=2), _stack(h, inter, e, seed=8)
+    g = torch.Generator(device=DEV).manual_seed(t)
+    ids = torch.rand(t, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32)
+    ids[1] = e
+    ids[3, 2] = -1
+    wts = torch.rand(t, top, device=DEV, generator=g)
+    x = _x(t, h, seed=t)
+    folded = poisoned(t, h, dtype=torch.float32, device=DEV)
+    tc_moe_grouped(x, ids, wts, w13, w2, out=folded)
+    launched = poisoned(t, h, dtype=torch.float32, device=DEV)
+    tc_moe_grouped(x, ids, wts, w13, w2, config=dict(FOLD=False), out=launched)
+    assert torch.equal(folded, launched)
+    assert torch.equal(folded[1], torch.zeros(h, device=DEV))
+    keep = (ids >= 0) & (ids < e)
+    ref = reference_moe(x.float(), ids.clamp(0, e - 1), wts * keep, w13, w2,
+                        dot_dtype=torch.bfloat16)
+    assert rel_err(folded, ref) < 1e-3
+    graph = torch.cuda.CUDAGraph()
+    y = torch.empty(t, h, device=DEV, dtype=torch.float32)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        tc_moe_grouped(x, ids, wts, w13, w2, out=y)
+    for seed in (1, 2):
+        ids.copy_(torch.rand(t, e, device=DEV).topk(top, -1).indices.to(torch.int32))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_moe(x.float(), ids, wts, w13, w2, dot_dtype=torch.bfloat16)
+        assert rel_err(y, ref) < 1e-3, seed

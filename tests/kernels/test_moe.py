@@ -115,13 +115,18 @@ def test_grouped_sort_has_no_host_read():
     assert torch.equal(flat[order.long()], torch.sort(flat).values) and tiles == 4 + 6
 
 
+@pytest.mark.parametrize("one_program", [False, True])
 @pytest.mark.parametrize("s,e,bm", [(1, 8, 16), (51, 60, 16), (4096, 128, 64), (1000, 256, 32),
                                     (5, 512, 16), (300, 7, 64)])
-def test_counting_sort_is_torch_stable_sort(s, e, bm):
-    """The two-launch counting sort against torch.sort(stable=True) and bincount on fresh
-    random ids, odd slot and expert counts, several blocks; then with ids outside 0..E-1
-    (a NaN routing row): those slots are counted and placed nowhere, the rest still sort."""
+def test_counting_sort_is_torch_stable_sort(s, e, bm, one_program, monkeypatch):
+    """The counting sort (two launches, or one program for few slots: both forced here)
+    against torch.sort(stable=True) and bincount on fresh random ids, odd slot and expert
+    counts, several blocks; then with ids outside 0..E-1 (a NaN routing row): those slots
+    are counted and placed nowhere, the rest still sort."""
+    from lowbit.kernels import moe_slots
     from lowbit.kernels.moe_slots import sort_by_expert
+
+    monkeypatch.setattr(moe_slots, "ONE_PROGRAM_SORT_BLOCKS", 1 << 20 if one_program else 0)
 
     g = torch.Generator().manual_seed(s * 7 + e)
     ids = torch.randint(0, e, (s,), generator=g).to(torch.int32)
@@ -139,6 +144,52 @@ def test_counting_sort_is_torch_stable_sort(s, e, bm):
         stable = torch.sort(torch.where(ok, ids, e + 1), stable=True).indices[:placed]
         assert torch.equal(order[:placed].long(), stable)
         assert tiles == -(-s // bm) + min(e, s)
+
+
+def test_sort_for_fold_counts_placed_slots_and_zeroes_dead_tokens():
+    """sort_for_fold: the same sort as sort_by_expert in one program, need[t] = token t's
+    placed slots, and out[t] = 0 for a token with none (no expert kernel writes it); other
+    rows untouched. Too many slots for one program: None."""
+    from lowbit.kernels.moe_slots import sort_by_expert, sort_for_fold
+
+    t, a, e, h = 9, 4, 16, 300
+    g = torch.Generator().manual_seed(5)
+    ids = torch.rand(t, e, generator=g).topk(a, -1).indices.to(torch.int32)
+    ids[2] = e  # a NaN routing row: no slot placed
+    ids[5, 1] = -1  # one slot placed nowhere
+    flat = ids.reshape(-1).contiguous()
+    out = torch.full((t, h), float("nan"))
+    order, tile_end, seg_start, counts, tiles, need = sort_for_fold(flat, e, 8, a, out)
+    ref = sort_by_expert(flat, e, 8)
+    placed = t * a - a - 1  # order past the placed slots is never written
+    assert torch.equal(order[:placed], ref[0][:placed]) and tiles == ref[4]
+    for got, want in zip((tile_end, seg_start, counts), ref[1:4], strict=True):
+        assert torch.equal(got, want)
+    want_need = torch.full((t,), a, dtype=torch.int32)
+    want_need[2], want_need[5] = 0, a - 1
+    assert torch.equal(need, want_need)
+    assert torch.equal(out[2], torch.zeros(h)) and out[[0, 1, 3, 4, 5, 6, 7, 8]].isnan().all()
+    many = torch.zeros(4096, dtype=torch.int32)
+    assert sort_for_fold(many, 128, 8, 8, torch.empty(512, h)) is None
+
+
+def test_combine_sums_named_slots_in_order_and_skips_the_rest():
+    """combine_slots: each token's slot rows summed in slot order; a slot whose id is outside
+    0..E-1 was placed nowhere, so its row (NaN here) is never read."""
+    from lowbit.kernels.moe_slots import combine_slots
+
+    t, a, h, e = 5, 3, 300, 8
+    g = torch.Generator().manual_seed(3)
+    ys = torch.randn(t * a, h, generator=g)
+    ids = torch.randint(0, e, (t * a,), generator=g).to(torch.int32)
+    ids[4], ids[9] = e, -1
+    ys[4], ys[9] = float("nan"), float("nan")
+    x = torch.zeros(t, h)
+    y = combine_slots(ys, x, a, ids, e)
+    want = torch.where(((ids >= 0) & (ids < e))[:, None], ys, 0).view(t, a, h)
+    want = (want[:, 0] + want[:, 1]) + want[:, 2]
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
 
 
 def _oss_extras(x, ids, w13, w2, seed: int) -> dict:

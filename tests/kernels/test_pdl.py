@@ -46,7 +46,7 @@ def test_decode_kernels_wait_before_reading_activations():
     names = {r["kernel"] for r in rows}
     assert {"_rms_norm_kernel", "_qk_norm_rope_kernel", "_decode_split_kernel",
             "_decode_reduce_kernel", "_gate_gemv_kernel", "_router_kernel", "_expert_hist_kernel",
-            "_expert_place_kernel", "_moe_combine_kernel"} <= names
+            "_expert_place_kernel", "_expert_sort_kernel", "_moe_combine_kernel"} <= names
     for r in rows:
         assert r["launch_pdl"] and r["waits"] == 1 and r["launch_dependents"] == 1, r
         assert r["stores_before"] == 0 and r["atomics_before"] == 0, r
