@@ -40,8 +40,8 @@ def record() -> list:
                                     gate_w=torch.randn(E, D), gate_b=None)
         router_op._run_triton(call)
         ids = torch.randint(0, E, (T * A,), dtype=torch.int32)
-        moe_slots.sort_by_expert(ids, E, 8)  # few slots: one program
-        moe_slots.sort_by_expert(torch.randint(0, E, (1024,), dtype=torch.int32), E, 8)  # two
+        moe_slots.sort_by_expert(ids, E, 8)
+        moe_slots.sort_for_fold(ids, E, 8, A, x.clone())
         moe_slots.combine_slots(torch.randn(T * A, D), x, A, ids, E)
     return launches
 

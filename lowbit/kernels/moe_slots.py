@@ -145,9 +145,12 @@ def moe_output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return y
 
 
-# up to this many blocks of slots (512 slots at 128 experts), one program sorts them
-# (_expert_sort_kernel): one launch instead of two; larger counts keep the parallel pair
-ONE_PROGRAM_SORT_BLOCKS = 8
+# up to this many blocks of slots (8: 512 slots at 128 experts), one program could sort them
+# (_expert_sort_kernel): one launch instead of two. Measured slower (H200, Qwen3-30B-A3B
+# nvfp4 decode, with the folded FC2 sum: 14 / 25 us a call at 256 / 512 slots, x32 / x64
+# 3,172 / 5,297 tok/s against 3,429 / 6,104 with the pair; docs/BENCHMARKS.md#decode-graph),
+# so it is off: sort_for_fold uses it where asked
+ONE_PROGRAM_SORT_BLOCKS = 0
 
 
 def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
@@ -188,14 +191,15 @@ def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
 
 
 def sort_for_fold(ids_flat: torch.Tensor, e: int, bm: int, a_top: int, out: torch.Tensor):
-    """sort_by_expert in one program, for an expert kernel that sums each token's slots
-    itself (the last of a token's slots to finish writes out[t]): also need int32 [T], how
+    """sort_by_expert in one program (up to 8 blocks of slots), for an expert kernel that
+    sums each token's slots itself (the last of a token's slots to finish writes out[t]):
+    also need int32 [T], how
     many of each token's slots are placed, with out[t] zeroed for a token that has none.
     None when the slots are too many for one program (then: sort_by_expert, combine_slots)."""
     s = ids_flat.numel()
     ep = max(16, triton.next_power_of_2(e))
     bs = max(16, min(256, 8192 // ep))
-    if s == 0 or triton.cdiv(s, bs) > ONE_PROGRAM_SORT_BLOCKS:
+    if s == 0 or triton.cdiv(s, bs) > 8:
         return None
     t, h = out.shape
     dev = ids_flat.device

@@ -12,8 +12,8 @@ Two schedules, both nvfp4 experts with SiLU and no biases, CUDA-graph safe (no h
                   columns so each expert is read once for up to 8 tokens; FC1 pairs gate row r
                   with up row r in one thread and writes bf16(SiLU(gate) * up) [S, I]; FC2
                   writes each slot's output times its routing weight [S, H]; combine_slots
-                  sums a token's in order (four launches to 512 slots, five above: the sort
-                  is one program up to 512 slots, two launches above).
+                  sums a token's in order, skipping slots placed nowhere (five launches;
+                  config FOLD, off: three, FC2 summing each token's slots itself).
 Reference twin: moe.reference_moe with dot_dtype=torch.bfloat16 (exact nvfp4 tiles: the
 weights are not rounded; x and the activation are).
 """
@@ -222,7 +222,11 @@ def tc_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
 # MB: slots of one expert a program takes as the MMA's B columns (8, 16 or 32): more columns
 # read an expert fewer times when it has many tokens (prefill chunks), at more registers (sm_90,
 # FC1 with BN 128: MB 16 195 registers at BK 256; MB 32 spills at BK 256, 202 registers at 128)
-GROUPED = {"BN": 128, "BK": 256, "num_warps": 4, "PREFETCH": True, "MB": 8}
+# FOLD (up to 512 slots): FC2's last-arriving program per token sums the token's slots and
+# the sort is one program: three launches instead of five, but measured slower (H200,
+# Qwen3-30B-A3B nvfp4: x8 / x32 / x64 1,525 / 3,172 / 5,297 against 1,545 / 3,429 / 6,104
+# tok/s; docs/BENCHMARKS.md#decode-graph): off unless a config asks
+GROUPED = {"BN": 128, "BK": 256, "num_warps": 4, "PREFETCH": True, "MB": 8, "FOLD": False}
 
 
 def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: LutWeight,
@@ -233,8 +237,9 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     (moe_slots.sort_by_expert), FC1 on tiles of up to MB slots of one expert writing
     bf16(SiLU(gate) * up) [S, I], FC2 writing each slot's output times its routing weight
     [S, H], then the ordered sum per token (moe_slots.combine_slots, which skips a slot
-    placed nowhere). Four launches up to 512 slots (one-program sort), five above; no host
-    read. Same contract as
+    placed nowhere): five launches. Config FOLD (off, measured slower): up to 512 slots a
+    one-program sort and FC2's last-arriving program per token summing its slots, three
+    launches. No host read. Same contract as
     moe.fused_moe_gemv."""
     reason = tc_moe_refusal(x, w13, w2)
     assert reason is None, reason
@@ -249,7 +254,7 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     bn2 = cfg["BN"]
     x, ids_flat, tw = flat_slots(x, ids, weights)
     y = moe_output(x, out)
-    fold = cfg.get("FOLD", True) and sort_for_fold(ids_flat, e, mb, a_top, y)
+    fold = cfg["FOLD"] and sort_for_fold(ids_flat, e, mb, a_top, y)
     if fold:
         order, tile_end, seg_start, counts, tiles, need = fold
     else:

@@ -110,8 +110,8 @@ def test_tc_moe_grouped_matches_twin(t, mb):
 
 @pytest.mark.parametrize("t", [5, 64])
 def test_tc_moe_grouped_folded_sum_equals_combine_launch(t):
-    """Up to 512 slots the grouped FC2 sums each token's slots itself (its last-arriving
-    program); the result equals the separate combine launch's bit for bit, including a token
+    """Config FOLD (up to 512 slots): the grouped FC2 sums each token's slots itself (its
+    last-arriving program); the result equals the separate combine launch's bit for bit, including a token
     whose routing row names no expert (a NaN row: output 0) and one with a slot placed
     nowhere (summed without it), and replays in a graph as the routing changes."""
     from lowbit.kernels.moe import reference_moe
@@ -126,9 +126,9 @@ def test_tc_moe_grouped_folded_sum_equals_combine_launch(t):
     wts = torch.rand(t, top, device=DEV, generator=g)
     x = _x(t, h, seed=t)
     folded = poisoned(t, h, dtype=torch.float32, device=DEV)
-    tc_moe_grouped(x, ids, wts, w13, w2, out=folded)
+    tc_moe_grouped(x, ids, wts, w13, w2, config=dict(FOLD=True), out=folded)
     launched = poisoned(t, h, dtype=torch.float32, device=DEV)
-    tc_moe_grouped(x, ids, wts, w13, w2, config=dict(FOLD=False), out=launched)
+    tc_moe_grouped(x, ids, wts, w13, w2, out=launched)
     assert torch.equal(folded, launched)
     assert torch.equal(folded[1], torch.zeros(h, device=DEV))
     keep = (ids >= 0) & (ids < e)
@@ -139,7 +139,7 @@ def test_tc_moe_grouped_folded_sum_equals_combine_launch(t):
     y = torch.empty(t, h, device=DEV, dtype=torch.float32)
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        tc_moe_grouped(x, ids, wts, w13, w2, out=y)
+        tc_moe_grouped(x, ids, wts, w13, w2, config=dict(FOLD=True), out=y)
     for seed in (1, 2):
         ids.copy_(torch.rand(t, e, device=DEV).topk(top, -1).indices.to(torch.int32))
         y.fill_(float("nan"))
