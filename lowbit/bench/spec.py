@@ -24,7 +24,7 @@ import time
 import torch
 
 from lowbit import LLM, SamplingParams
-from lowbit.bench.latency import _sync, graph_status, progress
+from lowbit.bench.latency import _sync, graph_status, prefill_graph_status, progress
 from lowbit.bench.record import md_table
 from lowbit.bench.stats import mean_sd
 from lowbit.config import EngineConfig
@@ -91,7 +91,9 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
             "weight_format": plain.loaded.weight_format, "device": plain.device,
             "method": cfg.speculative_method, "num_speculative_tokens": cfg.num_draft_tokens,
             "speculative_model": cfg.speculative_model, "prompt_tokens": len(prompt),
-            "repeats": repeats, "graphs": graph_status(plain.engine), "cells": cells}
+            "repeats": repeats, "graphs": graph_status(plain.engine),
+            "verify_graph_steps": spec.engine.runner.spec_graph_steps,
+            "prefill_graphs": prefill_graph_status(spec.engine), "cells": cells}
 
 
 @torch.inference_mode()
@@ -165,4 +167,7 @@ def summary_md(rec: dict) -> str:
                       [[r["T"], f"{1e3 * r['s']:.2f}", f"{r['ratio']:.2f}"] for r in rec.get("verify", [])])
     picks = "; ".join(f"{c['test']}: k = {c['cost_model']['k']}" for c in rec["cells"] if "cost_model" in c)
     foot += f"  \ncost model's choice from these measurements (not applied by the engine yet): {picks}"
+    if "verify_graph_steps" in rec:
+        foot += (f"  \nverify steps replayed from prefill graphs (mode hidden): {rec['verify_graph_steps']}; "
+                 f"{rec['prefill_graphs']}; the verify table times the target's forward eagerly")
     return md_table(HEADERS, table_rows(rec)) + "\n\n" + verify + "\n\n" + foot

@@ -19,11 +19,16 @@ layer reads a host length on this path: the attention op's prefill route takes t
 query_start, and its grid depends on T and B alone (lowbit.kernels.attention,
 _prefill_kernel); every other op's shapes are T, B and the weights'.
 
+Speculative verify steps (lowbit.engine.speculative) replay graphs of the same buckets in
+mode HIDDEN: embedding and every layer, writing the final hidden states [T', H] into one
+buffer; the verify's logits over each window and its acceptance run after the replay.
+
 A bucket is captured at its first step (a warm-up step first, with torch's sync debug
 mode set to error, as the decode graphs do). At most `max_graphs` are kept: past that,
 steps of a new shape run eagerly, with a WARNING once. Steps that need host-side work
 between layers run eagerly: prompt log-probabilities (every row's logits), speculative
-verification, an expert cache (it routes on the host), and models whose attention op has
+verification before HIDDEN graphs existed, an expert cache (it routes on the host), and
+models whose attention op has
 no graph-safe prefill route (MLA's latent prefill runs the torch route).
 """
 
@@ -42,6 +47,7 @@ from lowbit.kernels.sample_op import sample_rows
 log = logging.getLogger("lowbit")
 
 MAX_GRAPHS = 48
+HIDDEN = "hidden"  # the mode of a verify step's graph: hidden states out, no sampling
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -72,6 +78,7 @@ class PrefillGraphs:
         self.replays = 0
         self.tokens: torch.Tensor | None = None  # [max B'] sampled tokens of the last replay
         self.logits: torch.Tensor | None = None  # [max B', V] float32
+        self.hidden: torch.Tensor | None = None  # [max T', H]: HIDDEN graphs' output
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
         """(T', B') a step of num_tokens over num_seqs pads to, or None (too large)."""
@@ -109,6 +116,14 @@ class PrefillGraphs:
                              tok["slot_mapping"], self.inputs.block_tables[:b], seq["seq_lens"],
                              query_start_dev=seq["query_start"])
         hidden = self.model(tok["input_ids"], batch)
+        if mode == HIDDEN:
+            if self.hidden is None or self.hidden.dtype != hidden.dtype:
+                if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise AssertionError("the hidden buffer is allocated in the warm-up")
+                self.hidden = torch.zeros(self.token_buckets[-1], hidden.shape[1], dtype=hidden.dtype,
+                                          device=self.device)
+            self.hidden[:t].copy_(hidden)
+            return
         logits = self.model.compute_logits(hidden.index_select(0, seq["last_index"]))  # [b, V] float32
         if self.logits is None or self.logits.shape[1] != logits.shape[1]:
             raise AssertionError("output buffers are allocated before the warm-up")
@@ -150,6 +165,13 @@ class PrefillGraphs:
         self.graphs[(t, b, mode)].replay()
         self.replays += 1
         return self.tokens[:b], self.logits[:b]
+
+    def run_hidden(self, bucket: tuple[int, int]) -> torch.Tensor:
+        """Replay the staged verify step's HIDDEN graph; the hidden states [T', H]."""
+        t, b = bucket
+        self.graphs[(t, b, HIDDEN)].replay()
+        self.replays += 1
+        return self.hidden[:t]
 
     def status(self) -> str:
         shapes = sorted({(t, b) for t, b, _ in self.graphs})

@@ -37,7 +37,7 @@ import torch
 from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
-from lowbit.engine.prefill_graphs import PrefillGraphs, prefill_graphs_wanted
+from lowbit.engine.prefill_graphs import HIDDEN, PrefillGraphs, prefill_graphs_wanted
 from lowbit.engine.request import Request, TokenLogprob
 from lowbit.engine.sampling import SamplingState, token_logprobs
 from lowbit.engine.scheduler import SchedulerOutput
@@ -133,6 +133,7 @@ class ModelRunner:
             log.warning("decode CUDA graphs are off (every decode step runs eagerly, slowly): %s",
                         self.graphs_off)
         self.prefill_graphs: PrefillGraphs | None = None
+        self.spec_graph_steps = 0  # speculative verify steps replayed from a HIDDEN prefill graph
         self.prefill_graphs_off = self.graphs_off or ("--no-prefill-graphs" if not prefill_graphs
                                                       else prefill_graphs_wanted(model))
         if self.prefill_graphs_off is None:
@@ -277,8 +278,9 @@ class ModelRunner:
     def _prefill_bucket_for(self, scheduled: list[tuple[Request, int]], starts: list[int]) -> tuple[int, int] | None:
         """The prefill graph bucket (T', B') a step that is not a pure decode pads to, or None
         when it runs eagerly: no prefill graphs, or a step that needs host work between layers
-        (an expert cache's hooks, speculative drafts, prompt log-probabilities)."""
-        if self.prefill_graphs is None or self.before_forward or self.spec is not None:
+        (an expert cache's hooks, prompt log-probabilities). A speculative verify step takes
+        the bucket's HIDDEN graph."""
+        if self.prefill_graphs is None or self.before_forward:
             return None
         if starts[-1] == len(scheduled):  # one token a sequence: the decode graphs' shape
             return None
@@ -307,9 +309,14 @@ class ModelRunner:
 
     def _execute_spec(self, scheduled: list[tuple[Request, int]], input_ids: torch.Tensor,
                       batch: ForwardBatch, reqs: list[Request], mode) -> RunnerOutput:
-        """A verify step: the target over every window, the acceptance rule over the requests
-        that caught up, then the drafter's follow-up over the positions made real."""
-        hidden = self.model(input_ids, batch)
+        """A verify step: the target over every window (a HIDDEN prefill graph's replay where
+        the step's bucket has one), the acceptance rule over the requests that caught up, then
+        the drafter's follow-up over the positions made real."""
+        if self._prefill_bucket is not None and self.prefill_graphs.ready(self._prefill_bucket, HIDDEN):
+            hidden = self.prefill_graphs.run_hidden(self._prefill_bucket)[:batch.num_tokens]
+            self.spec_graph_steps += 1
+        else:
+            hidden = self.model(input_ids, batch)
         out = self._prompt_logprobs_all(scheduled, batch, hidden)
         emitted: dict[str, list[int]] = {}
         if reqs:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lowbit import LLM, SamplingParams
-from lowbit.engine.prefill_graphs import PrefillGraphs, seq_buckets, token_buckets
+from lowbit.engine.prefill_graphs import HIDDEN, PrefillGraphs, seq_buckets, token_buckets
 from lowbit.engine.staging import Padding, StepInputs
 from lowbit.kernels import attention_op, routes
 from lowbit.kernels.attention import reference_paged_attention
@@ -76,6 +76,13 @@ class StaticPrefill(PrefillGraphs):
         self.replays += 1
         return self.tokens[:b], self.logits[:b]
 
+    def run_hidden(self, bucket):
+        t, b = bucket
+        self.shapes.append((t, b, HIDDEN))
+        self._step(t, b, HIDDEN)
+        self.replays += 1
+        return self.hidden[:t]
+
 
 @pytest.fixture
 def device_read_prefill(monkeypatch) -> list[tuple[int, int]]:
@@ -131,6 +138,27 @@ def test_prompt_logprobs_and_hooks_keep_steps_eager():
     r.before_forward.clear()
     llm.generate(["Once upon a time"], SamplingParams(max_tokens=2))
     assert len(r.prefill_graphs.shapes) == 1
+
+
+def test_verify_steps_run_the_hidden_step_on_padded_inputs(device_read_prefill):
+    """Speculative verify steps (ngram drafts) take the bucket's HIDDEN step (what a replayed
+    verify graph runs: every layer on the padded static inputs, hidden states out); greedy
+    tokens are still those of the engine without speculation, and the runner counts those
+    steps."""
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)
+    prompts = ["the cat sat on the mat. the cat sat on the mat. the cat sat on", "one two one two one"]
+    kw = dict(device="cpu", kv_cache_tokens=1024, max_num_batched_tokens=64, max_num_seqs=4)
+    want = [o.outputs[0].token_ids for o in LLM("demo", **kw).generate(prompts, sp)]
+    llm = LLM("demo", speculative_method="ngram", num_speculative_tokens=3, **kw)
+    r = llm.engine.runner
+    r.prefill_graphs = StaticPrefill(r.model, r.inputs, r.sampling, r.kv_cache, 64, 4, r.device,
+                                     SimpleNamespace(pool=None))
+    r.prefill_graphs.shapes = []
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert got == want
+    hidden = [x for x in r.prefill_graphs.shapes if len(x) == 3]
+    assert hidden and r.spec_graph_steps == len(hidden)
+    assert llm.engine.spec.stats.mean_accepted_length > 1  # drafts were verified, some kept
 
 
 def test_refusal_names_the_route(monkeypatch):
