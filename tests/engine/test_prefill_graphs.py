@@ -84,6 +84,13 @@ class StaticPrefill(PrefillGraphs):
         return self.hidden[:t]
 
 
+def install_static(runner, max_tokens: int) -> None:
+    """Give the runner a StaticPrefill of buckets up to max_tokens tokens and 4 sequences."""
+    runner.prefill_graphs = StaticPrefill(runner.model, runner.inputs, runner.sampling, runner.kv_cache,
+                                          max_tokens, 4, runner.device, SimpleNamespace(pool=None))
+    runner.prefill_graphs.shapes = []
+
+
 @pytest.fixture
 def device_read_prefill(monkeypatch) -> list[tuple[int, int]]:
     """The torch attention route made to read a prefill call's starts and lengths from the
@@ -113,9 +120,7 @@ def test_padded_prefill_steps_give_the_eager_tokens(device_read_prefill, params)
     want = [o.outputs[0].token_ids for o in LLM("demo", **kw).generate(PROMPTS, sp)]
     llm = LLM("demo", **kw)
     r = llm.engine.runner
-    r.prefill_graphs = StaticPrefill(r.model, r.inputs, r.sampling, r.kv_cache, 16, 4, r.device,
-                                     SimpleNamespace(pool=None))
-    r.prefill_graphs.shapes = []
+    install_static(r, 16)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
     assert got == want
     shapes = r.prefill_graphs.shapes
@@ -127,9 +132,7 @@ def test_padded_prefill_steps_give_the_eager_tokens(device_read_prefill, params)
 def test_prompt_logprobs_and_hooks_keep_steps_eager():
     llm = LLM("demo", device="cpu", kv_cache_tokens=256)
     r = llm.engine.runner
-    r.prefill_graphs = StaticPrefill(r.model, r.inputs, r.sampling, r.kv_cache, 64, 4, r.device,
-                                     SimpleNamespace(pool=None))
-    r.prefill_graphs.shapes = []
+    install_static(r, 64)
     llm.generate(["Once upon a time"], SamplingParams(max_tokens=2, prompt_logprobs=1))
     assert r.prefill_graphs.shapes == []
     r.before_forward.append(lambda batch, ids: None)
@@ -151,9 +154,7 @@ def test_verify_steps_run_the_hidden_step_on_padded_inputs(device_read_prefill):
     want = [o.outputs[0].token_ids for o in LLM("demo", **kw).generate(prompts, sp)]
     llm = LLM("demo", speculative_method="ngram", num_speculative_tokens=3, **kw)
     r = llm.engine.runner
-    r.prefill_graphs = StaticPrefill(r.model, r.inputs, r.sampling, r.kv_cache, 64, 4, r.device,
-                                     SimpleNamespace(pool=None))
-    r.prefill_graphs.shapes = []
+    install_static(r, 64)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert got == want
     hidden = [x for x in r.prefill_graphs.shapes if len(x) == 3]
