@@ -41,8 +41,8 @@ from lowbit.quantize.calibrate import (
 from lowbit.quantize.gptq import DAMP
 from lowbit.quantize.sensitivity import WINDOW, KLProbe
 from lowbit.quantize.tune import TOKENS as TUNE_TOKENS
+from lowbit.quantize.tune import TUNABLE, TuneText, teacher, tune_scales
 from lowbit.quantize.tune import WINDOW as TUNE_WINDOW
-from lowbit.quantize.tune import TuneText, teacher, tune_scales
 
 DEFAULT_FORMATS = "vq2,nf3,vq3,lut3,nf4,vq4,lut4,nvfp4,int4-g32,fp8,dense"  # the --bpw candidates
 
@@ -73,7 +73,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
     candidates = _check_budget_args(fmt, bpw, formats)
     sensitivity = _check_sensitivity(sensitivity, bpw, calib, sensitivity_from)
     calibration = Calibration.read(calib) if calib is not None else None  # fails before loading
-    tuning = _check_tuning(tune_steps, tune_text, tune_tokens, calibration)
+    tuning = _check_tuning(tune_steps, tune_text, tune_tokens, calibration, fmt)
     if not 0 <= damp < 1:
         raise LowbitError(f"--damp {damp}: give a fraction of the mean Hessian diagonal in [0, 1), e.g. 0.01.")
     if calibration is not None and fmt is not None and fmt not in SCALAR_FORMATS + VQ_FORMAT_NAMES:
@@ -142,8 +142,8 @@ def _check_budget_args(fmt: str | None, bpw: float | None, formats: str | None) 
     return list(dict.fromkeys(names))
 
 
-def _check_tuning(steps: int, text: str | Path | None, tokens: int,
-                  calibration: Calibration | None) -> tuple[Calibration, int, int] | None:
+def _check_tuning(steps: int, text: str | Path | None, tokens: int, calibration: Calibration | None,
+                  fmt: str | None) -> tuple[Calibration, int, int] | None:
     """The tuning text and steps of --tune-scales (None without it)."""
     if steps == 0 and text is None:
         return None
@@ -152,6 +152,9 @@ def _check_tuning(steps: int, text: str | Path | None, tokens: int,
                           if text is None or steps else "--tune-text is the text of --tune-scales; give --tune-scales STEPS too.")
     if calibration is None:
         raise LowbitError("--tune-scales tunes the scales of calibrated roundings: give --calib FILE too.")
+    if fmt is not None and fmt not in TUNABLE:
+        raise LowbitError(f"--tune-scales tunes the bfloat16 block scales of {', '.join(TUNABLE)}; {fmt} has "
+                          "none: drop the flag or pick one of those formats.")
     if tokens < 2:
         raise LowbitError(f"--tune-tokens {tokens}: give the most tokens to tune on, e.g. 65536.")
     return (calibration if text is None else Calibration.read(text)), steps, tokens
@@ -220,7 +223,7 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
         sums, rounding, ids = _hessians(loaded, path, formats, calibration, device, quantize_lm_head)
         rounding["damp"] = damp
     text = _tuning_text(tuning, path, loaded.config.max_position_embeddings)
-    target = None if text is None else teacher(loaded.model, text, device)
+    reference = None if text is None else teacher(loaded.model, text, device)
     if sensitivity == "kl":
         probe = KLProbe.build(loaded.model, ids, device, window=min(WINDOW, loaded.config.max_position_embeddings))
     t0 = time.perf_counter()
@@ -240,7 +243,7 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
         set_quantized(mod, attr, round_weight(get_format(c.format), w, h, damp))
     record = _sensitivity_record(sensitivity, sums, probe, chosen, scored)
     if text is not None:
-        rounding["tuning"] = _tuned(loaded, text, target, device, probe)
+        rounding["tuning"] = _tuned(loaded, text, reference, device, probe)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
     if rounding is not None:
@@ -294,10 +297,10 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
     t0 = time.perf_counter()
     sums = collect_hessians(loaded.model, plan, ids, device, loaded.config.max_position_embeddings)
     text = _tuning_text(tuning, path, loaded.config.max_position_embeddings)
-    target = None if text is None else teacher(loaded.model, text, device)
+    reference = None if text is None else teacher(loaded.model, text, device)
     t1 = time.perf_counter()
     counts = calibrated_quantize(loaded.model, plan, sums, damp)
-    tuned = None if text is None else _tuned(loaded, text, target, device)
+    tuned = None if text is None else _tuned(loaded, text, reference, device)
     target = parse_dtype(dtype)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
@@ -315,6 +318,9 @@ def _tuned(loaded: LoadedModel, text: TuneText, target: list, device: str, probe
     """Tune the installed roundings' scales; print and return the record (with the probe's
     KL after tuning, on the tokens it measured the plan on)."""
     record = tune_scales(loaded.model, text, target, device)
+    if record["weights"] == 0:
+        print("tune-scales: the plan has no weight in a tunable format")
+        return record
     print(f"tune-scales: {record['weights']} weights, validation KL {record['validation_kl_before']:.5f} -> "
           f"{record['validation_kl_after']:.5f} (step {record['kept_step']} of {record['steps']}), "
           f"{record['seconds']:.0f} s")

@@ -20,6 +20,7 @@ weight, decoding and every kernel route are unchanged. Other formats keep their 
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,9 @@ BATCH = 4  # windows per step
 LR = 2e-3  # Adam step on t (a factor exp(t) moves by about LR per step)
 EVAL_EVERY = 25  # steps between validation checks
 VAL_EVERY = 10  # every 10th window is a validation window
+
+
+TUNABLE = ("nf4", "nf3", "lut4", "lut3", "vq2", "vq3", "vq4")
 
 
 def tunable(qt: object) -> bool:
@@ -139,9 +143,8 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: 
     `target` is teacher() of the same text. Returns what lowbit.json records."""
     t0, steps = time.perf_counter(), text.steps
     blocks = [_Block(mod, attr, getattr(mod, attr)) for mod, attr in installed(model)]
-    if not blocks:
-        raise LowbitError("--tune-scales tunes nf4, nf3, lut4, lut3, vq2, vq3 and vq4 weights; this "
-                          "artifact has none: drop the flag or choose one of those formats.")
+    if not blocks:  # a --bpw plan of other formats
+        return {"method": "block scales tuned on the teacher's KL", "weights": 0, "steps": 0}
     val = [i for i in range(len(text.windows)) if text.validation(i)]
     train = [i for i in range(len(text.windows)) if not text.validation(i)]
     val_windows, val_target = [text.windows[i] for i in val], torch.cat([target[i] for i in val])
@@ -166,18 +169,20 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: 
             loss.backward()
             opt.step()
             if step % EVAL_EVERY == 0 or step == steps:
-                val = check()
-                history.append([step, val])
-                if val < best:
-                    best, best_step = val, step
+                score = check()
+                history.append([step, score])
+                print(f"tune-scales step {step}/{steps}: train KL {float(loss):.5f}, validation KL {score:.5f}, "
+                      f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+                if score < best:
+                    best, best_step = score, step
                     for b in blocks:
                         b.best = b.t.detach().clone()
     finally:
         for b in blocks:
             b.finish()
     return {"method": "block scales tuned on the teacher's KL", "steps": steps, "lr": lr, "batch_windows": BATCH,
-            "window": len(text.windows[0]), "text": {"file": text.path.name, "sha256": text.sha256,
-                                       "tokens": sum(map(len, text.windows))},
+            "window": len(text.windows[0]),
+            "text": {"file": text.path.name, "sha256": text.sha256, "tokens": sum(map(len, text.windows))},
             "train_windows": len(train), "validation_windows": len(val),
             "validation_kl_before": before, "validation_kl_after": best, "kept_step": best_step,
             "validation_history": history, "weights": len(blocks),

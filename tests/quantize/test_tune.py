@@ -44,7 +44,8 @@ def test_tune_scales_needs_calib_and_steps(tiny_moe_dir, tmp_path, capsys):
     base = ["quantize", str(tiny_moe_dir), "--out", str(tmp_path / "a"), "--device", "cpu"]
     for extra, msg in ((["--format", "nf4", "--tune-scales", "10"], "--calib"),
                        (["--format", "nf4", "--calib", str(calib), "--tune-scales", "-1"], "number of tuning steps"),
-                       (["--format", "nf4", "--calib", str(calib), "--tune-text", str(calib)], "--tune-scales STEPS")):
+                       (["--format", "nf4", "--calib", str(calib), "--tune-text", str(calib)], "--tune-scales STEPS"),
+                       (["--format", "nvfp4", "--calib", str(calib), "--tune-scales", "10"], "has none")):
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err, err
@@ -64,3 +65,18 @@ def test_tuned_artifact_lowers_validation_kl_keeps_bytes_and_generates(tiny_moe_
     assert rec["weights"] == m_tuned["totals"]["quantized_tensors"] and rec["validation_windows"] >= 1
     assert m_tuned["totals"]["bytes_after"] == m_plain["totals"]["bytes_after"]
     assert main(["generate", str(tuned), "It is a truth", "--max-tokens", "4", "--ignore-eos"]) == 0
+
+
+def test_bpw_plan_is_tuned_after_allocation_within_its_bytes(tiny_moe_dir, tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT)
+    art = tmp_path / "art"
+    argv = ["quantize", str(tiny_moe_dir), "--bpw", "7.6", "--formats", "nf3,nf4,fp8", "--out", str(art),
+            "--device", "cpu", "--calib", str(calib), "--tune-scales", "25"]
+    assert main(argv) == 0
+    manifest = json.loads((art / "lowbit.json").read_text())
+    plan, rec = manifest["allocation"], manifest["provenance"]["rounding"]["tuning"]
+    assert 8 * plan["bytes"] <= 7.6 * plan["weights"]
+    assert rec["weights"] == sum(e["format"] in ("nf3", "nf4") for e in plan["tensors"].values()) > 0
+    assert rec["validation_kl_after"] <= rec["validation_kl_before"]
+    assert rec["plan_kl_measured_after"] >= 0 and plan["sensitivity"]["plan_kl_measured"] > 0
