@@ -138,7 +138,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                               calib=args.calib, damp=args.damp, bpw=args.bpw, formats=args.formats,
                               sensitivity=args.sensitivity, sensitivity_from=args.sensitivity_from,
                               tune_steps=args.tune_scales, tune_text=args.tune_text,
-                              tune_tokens=args.tune_tokens)
+                              tune_tokens=args.tune_tokens, tune_norms=args.tune_norms)
     print(summary_table(manifest))
     print(f"wrote {args.out}")
     return 0
@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tune-scales: the UTF-8 text to tune on (default: the --calib text)")
     q.add_argument("--tune-tokens", type=int, default=65536, metavar="N",
                    help="with --tune-scales: tune on at most N tokens of the text, windows spread evenly over it")
+    q.add_argument("--tune-norms", action="store_true",
+                   help="with --tune-scales: tune the RMSNorm weights (kept dense, not in --bpw) with the scales")
     q.set_defaults(func=cmd_quantize)
 
     e = sub.add_parser("eval", help="quality against a teacher: perplexity, KL, top-1 agreement")

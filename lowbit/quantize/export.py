@@ -44,6 +44,8 @@ from lowbit.quantize.tune import TOKENS as TUNE_TOKENS
 from lowbit.quantize.tune import TUNABLE, TuneText, teacher, tune_scales
 from lowbit.quantize.tune import WINDOW as TUNE_WINDOW
 
+# --tune-scales: the text, steps, most tokens, and the norms' dtype with --tune-norms (else None)
+Tuning = tuple[Calibration, int, int, torch.dtype | None]
 DEFAULT_FORMATS = "vq2,nf3,vq3,lut3,nf4,vq4,lut4,nvfp4,int4-g32,fp8,dense"  # the --bpw candidates
 
 
@@ -58,7 +60,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
                    bpw: float | None = None, formats: str | None = None,
                    sensitivity: str | None = None, sensitivity_from: str | Path | None = None,
                    tune_steps: int = 0, tune_text: str | Path | None = None,
-                   tune_tokens: int = TUNE_TOKENS) -> dict:
+                   tune_tokens: int = TUNE_TOKENS, tune_norms: bool = False) -> dict:
     """Write the artifact for `model` in format `fmt` (or, with `bpw`, a format per weight
     from `formats` under that budget) at `out`; return its manifest with the run's wall
     time added under totals.seconds. With `calib` (a text file) every weight is rounded by
@@ -68,12 +70,16 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
     calibration and damping) lends its scores instead of scoring again. `tune_steps` (with
     `calib`) then tunes the block scales of the rounded weights against the unquantized
     model's next-token distributions on `tune_text` (default: the calibration text) for that
-    many steps, on at most `tune_tokens` of its tokens (lowbit.quantize.tune)."""
+    many steps, on at most `tune_tokens` of its tokens, with `tune_norms` the RMSNorm weights
+    too (lowbit.quantize.tune)."""
     t0 = time.perf_counter()
     candidates = _check_budget_args(fmt, bpw, formats)
     sensitivity = _check_sensitivity(sensitivity, bpw, calib, sensitivity_from)
     calibration = Calibration.read(calib) if calib is not None else None  # fails before loading
     tuning = _check_tuning(tune_steps, tune_text, tune_tokens, calibration, fmt)
+    if tune_norms and tuning is None:
+        raise LowbitError("--tune-norms tunes the norms with the scales: give --tune-scales STEPS too.")
+    tuning = None if tuning is None else (*tuning, parse_dtype(dtype) if tune_norms else None)
     if not 0 <= damp < 1:
         raise LowbitError(f"--damp {damp}: give a fraction of the mean Hessian diagonal in [0, 1), e.g. 0.01.")
     if calibration is not None and fmt is not None and fmt not in SCALAR_FORMATS + VQ_FORMAT_NAMES:
@@ -160,10 +166,10 @@ def _check_tuning(steps: int, text: str | Path | None, tokens: int, calibration:
     return (calibration if text is None else Calibration.read(text)), steps, tokens
 
 
-def _tuning_text(tuning: tuple[Calibration, int, int] | None, path: Path, context: int) -> TuneText | None:
+def _tuning_text(tuning: Tuning | None, path: Path, context: int) -> TuneText | None:
     if tuning is None:
         return None
-    text, steps, tokens = tuning
+    text, steps, tokens, _ = tuning
     return TuneText.build(text, Tokenizer(path).encode(text.text), steps, min(TUNE_WINDOW, context), tokens)
 
 
@@ -211,7 +217,7 @@ def _earlier_scores(src: Path, digest: str, calibration: Calibration | None, dam
 def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibration | None,
               device: str, dtype: str, quantize_lm_head: bool, damp: float,
               sensitivity: str, table: dict | None,
-              tuning: tuple[Calibration, int, int] | None = None) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
+              tuning: Tuning | None = None) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
     """Load the dense model in float32, round every planned weight in every candidate
     format (GPTQ with --calib) and score it (or take the scores of `table`), allocate the
     budget, install the chosen roundings."""
@@ -243,7 +249,7 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
         set_quantized(mod, attr, round_weight(get_format(c.format), w, h, damp))
     record = _sensitivity_record(sensitivity, sums, probe, chosen, scored)
     if text is not None:
-        rounding["tuning"] = _tuned(loaded, text, reference, device, probe)
+        rounding["tuning"] = _tuned(loaded, text, reference, device, tuning[3], probe)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
     if rounding is not None:
@@ -286,7 +292,7 @@ def _hessians(loaded: LoadedModel, path: Path, formats: list[Format], calibratio
 
 def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dtype: str,
                 quantize_lm_head: bool, damp: float,
-                tuning: tuple[Calibration, int, int] | None = None) -> tuple[LoadedModel, QuantPlan, dict]:
+                tuning: Tuning | None = None) -> tuple[LoadedModel, QuantPlan, dict]:
     """Load the dense model in float32, collect Hessians on the calibration tokens, round
     every planned weight by GPTQ, and cast what stays dense to `dtype`."""
     loaded = load_model(path, dtype="float32", device=device)
@@ -300,7 +306,7 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
     reference = None if text is None else teacher(loaded.model, text, device)
     t1 = time.perf_counter()
     counts = calibrated_quantize(loaded.model, plan, sums, damp)
-    tuned = None if text is None else _tuned(loaded, text, reference, device)
+    tuned = None if text is None else _tuned(loaded, text, reference, device, tuning[3])
     target = parse_dtype(dtype)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
@@ -314,10 +320,11 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
     return loaded, plan, rounding
 
 
-def _tuned(loaded: LoadedModel, text: TuneText, target: list, device: str, probe: KLProbe | None = None) -> dict:
+def _tuned(loaded: LoadedModel, text: TuneText, target: list, device: str, norms: torch.dtype | None,
+           probe: KLProbe | None = None) -> dict:
     """Tune the installed roundings' scales; print and return the record (with the probe's
     KL after tuning, on the tokens it measured the plan on)."""
-    record = tune_scales(loaded.model, text, target, device)
+    record = tune_scales(loaded.model, text, target, device, norms=norms)
     if record["weights"] == 0:
         print("tune-scales: the plan has no weight in a tunable format")
         return record

@@ -34,6 +34,7 @@ from lowbit.formats import QuantizedTensor
 from lowbit.formats.lut import LutFormat
 from lowbit.formats.nf import NormalFloatFormat
 from lowbit.formats.vq import VqFormat
+from lowbit.layers.norm import RMSNorm
 from lowbit.quantize.calibrate import Calibration
 
 BLOCK = 64  # weights per bfloat16 scale in every tunable format
@@ -137,14 +138,37 @@ class _Block:
         setattr(self.mod, self.attr, qt)
 
 
+class _Norm:
+    """An RMSNorm weight g tuned as g * exp(t), stored in the artifact's dtype (`norms`)."""
+
+    def __init__(self, mod: nn.Module, dtype: torch.dtype):
+        self.mod, self.dtype = mod, dtype
+        self.param = mod._parameters.pop("weight")
+        self.g = self.param.data.float()
+        self.t = torch.zeros_like(self.g, requires_grad=True)
+        self.best = torch.zeros_like(self.g)
+
+    def install(self, stored: bool) -> None:
+        g = self.g * (self.t.detach() if stored else self.t).exp()
+        self.mod.weight = g.to(self.dtype).float() if stored else g
+
+    def finish(self) -> None:
+        del self.mod.weight
+        self.param.data = (self.g * self.best.exp()).to(self.param.dtype)
+        self.mod._parameters["weight"] = self.param
+
+
 def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: str,
-                lr: float = LR, seed: int = 0) -> dict:
-    """Tune the block scales of every tunable weight installed in `model` (module docstring);
+                lr: float = LR, seed: int = 0, norms: torch.dtype | None = None) -> dict:
+    """Tune the block scales of every tunable weight installed in `model` (module docstring),
+    and with `norms` (the dtype the artifact stores them in) the RMSNorm weights too;
     `target` is teacher() of the same text. Returns what lowbit.json records."""
     t0, steps = time.perf_counter(), text.steps
     blocks = [_Block(mod, attr, getattr(mod, attr)) for mod, attr in installed(model)]
     if not blocks:  # a --bpw plan of other formats
         return {"method": "block scales tuned on the teacher's KL", "weights": 0, "steps": 0}
+    if norms is not None:
+        blocks += [_Norm(m, norms) for m in model.modules() if isinstance(m, RMSNorm)]
     val = [i for i in range(len(text.windows)) if text.validation(i)]
     train = [i for i in range(len(text.windows)) if not text.validation(i)]
     val_windows, val_target = [text.windows[i] for i in val], torch.cat([target[i] for i in val])
@@ -158,6 +182,7 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: 
             return float(kl(val_target, log_probs(model, val_windows, device)))
 
     before = best = check()
+    print(f"tune-scales: {len(blocks)} tensors, validation KL {before:.5f} before tuning", file=sys.stderr, flush=True)
     best_step, history = 0, [[0, before]]
     try:
         for step in range(1, steps + 1):
@@ -171,7 +196,7 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: 
             if step % EVAL_EVERY == 0 or step == steps:
                 score = check()
                 history.append([step, score])
-                print(f"tune-scales step {step}/{steps}: train KL {float(loss):.5f}, validation KL {score:.5f}, "
+                print(f"tune-scales step {step}/{steps}: train KL {loss.item():.5f}, validation KL {score:.5f}, "
                       f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
                 if score < best:
                     best, best_step = score, step
@@ -185,7 +210,8 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: 
             "text": {"file": text.path.name, "sha256": text.sha256, "tokens": sum(map(len, text.windows))},
             "train_windows": len(train), "validation_windows": len(val),
             "validation_kl_before": before, "validation_kl_after": best, "kept_step": best_step,
-            "validation_history": history, "weights": len(blocks),
+            "validation_history": history, "weights": sum(isinstance(b, _Block) for b in blocks),
+            "norms": sum(isinstance(b, _Norm) for b in blocks),
             "seconds": round(time.perf_counter() - t0, 2)}
 
 

@@ -45,7 +45,8 @@ def test_tune_scales_needs_calib_and_steps(tiny_moe_dir, tmp_path, capsys):
     for extra, msg in ((["--format", "nf4", "--tune-scales", "10"], "--calib"),
                        (["--format", "nf4", "--calib", str(calib), "--tune-scales", "-1"], "number of tuning steps"),
                        (["--format", "nf4", "--calib", str(calib), "--tune-text", str(calib)], "--tune-scales STEPS"),
-                       (["--format", "nvfp4", "--calib", str(calib), "--tune-scales", "10"], "has none")):
+                       (["--format", "nvfp4", "--calib", str(calib), "--tune-scales", "10"], "has none"),
+                       (["--format", "nf4", "--calib", str(calib), "--tune-norms"], "--tune-scales STEPS too")):
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err, err
@@ -72,11 +73,12 @@ def test_bpw_plan_is_tuned_after_allocation_within_its_bytes(tiny_moe_dir, tmp_p
     calib.write_text(TEXT)
     art = tmp_path / "art"
     argv = ["quantize", str(tiny_moe_dir), "--bpw", "7.6", "--formats", "nf3,nf4,fp8", "--out", str(art),
-            "--device", "cpu", "--calib", str(calib), "--tune-scales", "25"]
+            "--device", "cpu", "--calib", str(calib), "--tune-scales", "25", "--tune-norms"]
     assert main(argv) == 0
     manifest = json.loads((art / "lowbit.json").read_text())
     plan, rec = manifest["allocation"], manifest["provenance"]["rounding"]["tuning"]
     assert 8 * plan["bytes"] <= 7.6 * plan["weights"]
     assert rec["weights"] == sum(e["format"] in ("nf3", "nf4") for e in plan["tensors"].values()) > 0
     assert rec["validation_kl_after"] <= rec["validation_kl_before"]
+    assert rec["norms"] == 2 * 2 + 2 * 2 + 1  # per layer: input, post-attention, q and k norms; the final one
     assert rec["plan_kl_measured_after"] >= 0 and plan["sensitivity"]["plan_kl_measured"] > 0
