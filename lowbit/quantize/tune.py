@@ -9,13 +9,15 @@ w = u * s: u [L, N, Kp] the weight decoded with every bfloat16 block scale set t
 tables and codebooks fixed), s [L, N, NB] its scales. Tuning keeps u and learns one factor
 exp(t) per block (t = 0 at the start) by Adam on the mean KL(p || q) of the next-token
 distributions over windows of the tuning text (at most TOKENS tokens, windows spread evenly
-over a longer text): p from the unquantized model (one pass before
-rounding, kept as log-probabilities: S * W * V * 4 bytes), q from the model with the tuned
-weights. Every tenth window (the last one when there are fewer than ten) is a validation
-split, never trained on: its KL, every EVAL_EVERY steps with the scales rounded to bfloat16 as stored, picks the
-factors that are kept (those of the best check, or none when no check beats t = 0). The
-stored scale is bf16(s * exp(t)): the payload keeps its format, shapes and bytes, so bits per
-weight, decoding and every kernel route are unchanged. Other formats keep their rounding.
+over a longer text): p from the unquantized model (one pass before rounding, kept as
+log-probabilities: S * W * V * 4 bytes), q from the model with the tuned weights. Every
+tenth window (the last one when there are fewer than ten) is a validation split, never
+trained on: its KL, every EVAL_EVERY steps with the scales rounded to bfloat16 as stored,
+picks the factors that are kept (those of the best check, or none when no check beats
+t = 0). The stored scale is bf16(s * exp(t)): the payload keeps its format, shapes and
+bytes, so bits per weight, decoding and every kernel route are unchanged. Other formats
+keep their rounding. With `norms`, each RMSNorm weight g (dense, outside the byte budget)
+is tuned alike as g * exp(t) per entry.
 """
 
 from __future__ import annotations
