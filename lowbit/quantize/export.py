@@ -153,9 +153,10 @@ def _check_tuning(steps: int, text: str | Path | None, tokens: int, calibration:
     """The tuning text and steps of --tune-scales (None without it)."""
     if steps == 0 and text is None:
         return None
-    if steps <= 0:
-        raise LowbitError(f"--tune-scales {steps}: give the number of tuning steps, e.g. 200"
-                          if text is None or steps else "--tune-text is the text of --tune-scales; give --tune-scales STEPS too.")
+    if steps == 0:
+        raise LowbitError("--tune-text is the text of --tune-scales; give --tune-scales STEPS too.")
+    if steps < 0:
+        raise LowbitError(f"--tune-scales {steps}: give the number of tuning steps, e.g. 200.")
     if calibration is None:
         raise LowbitError("--tune-scales tunes the scales of calibrated roundings: give --calib FILE too.")
     if fmt is not None and fmt not in TUNABLE:
@@ -306,6 +307,7 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
     reference = None if text is None else teacher(loaded.model, text, device)
     t1 = time.perf_counter()
     counts = calibrated_quantize(loaded.model, plan, sums, damp)
+    t2 = time.perf_counter()
     tuned = None if text is None else _tuned(loaded, text, reference, device, tuning[3])
     target = parse_dtype(dtype)
     for p in loaded.model.parameters():
@@ -314,7 +316,7 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
                 "calibration": {"file": calibration.path.name, "sha256": calibration.sha256,
                                 "tokens": len(ids)},
                 "weights": counts, "hessian_seconds": round(t1 - t0, 2),
-                "rounding_seconds": round(time.perf_counter() - t1, 2)}
+                "rounding_seconds": round(t2 - t1, 2)}
     if tuned is not None:
         rounding["tuning"] = tuned
     return loaded, plan, rounding
