@@ -25,8 +25,14 @@ import math
 import torch
 from torch import Tensor
 
+from lowbit.checkpoint.hf import resolve_model_dir
+from lowbit.checkpoint.loader import load_model
+from lowbit.checkpoint.quant_plan import plan_quantization, swappable
+from lowbit.checkpoint.tokenizer import Tokenizer
 from lowbit.formats import Format, get_format
+from lowbit.quantize.calibrate import collect_hessians
 from lowbit.quantize.gptq_vq import calibrated_rounding
+from lowbit.quantize.sensitivity import KLProbe
 
 MAX_BLOCK = 256
 
@@ -85,13 +91,6 @@ def measure(fmt_name: str, w2: str, heldout: str, tokens: int, calib: str, seed:
     """KL of the demo model with every Linear and expert stack GPTQ-rounded in fmt_name, with
     (w2 = all / skip / out) or without (w2 = none) rotation, to the unquantized model on the
     first `tokens` tokens of `heldout` (windows of 512)."""
-    from lowbit.checkpoint.hf import resolve_model_dir
-    from lowbit.checkpoint.loader import load_model
-    from lowbit.checkpoint.quant_plan import plan_quantization, swappable
-    from lowbit.checkpoint.tokenizer import Tokenizer
-    from lowbit.quantize.calibrate import collect_hessians
-    from lowbit.quantize.sensitivity import KLProbe
-
     path = resolve_model_dir("demo")
     model = load_model(path, dtype="float32", device="cpu").model
     tok = Tokenizer(path)
