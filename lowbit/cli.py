@@ -136,7 +136,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     manifest = quantize_model(args.model, args.format, args.out, quantize_lm_head=args.quantize_lm_head,
                               max_shard_size=args.max_shard_size, device=args.device, dtype=args.dtype,
                               calib=args.calib, damp=args.damp, bpw=args.bpw, formats=args.formats,
-                              sensitivity=args.sensitivity, sensitivity_from=args.sensitivity_from)
+                              sensitivity=args.sensitivity, sensitivity_from=args.sensitivity_from,
+                              tune_steps=args.tune_scales, tune_text=args.tune_text,
+                              tune_tokens=args.tune_tokens, tune_norms=args.tune_norms)
     print(summary_table(manifest))
     print(f"wrote {args.out}")
     return 0
@@ -225,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(scalar formats; the demo model ships lowbit/demo_model/calibration.txt)")
     q.add_argument("--damp", type=float, default=0.01,
                    help="with --calib: Hessian damping, as a fraction of its mean diagonal")
+    q.add_argument("--tune-scales", type=int, default=0, metavar="STEPS",
+                   help="with --calib: after rounding, tune the block scales of nf/lut/vq weights for STEPS "
+                        "steps against the unquantized model's next-token distributions (same bytes)")
+    q.add_argument("--tune-text", default=None, metavar="FILE",
+                   help="with --tune-scales: the UTF-8 text to tune on (default: the --calib text)")
+    q.add_argument("--tune-tokens", type=int, default=65536, metavar="N",
+                   help="with --tune-scales: tune on at most N tokens of the text, windows spread evenly over it")
+    q.add_argument("--tune-norms", action="store_true",
+                   help="with --tune-scales: tune the RMSNorm weights (kept dense, not in --bpw) with the scales")
     q.set_defaults(func=cmd_quantize)
 
     e = sub.add_parser("eval", help="quality against a teacher: perplexity, KL, top-1 agreement")

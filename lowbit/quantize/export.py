@@ -40,7 +40,12 @@ from lowbit.quantize.calibrate import (
 )
 from lowbit.quantize.gptq import DAMP
 from lowbit.quantize.sensitivity import WINDOW, KLProbe
+from lowbit.quantize.tune import TOKENS as TUNE_TOKENS
+from lowbit.quantize.tune import TUNABLE, TuneText, teacher, tune_scales
+from lowbit.quantize.tune import WINDOW as TUNE_WINDOW
 
+# --tune-scales: the text, steps, most tokens, and the norms' dtype with --tune-norms (else None)
+Tuning = tuple[Calibration, int, int, torch.dtype | None]
 DEFAULT_FORMATS = "vq2,nf3,vq3,lut3,nf4,vq4,lut4,nvfp4,int4-g32,fp8,dense"  # the --bpw candidates
 
 
@@ -53,18 +58,28 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
                    dtype: str = "bfloat16", command: str | None = None,
                    calib: str | Path | None = None, damp: float = DAMP,
                    bpw: float | None = None, formats: str | None = None,
-                   sensitivity: str | None = None, sensitivity_from: str | Path | None = None) -> dict:
+                   sensitivity: str | None = None, sensitivity_from: str | Path | None = None,
+                   tune_steps: int = 0, tune_text: str | Path | None = None,
+                   tune_tokens: int = TUNE_TOKENS, tune_norms: bool = False) -> dict:
     """Write the artifact for `model` in format `fmt` (or, with `bpw`, a format per weight
     from `formats` under that budget) at `out`; return its manifest with the run's wall
     time added under totals.seconds. With `calib` (a text file) every weight is rounded by
     GPTQ on the Hessians of that text (lowbit.quantize.calibrate) instead of to its nearest
     code. `sensitivity` (kl or proxy; default kl with `calib`, else proxy) scores the
     candidates of `bpw`; `sensitivity_from` (an earlier `bpw` artifact of the same model,
-    calibration and damping) lends its scores instead of scoring again."""
+    calibration and damping) lends its scores instead of scoring again. `tune_steps` (with
+    `calib`) then tunes the block scales of the rounded weights against the unquantized
+    model's next-token distributions on `tune_text` (default: the calibration text) for that
+    many steps, on at most `tune_tokens` of its tokens, with `tune_norms` the RMSNorm weights
+    too (lowbit.quantize.tune)."""
     t0 = time.perf_counter()
     candidates = _check_budget_args(fmt, bpw, formats)
     sensitivity = _check_sensitivity(sensitivity, bpw, calib, sensitivity_from)
     calibration = Calibration.read(calib) if calib is not None else None  # fails before loading
+    tuning = _check_tuning(tune_steps, tune_text, tune_tokens, calibration, fmt)
+    if tune_norms and tuning is None:
+        raise LowbitError("--tune-norms tunes the norms with the scales: give --tune-scales STEPS too.")
+    tuning = None if tuning is None else (*tuning, parse_dtype(dtype) if tune_norms else None)
     if not 0 <= damp < 1:
         raise LowbitError(f"--damp {damp}: give a fraction of the mean Hessian diagonal in [0, 1), e.g. 0.01.")
     if calibration is not None and fmt is not None and fmt not in SCALAR_FORMATS + VQ_FORMAT_NAMES:
@@ -88,7 +103,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
             table, sensitivity = _earlier_scores(Path(sensitivity_from), provenance["source_digest"], calibration,
                                                  damp, sensitivity)
         loaded, plan, rounding, extra = _budgeted(path, bpw, candidates, calibration, device, dtype,
-                                                  quantize_lm_head, damp, sensitivity, table)
+                                                  quantize_lm_head, damp, sensitivity, table, tuning)
         if table is not None:
             extra["allocation"]["sensitivity"]["scores_from"] = str(sensitivity_from)
         fmt = "mixed"
@@ -100,7 +115,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
         plan = loaded.plan or QuantPlan()
     else:
         loaded, plan, provenance["rounding"] = _calibrated(path, fmt, calibration, device, dtype,
-                                                           quantize_lm_head, damp)
+                                                           quantize_lm_head, damp, tuning)
     manifest = write_artifact(
         loaded.model, Path(out), source=path, raw_config=loaded.config.raw, fmt=fmt,
         dense_reasons=plan.dense, provenance=provenance,
@@ -131,6 +146,32 @@ def _check_budget_args(fmt: str | None, bpw: float | None, formats: str | None) 
         if n != DENSE:
             get_format(n)  # an unknown name says so here
     return list(dict.fromkeys(names))
+
+
+def _check_tuning(steps: int, text: str | Path | None, tokens: int, calibration: Calibration | None,
+                  fmt: str | None) -> tuple[Calibration, int, int] | None:
+    """The tuning text and steps of --tune-scales (None without it)."""
+    if steps == 0 and text is None:
+        return None
+    if steps == 0:
+        raise LowbitError("--tune-text is the text of --tune-scales; give --tune-scales STEPS too.")
+    if steps < 0:
+        raise LowbitError(f"--tune-scales {steps}: give the number of tuning steps, e.g. 200.")
+    if calibration is None:
+        raise LowbitError("--tune-scales tunes the scales of calibrated roundings: give --calib FILE too.")
+    if fmt is not None and fmt not in TUNABLE:
+        raise LowbitError(f"--tune-scales tunes the bfloat16 block scales of {', '.join(TUNABLE)}; {fmt} has "
+                          "none: drop the flag or pick one of those formats.")
+    if tokens < 2:
+        raise LowbitError(f"--tune-tokens {tokens}: give the most tokens to tune on, e.g. 65536.")
+    return (calibration if text is None else Calibration.read(text)), steps, tokens
+
+
+def _tuning_text(tuning: Tuning | None, path: Path, context: int) -> TuneText | None:
+    if tuning is None:
+        return None
+    text, steps, tokens, _ = tuning
+    return TuneText.build(text, Tokenizer(path).encode(text.text), steps, min(TUNE_WINDOW, context), tokens)
 
 
 def _check_sensitivity(sensitivity: str | None, bpw: float | None, calib: str | Path | None,
@@ -176,7 +217,8 @@ def _earlier_scores(src: Path, digest: str, calibration: Calibration | None, dam
 
 def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibration | None,
               device: str, dtype: str, quantize_lm_head: bool, damp: float,
-              sensitivity: str, table: dict | None) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
+              sensitivity: str, table: dict | None,
+              tuning: Tuning | None = None) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
     """Load the dense model in float32, round every planned weight in every candidate
     format (GPTQ with --calib) and score it (or take the scores of `table`), allocate the
     budget, install the chosen roundings."""
@@ -187,6 +229,8 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
     if calibration is not None:
         sums, rounding, ids = _hessians(loaded, path, formats, calibration, device, quantize_lm_head)
         rounding["damp"] = damp
+    text = _tuning_text(tuning, path, loaded.config.max_position_embeddings)
+    reference = None if text is None else teacher(loaded.model, text, device)
     if sensitivity == "kl":
         probe = KLProbe.build(loaded.model, ids, device, window=min(WINDOW, loaded.config.max_position_embeddings))
     t0 = time.perf_counter()
@@ -205,6 +249,8 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
         h = sums.mean(pname).to(w.device) if sums is not None and sums.seen(pname) else None
         set_quantized(mod, attr, round_weight(get_format(c.format), w, h, damp))
     record = _sensitivity_record(sensitivity, sums, probe, chosen, scored)
+    if text is not None:
+        rounding["tuning"] = _tuned(loaded, text, reference, device, tuning[3], probe)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
     if rounding is not None:
@@ -246,7 +292,8 @@ def _hessians(loaded: LoadedModel, path: Path, formats: list[Format], calibratio
 
 
 def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dtype: str,
-                quantize_lm_head: bool, damp: float) -> tuple[LoadedModel, QuantPlan, dict]:
+                quantize_lm_head: bool, damp: float,
+                tuning: Tuning | None = None) -> tuple[LoadedModel, QuantPlan, dict]:
     """Load the dense model in float32, collect Hessians on the calibration tokens, round
     every planned weight by GPTQ, and cast what stays dense to `dtype`."""
     loaded = load_model(path, dtype="float32", device=device)
@@ -256,8 +303,12 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
         raise LowbitError(f"--calib {calibration.path} gives {len(ids)} token(s); give more text.")
     t0 = time.perf_counter()
     sums = collect_hessians(loaded.model, plan, ids, device, loaded.config.max_position_embeddings)
+    text = _tuning_text(tuning, path, loaded.config.max_position_embeddings)
+    reference = None if text is None else teacher(loaded.model, text, device)
     t1 = time.perf_counter()
     counts = calibrated_quantize(loaded.model, plan, sums, damp)
+    t2 = time.perf_counter()
+    tuned = None if text is None else _tuned(loaded, text, reference, device, tuning[3])
     target = parse_dtype(dtype)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
@@ -265,8 +316,26 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
                 "calibration": {"file": calibration.path.name, "sha256": calibration.sha256,
                                 "tokens": len(ids)},
                 "weights": counts, "hessian_seconds": round(t1 - t0, 2),
-                "rounding_seconds": round(time.perf_counter() - t1, 2)}
+                "rounding_seconds": round(t2 - t1, 2)}
+    if tuned is not None:
+        rounding["tuning"] = tuned
     return loaded, plan, rounding
+
+
+def _tuned(loaded: LoadedModel, text: TuneText, target: list, device: str, norms: torch.dtype | None,
+           probe: KLProbe | None = None) -> dict:
+    """Tune the installed roundings' scales; print and return the record (with the probe's
+    KL after tuning, on the tokens it measured the plan on)."""
+    record = tune_scales(loaded.model, text, target, device, norms=norms)
+    if record["weights"] == 0:
+        print("tune-scales: the plan has no weight in a tunable format")
+        return record
+    print(f"tune-scales: {record['weights']} weights, validation KL {record['validation_kl_before']:.5f} -> "
+          f"{record['validation_kl_after']:.5f} (step {record['kept_step']} of {record['steps']}), "
+          f"{record['seconds']:.0f} s")
+    if probe is not None:
+        record["plan_kl_measured_after"] = probe.kl()
+    return record
 
 
 def summary_table(manifest: dict) -> str:

@@ -1,0 +1,223 @@
+"""Block scales tuned against the teacher's next-token distributions
+(`lowbit quantize --calib FILE --tune-scales STEPS`).
+
+Shape legend: L leading dims (stacked experts), N rows, K input columns, NB blocks of 64
+along K, Kp = 64 * NB, S windows of W tokens, V vocabulary.
+
+After rounding, a weight in nf4 / nf3 / lut4 / lut3 / vq2 / vq3 / vq4 decodes blockwise as
+w = u * s: u [L, N, Kp] the weight decoded with every bfloat16 block scale set to 1 (codes,
+tables and codebooks fixed), s [L, N, NB] its scales. Tuning keeps u and learns one factor
+exp(t) per block (t = 0 at the start) by Adam on the mean KL(p || q) of the next-token
+distributions over windows of the tuning text (at most TOKENS tokens, windows spread evenly
+over a longer text): p from the unquantized model (one pass before rounding, kept as
+log-probabilities: S * W * V * 4 bytes), q from the model with the tuned weights. Every
+tenth window (the last one when there are fewer than ten) is a validation split, never
+trained on: its KL, every EVAL_EVERY steps with the scales rounded to bfloat16 as stored,
+picks the factors that are kept (those of the best check, or none when no check beats
+t = 0). The stored scale is bf16(s * exp(t)): the payload keeps its format, shapes and
+bytes, so bits per weight, decoding and every kernel route are unchanged. Other formats
+keep their rounding. With `norms`, each RMSNorm weight g (dense, outside the byte budget)
+is tuned alike as g * exp(t) per entry.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from lowbit.engine.batch import ForwardBatch
+from lowbit.errors import LowbitError
+from lowbit.formats import QuantizedTensor
+from lowbit.formats.lut import LutFormat
+from lowbit.formats.nf import NormalFloatFormat
+from lowbit.formats.vq import VqFormat
+from lowbit.layers.norm import RMSNorm
+from lowbit.quantize.calibrate import Calibration
+
+BLOCK = 64  # weights per bfloat16 scale in every tunable format
+WINDOW = 512  # tokens per window of the tuning text
+TOKENS = 65536  # most tokens tuned on (teacher log-probabilities: TOKENS * V * 4 bytes)
+BATCH = 4  # windows per step
+LR = 2e-3  # Adam step on t (a factor exp(t) moves by about LR per step)
+EVAL_EVERY = 25  # steps between validation checks
+VAL_EVERY = 10  # every 10th window is a validation window
+
+
+TUNABLE = ("nf4", "nf3", "lut4", "lut3", "vq2", "vq3", "vq4")
+
+
+def tunable(qt: object) -> bool:
+    """Whether qt decodes as (unit-scale decode) * bf16 block scale, blocks of BLOCK along K."""
+    return (isinstance(qt, QuantizedTensor) and isinstance(qt.format, (NormalFloatFormat, LutFormat, VqFormat))
+            and qt.format.block_size == BLOCK and qt.payload["scales"].dtype == torch.bfloat16)
+
+
+@dataclass
+class TuneText:
+    """The tuning text as windows of token ids, and what lowbit.json records about it."""
+
+    path: Path
+    sha256: str
+    windows: list[list[int]]
+
+    steps: int
+
+    @classmethod
+    def build(cls, calibration: Calibration, ids: list[int], steps: int, window: int = WINDOW,
+              tokens: int = TOKENS) -> TuneText:
+        """Windows of `window` tokens; at most tokens // window of them, spread evenly over the text."""
+        wins = [ids[s:s + window] for s in range(0, len(ids) - window + 1, window)]
+        keep = max(2, tokens // window)
+        if len(wins) > keep:
+            wins = [wins[i * len(wins) // keep] for i in range(keep)]
+        if len(wins) < 2:
+            raise LowbitError(f"--tune-scales trains on windows of {window} tokens and checks on some it does "
+                              f"not train on; {calibration.path} gives {len(ids)} tokens, give {2 * window} or more.")
+        return cls(calibration.path, calibration.sha256, wins, steps)
+
+    def validation(self, i: int) -> bool:
+        """Whether window i is in the validation split (every VAL_EVERY-th, the last one if none)."""
+        n = len(self.windows)
+        return i % VAL_EVERY == VAL_EVERY - 1 or (n < VAL_EVERY and i == n - 1)
+
+
+def log_probs(model: nn.Module, windows: list[list[int]], device: str) -> Tensor:
+    """[S * W, V] float32 log-probabilities of the model as it is now, windows as one batch."""
+    x = torch.tensor([i for w in windows for i in w], device=device)
+    batch = ForwardBatch.build([len(w) for w in windows], [0] * len(windows), None, None, torch.device(device))
+    body = model.model
+    h, residual = body.embed_tokens(x), None
+    for layer in body.layers:
+        h, residual = layer(h, residual, batch)
+    hidden = body.norm.add_norm(h, residual)[0]  # [T, D]
+    return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+
+
+def kl(logp: Tensor, logq: Tensor) -> Tensor:
+    """mean over tokens of KL(p || q), from log-probabilities [T, V]."""
+    return (logp.exp() * (logp - logq)).sum(-1).mean()
+
+
+@torch.inference_mode()
+def teacher(model: nn.Module, text: TuneText, device: str) -> list[Tensor]:
+    """The unquantized model's log-probabilities, one [W, V] per window."""
+    return [log_probs(model, [w], device) for w in text.windows]
+
+
+class _Block:
+    """One tunable weight: its unit-scale decode, scales and factors (see the module docstring)."""
+
+    def __init__(self, mod: nn.Module, attr: str, qt: QuantizedTensor):
+        self.mod, self.attr, self.qt = mod, attr, qt
+        s = qt.payload["scales"]
+        k = qt.shape[-1]
+        unit = QuantizedTensor(qt.format, qt.shape, {**qt.payload, "scales": torch.ones_like(s)})
+        u = unit.dequantize(torch.float32)  # [.., N, K]
+        self.u = nn.functional.pad(u, (0, s.shape[-1] * BLOCK - k)).reshape(*s.shape, BLOCK)
+        self.s = s.float()  # [.., N, NB]
+        self.t = torch.zeros_like(self.s, requires_grad=True)
+        self.best = torch.zeros_like(self.s)
+
+    def scales(self, stored: bool) -> Tensor:
+        f = self.t.detach() if stored else self.t
+        s = self.s * f.exp()
+        return s.to(torch.bfloat16).float() if stored else s
+
+    def install(self, stored: bool) -> None:
+        """Put the dense weight under the current factors in the module (differentiable unless stored)."""
+        w = (self.u * self.scales(stored)[..., None]).flatten(-2)[..., :self.qt.shape[-1]]
+        setattr(self.mod, self.attr, w)
+
+    def finish(self) -> None:
+        """Put the QuantizedTensor with the kept factors back."""
+        scales = (self.s * self.best.exp()).to(torch.bfloat16)
+        qt = QuantizedTensor(self.qt.format, self.qt.shape, {**self.qt.payload, "scales": scales})
+        setattr(self.mod, self.attr, qt)
+
+
+class _Norm:
+    """An RMSNorm weight g tuned as g * exp(t), stored in the artifact's dtype (`norms`)."""
+
+    def __init__(self, mod: nn.Module, dtype: torch.dtype):
+        self.mod, self.dtype = mod, dtype
+        self.param = mod._parameters.pop("weight")
+        self.g = self.param.data.float()
+        self.t = torch.zeros_like(self.g, requires_grad=True)
+        self.best = torch.zeros_like(self.g)
+
+    def install(self, stored: bool) -> None:
+        g = self.g * (self.t.detach() if stored else self.t).exp()
+        self.mod.weight = g.to(self.dtype).float() if stored else g
+
+    def finish(self) -> None:
+        del self.mod.weight
+        self.param.data = (self.g * self.best.exp()).to(self.param.dtype)
+        self.mod._parameters["weight"] = self.param
+
+
+def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: str,
+                lr: float = LR, seed: int = 0, norms: torch.dtype | None = None) -> dict:
+    """Tune the block scales of every tunable weight installed in `model` (module docstring),
+    and with `norms` (the dtype the artifact stores them in) the RMSNorm weights too;
+    `target` is teacher() of the same text. Returns what lowbit.json records."""
+    t0, steps = time.perf_counter(), text.steps
+    blocks = [_Block(mod, attr, getattr(mod, attr)) for mod, attr in installed(model)]
+    if not blocks:  # a --bpw plan of other formats
+        return {"method": "block scales tuned on the teacher's KL", "weights": 0, "steps": 0}
+    if norms is not None:
+        blocks += [_Norm(m, norms) for m in model.modules() if isinstance(m, RMSNorm)]
+    val = [i for i in range(len(text.windows)) if text.validation(i)]
+    train = [i for i in range(len(text.windows)) if not text.validation(i)]
+    val_windows, val_target = [text.windows[i] for i in val], torch.cat([target[i] for i in val])
+    opt = torch.optim.Adam([b.t for b in blocks], lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+
+    def check() -> float:
+        with torch.no_grad():
+            for b in blocks:
+                b.install(stored=True)
+            return float(kl(val_target, log_probs(model, val_windows, device)))
+
+    before = best = check()
+    print(f"tune-scales: {len(blocks)} tensors, validation KL {before:.5f} before tuning", file=sys.stderr, flush=True)
+    best_step, history = 0, [[0, before]]
+    try:
+        for step in range(1, steps + 1):
+            pick = [train[i] for i in torch.randperm(len(train), generator=gen)[:BATCH].tolist()]
+            for b in blocks:
+                b.install(stored=False)
+            loss = kl(torch.cat([target[i] for i in pick]), log_probs(model, [text.windows[i] for i in pick], device))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % EVAL_EVERY == 0 or step == steps:
+                score = check()
+                history.append([step, score])
+                print(f"tune-scales step {step}/{steps}: train KL {loss.item():.5f}, validation KL {score:.5f}, "
+                      f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+                if score < best:
+                    best, best_step = score, step
+                    for b in blocks:
+                        b.best = b.t.detach().clone()
+    finally:
+        for b in blocks:
+            b.finish()
+    return {"method": "block scales tuned on the teacher's KL", "steps": steps, "lr": lr, "batch_windows": BATCH,
+            "window": len(text.windows[0]),
+            "text": {"file": text.path.name, "sha256": text.sha256, "tokens": sum(map(len, text.windows))},
+            "train_windows": len(train), "validation_windows": len(val),
+            "validation_kl_before": before, "validation_kl_after": best, "kept_step": best_step,
+            "validation_history": history, "weights": sum(isinstance(b, _Block) for b in blocks),
+            "norms": sum(isinstance(b, _Norm) for b in blocks),
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def installed(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of every installed weight tuning takes (Linear weights, expert stacks)."""
+    return [(mod, attr) for mod in model.modules() for attr in ("weight", "w13", "w2")
+            if tunable(mod.__dict__.get(attr))]

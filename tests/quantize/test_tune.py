@@ -1,0 +1,84 @@
+"""`lowbit quantize --tune-scales`: block scales tuned on the teacher's KL, same payload bytes."""
+
+import json
+
+import pytest
+import torch
+
+from lowbit.cli import main
+from lowbit.formats import get_format
+from lowbit.quantize.tune import _Block, tunable
+
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+        "must be in want of a wife. However little known the feelings or views of such a man may be. ") * 30
+
+
+@pytest.mark.parametrize("name", ["nf4", "nf3", "lut4", "lut3", "vq4", "vq2"])
+def test_unit_scale_decode_times_scales_is_the_decode(name):
+    """What tuning relies on: w = (decode with unit scales) * block scale, exactly, padding included."""
+    torch.manual_seed(0)
+    w = torch.randn(2, 24, 100) * 0.05  # K = 100: the last block is padded
+    qt = get_format(name).quantize(w)
+    assert tunable(qt)
+    holder = torch.nn.Module()
+    b = _Block(holder, "w", qt)
+    b.install(stored=True)
+    assert torch.equal(holder.w, qt.dequantize())
+    b.best = torch.full_like(b.s, 0.1)
+    b.finish()
+    tuned = holder.w
+    assert torch.equal(tuned.payload["codes"], qt.payload["codes"]) and tuned.nbytes == qt.nbytes
+    assert torch.allclose(tuned.dequantize(), qt.dequantize() * torch.exp(torch.tensor(0.1)), rtol=1e-2)
+
+
+def test_formats_without_bf16_block_scales_are_not_tuned():
+    w = torch.randn(8, 64)
+    for name in ("nvfp4", "int4", "fp8", "mxfp4"):
+        assert not tunable(get_format(name).quantize(w))
+    assert not tunable(w)
+
+
+def test_tune_scales_needs_calib_and_steps(tiny_moe_dir, tmp_path, capsys):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT)
+    base = ["quantize", str(tiny_moe_dir), "--out", str(tmp_path / "a"), "--device", "cpu"]
+    for extra, msg in ((["--format", "nf4", "--tune-scales", "10"], "--calib"),
+                       (["--format", "nf4", "--calib", str(calib), "--tune-scales", "-1"], "number of tuning steps"),
+                       (["--format", "nf4", "--calib", str(calib), "--tune-text", str(calib)], "--tune-scales STEPS"),
+                       (["--format", "nvfp4", "--calib", str(calib), "--tune-scales", "10"], "has none"),
+                       (["--format", "nf4", "--calib", str(calib), "--tune-norms"], "--tune-scales STEPS too")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, err
+
+
+def test_tuned_artifact_lowers_validation_kl_keeps_bytes_and_generates(tiny_moe_dir, tmp_path, capsys):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT)
+    plain, tuned = tmp_path / "plain", tmp_path / "tuned"
+    args = ["quantize", str(tiny_moe_dir), "--format", "nf3", "--device", "cpu", "--calib", str(calib)]
+    assert main(args + ["--out", str(plain)]) == 0
+    assert main(args + ["--out", str(tuned), "--tune-scales", "50"]) == 0
+    assert "tune-scales" in capsys.readouterr().out
+    m_plain, m_tuned = (json.loads((p / "lowbit.json").read_text()) for p in (plain, tuned))
+    rec = m_tuned["provenance"]["rounding"]["tuning"]
+    assert rec["validation_kl_after"] < rec["validation_kl_before"] and rec["kept_step"] > 0
+    assert rec["weights"] == m_tuned["totals"]["quantized_tensors"] and rec["validation_windows"] >= 1
+    assert m_tuned["totals"]["bytes_after"] == m_plain["totals"]["bytes_after"]
+    assert main(["generate", str(tuned), "It is a truth", "--max-tokens", "4", "--ignore-eos"]) == 0
+
+
+def test_bpw_plan_is_tuned_after_allocation_within_its_bytes(tiny_moe_dir, tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT)
+    art = tmp_path / "art"
+    argv = ["quantize", str(tiny_moe_dir), "--bpw", "7.6", "--formats", "nf3,nf4,fp8", "--out", str(art),
+            "--device", "cpu", "--calib", str(calib), "--tune-scales", "25", "--tune-norms"]
+    assert main(argv) == 0
+    manifest = json.loads((art / "lowbit.json").read_text())
+    plan, rec = manifest["allocation"], manifest["provenance"]["rounding"]["tuning"]
+    assert 8 * plan["bytes"] <= 7.6 * plan["weights"]
+    assert rec["weights"] == sum(e["format"] in ("nf3", "nf4") for e in plan["tensors"].values()) > 0
+    assert rec["validation_kl_after"] <= rec["validation_kl_before"]
+    assert rec["norms"] == 2 * 2 + 2 * 2 + 1  # per layer: input, post-attention, q and k norms; the final one
+    assert rec["plan_kl_measured_after"] >= 0 and plan["sensitivity"]["plan_kl_measured"] > 0
