@@ -151,6 +151,15 @@ def moe_output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 # 3,172 / 5,297 tok/s against 3,429 / 6,104 with the pair; docs/BENCHMARKS.md#decode-graph),
 # so it is off: sort_for_fold uses it where asked
 ONE_PROGRAM_SORT_BLOCKS = 0
+FOLD_SORT_BLOCKS = 8  # sort_for_fold's limit (one program)
+
+
+def _sort_blocks(s: int, e: int) -> tuple[int, int, int]:
+    """(EP, BS, blocks) of the counting sort of s slots over e experts: a [BS, EP] one-hot
+    of <= 8,192 int32 a block."""
+    ep = max(16, triton.next_power_of_2(e))
+    bs = max(16, min(256, 8192 // ep))
+    return ep, bs, triton.cdiv(s, bs)
 
 
 def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
@@ -170,9 +179,7 @@ def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
     seg_start = torch.empty_like(tile_end)
     counts = torch.empty_like(tile_end)
     if s:
-        ep = max(16, triton.next_power_of_2(e))
-        bs = max(16, min(256, 8192 // ep))  # a [BS, EP] one-hot of <= 8,192 int32
-        nb = triton.cdiv(s, bs)
+        ep, bs, nb = _sort_blocks(s, e)
         pdl = launch.pdl_args(ids_flat)
         if nb <= ONE_PROGRAM_SORT_BLOCKS:
             launch.run(_expert_sort_kernel, (1,), ids_flat, order, tile_end, seg_start, counts,
@@ -191,15 +198,14 @@ def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
 
 
 def sort_for_fold(ids_flat: torch.Tensor, e: int, bm: int, a_top: int, out: torch.Tensor):
-    """sort_by_expert in one program (up to 8 blocks of slots), for an expert kernel that
+    """sort_by_expert in one program (up to FOLD_SORT_BLOCKS blocks of slots), for an expert kernel that
     sums each token's slots itself (the last of a token's slots to finish writes out[t]):
     also need int32 [T], how
     many of each token's slots are placed, with out[t] zeroed for a token that has none.
     None when the slots are too many for one program (then: sort_by_expert, combine_slots)."""
     s = ids_flat.numel()
-    ep = max(16, triton.next_power_of_2(e))
-    bs = max(16, min(256, 8192 // ep))
-    if s == 0 or triton.cdiv(s, bs) > 8:
+    ep, bs, nb = _sort_blocks(s, e)
+    if s == 0 or nb > FOLD_SORT_BLOCKS:
         return None
     t, h = out.shape
     dev = ids_flat.device
