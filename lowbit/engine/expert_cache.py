@@ -13,18 +13,22 @@ the slot table (a device gather) and the op reads slot stacks built once over `s
 stack's tables (and the decode factors derived from them) are small and stay whole on the
 device; the slot copy of an expert's table index keeps pointing into them.
 
-Two ways through a layer:
+Three ways through a layer:
   fetch      (eager steps) the layer reads its routed ids on the host, admits the missing
-             experts through the eviction policy (lowbit.engine.expert_policy), copies them
-             into the evicted slots (on CUDA: non_blocking copies from pinned memory on a
-             side stream, which the compute stream waits for just before the experts run),
-             then runs the experts. With prefetch on, the next MoE layer's router is applied
-             to this layer's input (pre-gating) and its likely experts are copied while this
-             layer's experts compute. A step needing more experts than slots (a prefill) runs
-             them in groups of S, each written in float32 and the sum rounded once, as the
-             resident op rounds a token's sum once.
-  speculate  (inside a CUDA graph capture or its warm-up) no host read: a miss is counted
-             in a device counter and its entry weighted 0; expert uses are counted per expert.
+             experts through the slot map (lowbit.engine.slot_map, on the device), copies
+             them into the evicted slots (on CUDA: the copy kernel of
+             lowbit.kernels.expert_copy on a side stream, which the compute stream waits for
+             just before the experts run), then runs the experts. With prefetch on, the next
+             MoE layer's router is applied to this layer's input (pre-gating) and its likely
+             experts are copied while this layer's experts compute. A step needing more
+             experts than slots (a prefill) runs them in groups of S, each written in
+             float32 and the sum rounded once, as the resident op rounds a token's sum once.
+  resolve    (inside a CUDA graph, when the step's experts always fit: rows x top-k <= S)
+             no host read: the slot map admits the live rows' experts on the device and the
+             copy kernel reads the misses from pinned host memory (zero-copy) before the
+             experts run, all in the graph; the replay always stands.
+  speculate  (inside a CUDA graph, larger buckets) no host read: a miss is counted in a
+             device counter and its entry weighted 0; expert uses are counted per expert.
              The runner reads both after the replay (`graph_check`): a step with a miss is
              rerun eagerly in fetch mode, a step without one updates the policy's recency.
 Rows past the step's live rows (a graph bucket's padding, in a replay or its eager rerun)
@@ -41,17 +45,13 @@ from functools import partial
 
 import torch
 
-from lowbit.engine.expert_policy import (
-    DEFAULT_POLICY,
-    SlotMap,
-    make_policy,
-    write_header,
-    write_step,
-)
+from lowbit.engine.expert_policy import DEFAULT_POLICY, write_header, write_step
+from lowbit.engine.slot_map import HITS, DeviceSlotMap
 from lowbit.errors import LowbitError
 from lowbit.formats.base import LutView, QuantizedTensor
 from lowbit.formats.hybrid import HybridTensor
 from lowbit.formats.views import DenseWeight, Fp8View, LutWeight
+from lowbit.kernels.expert_copy import copy_experts, zero_copy_refusal
 from lowbit.kernels.moe_op import MoeActivation, moe_experts
 from lowbit.kernels.router_op import gate_logits
 from lowbit.kernels.weights import resolve
@@ -152,8 +152,6 @@ class LayerCache:
             if getattr(ex, name) is not None:
                 self.host[name] = _to_host(getattr(ex, name), self.pin)
         self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host.values())
-        self.stats = LayerStats()
-        self.pending: set[int] = set()  # prefetched experts not used yet
         self.stream = None
         self.ready = torch.cuda.Event() if self.pin else None
 
@@ -167,36 +165,45 @@ class LayerCache:
         self.views = {name: _slot_view(kind, {k: self.slots[f"{name}.{k}"] for k in keys}, shared)
                       for name, (kind, keys, shared) in self._kinds.items()}
         self.num_physical = P
-        self.map = SlotMap(S, make_policy(policy, S, E))
-        self.owner = [-1] * S
-        self.slot_table = torch.full((E,), -1, dtype=torch.int32, device=device)
+        self.map = DeviceSlotMap(S, E, policy, device)
+        self.zero_copy = zero_copy_refusal(device) is None
+        self.slot_table = self.map.slot_table  # [E] int32 view: expert -> slot, -1
         self.misses_dev = torch.zeros((), dtype=torch.int64, device=device)  # views of the
         self.uses_dev = torch.zeros(E, dtype=torch.int64, device=device)  # cache's counters, set by it
         self.stream = stream
 
+    @property
+    def owner(self) -> list[int]:
+        """slot -> expert (-1: free), read from the device."""
+        return self.map.owners()
+
+    @property
+    def stats(self) -> LayerStats:
+        """The layer's counters, read from the device (telemetry, not inside a step)."""
+        c = self.map.stats()
+        return LayerStats(c["hits"], c["misses"], (c["misses"] + c["prefetched"]) * self.expert_bytes,
+                          c["prefetched"], c["prefetch_hits"])
+
+    def resolves(self, rows: int) -> bool:
+        """Whether a graph step of `rows` rows admits its own misses on the device: its
+        experts always fit the slots (rows x top-k <= S), and the copy kernel reads host
+        memory here."""
+        return rows * self.moe.spec.top_k <= self.num_slots and self.zero_copy
+
     # -- copies ---------------------------------------------------------------------------
-    def admit(self, experts: list[int], count: bool = True) -> list[tuple[int, int]]:
-        """Make `experts` resident (evicting through the policy); copies start on the side
-        stream and the slot table follows. Returns the (expert, slot) copies made."""
-        copies = self.map.admit(experts, count)
-        if not copies:
-            return copies
-        if self.stream is not None:  # an evicted slot may still be read by queued work (a group)
+    def admit(self, needed: torch.Tensor | list[int], count: bool = True) -> None:
+        """Make the experts of needed ([E] bool, or a list) resident, evicting through the policy: the
+        slot map updates on the compute stream, the copies run on the side stream (CUDA),
+        which first waits for the queued compute (an evicted slot may still be read)."""
+        if isinstance(needed, list):
+            needed = self.mask(needed)
+        pairs = self.map.admit(needed, count)  # [S, 2]
+        if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            for e, s in copies:  # fill_ kernels: `table[e] = s` would copy a host scalar and sync
-                old = self.owner[s]
-                if old >= 0:
-                    self.slot_table[old].fill_(-1)
-                    self.pending.discard(old)
-                self.slot_table[e].fill_(s)
-                self.owner[s] = e
-                for k, t in self.host.items():
-                    self.slots[k][s].copy_(t[e], non_blocking=self.stream is not None)
+            copy_experts(pairs, self.host, self.slots)
             if self.ready is not None:
                 self.ready.record()
-        self.stats.bytes_copied += len(copies) * self.expert_bytes
-        return copies
 
     def wait_copies(self) -> None:
         if self.ready is not None:
@@ -205,9 +212,13 @@ class LayerCache:
     def prefetch(self, experts: list[int]) -> None:
         """Pre-gating: copy likely experts now (most likely first), uncounted; at most half
         the slots, so that a wrong guess cannot flush the cache."""
-        copies = self.admit(experts[:max(1, self.num_slots // 2)], count=False)
-        self.stats.prefetched += len(copies)
-        self.pending |= {e for e, _ in copies}
+        self.admit(experts[:max(1, self.num_slots // 2)], count=False)
+
+    def mask(self, experts: list[int]) -> torch.Tensor:
+        """[E] bool of a host list of experts."""
+        m = torch.zeros(self.num_experts, dtype=torch.bool)
+        m[experts] = True
+        return m.to(self.device, non_blocking=True)
 
     # -- the experts through the slots ----------------------------------------------------
     def run(self, x: torch.Tensor, slot_ids: torch.Tensor, w: torch.Tensor,
@@ -224,13 +235,6 @@ class LayerCache:
     def slot_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self.slot_table[ids.long()]  # [T, A] int32, -1 where not resident
 
-    def use(self, needed: list[int]) -> None:
-        """Admit experts the step reads now (hits and misses counted), copies started."""
-        self.stats.prefetch_hits += len(self.pending & set(needed))
-        self.pending -= set(needed)
-        self.admit(needed)
-        self.stats.hits, self.stats.misses = self.map.hits, self.map.misses
-
     def fetch_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, live: int,
                       meanwhile=None) -> torch.Tensor:
         """Admit the experts of the first `live` rows (the rest: a bucket's padding), then run.
@@ -242,7 +246,7 @@ class LayerCache:
         token, ones split across groups add in group order."""
         needed = torch.unique(ids[:live]).tolist()  # host read: eager steps only
         if len(needed) <= self.num_slots:
-            self.use(needed)
+            self.admit(needed)
             if meanwhile is not None:
                 meanwhile()
             self.wait_copies()
@@ -255,7 +259,7 @@ class LayerCache:
         part = torch.empty_like(total)
         for i in range(0, len(needed), self.num_slots):  # more experts than slots: in groups
             group = needed[i:i + self.num_slots]
-            self.use(group)
+            self.admit(group)
             self.wait_copies()
             mine = torch.isin(ids, torch.tensor(group, dtype=ids.dtype, device=ids.device))  # [T, A]
             sid = distinct_slots(self.slot_ids(ids), mine, self.num_physical)
@@ -263,12 +267,26 @@ class LayerCache:
         return total.to(x.dtype)
 
     def speculate_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The graph form: rows past `live_rows` (a bucket's padding) neither miss nor count."""
+        """The graph form of a step whose experts may not fit the slots: a miss is counted
+        and read as slot 0 (graph_check sends the step back). Rows past `live_rows` (a
+        bucket's padding) neither miss nor count."""
         sid = self.slot_ids(ids)  # [T, A]
         live = torch.arange(ids.shape[0], device=ids.device)[:, None] < self.live_rows  # [T, 1]
         hit = sid >= 0
         self.misses_dev += (~hit & live).sum()
         self.uses_dev.index_add_(0, ids.reshape(-1).long(), live.expand_as(ids).reshape(-1).long())
+        return self.run(x, distinct_slots(sid, hit, self.num_physical), w * hit)
+
+    def resolve_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The graph form of a step whose experts fit the slots (`resolves`): the step
+        admits its live rows' experts on the device and copies its misses from pinned host
+        memory itself, on its own stream; no host read, nothing to send back."""
+        T, A = ids.shape
+        live = torch.arange(T, device=ids.device)[:, None] < self.live_rows  # [T, 1]
+        pairs = self.map.admit(self.map.needed_mask(ids, live))[:min(self.num_slots, T * A)]
+        copy_experts(pairs, self.host, self.slots)
+        sid = self.slot_ids(ids)  # [T, A]; padding rows may name absent experts: masked
+        hit = sid >= 0
         return self.run(x, distinct_slots(sid, hit, self.num_physical), w * hit)
 
 
@@ -371,6 +389,10 @@ class ExpertCache:
             c.misses_dev, c.uses_dev = self.counters[off], self.counters[off + 1:off + n]
             c.live_rows = self.live_rows
             off += n
+        refusal = zero_copy_refusal(self.device) if self.layers else None
+        if refusal is not None:
+            log.warning("expert cache: decode graphs cannot copy their own misses (%s); a graph step "
+                        "with a miss runs again eagerly", refusal)
         if self.layers:
             log.info("expert cache: %d of %d experts per MoE layer on the device (%s), %.1f MiB",
                      self.layers[0].num_slots, self.layers[0].num_experts, policy, self.device_bytes / 2**20)
@@ -390,11 +412,26 @@ class ExpertCache:
         return self.device.type == "cuda" and (torch.cuda.is_current_stream_capturing()
                                                or torch.cuda.get_sync_debug_mode() != 0)
 
+    def warming_up(self) -> bool:
+        """The eager step a graph capture runs first (sync debug mode on, not capturing)."""
+        return (self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+                and torch.cuda.get_sync_debug_mode() != 0)
+
     def __call__(self, moe: SparseMoE, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         i = self.position[id(moe)]
         layer = self.layers[i] if self.layers else None
         if layer is not None and self.speculating():
-            return layer.speculate_forward(x, ids, w)
+            if not layer.resolves(ids.shape[0]):
+                return layer.speculate_forward(x, ids, w)
+            if not self.warming_up():
+                return layer.resolve_forward(x, ids, w)
+            # the eager step before a capture computes the step the replay then runs: its
+            # admissions are put back, so that the replay makes them once (the copies it
+            # made are the ones the replay makes again)
+            state = layer.map.state()
+            y = layer.resolve_forward(x, ids, w)
+            layer.map.load(state)
+            return y
         live = min(self.num_live, ids.shape[0])
         guess = self._pregate(i, x[:live]) if (self.prefetch or self.recorder) and i + 1 < len(self.moes) else None
         if self.recorder is not None:
@@ -435,10 +472,14 @@ class ExpertCache:
         if self.recorder is not None:
             self.recorder.close()
 
-    def graph_check(self) -> bool:
-        """After a graph replay: False if some layer missed (the step must run again
-        eagerly); else the replay's expert uses become hits and policy recency."""
+    def graph_check(self, rows: int | None = None) -> bool:
+        """After a graph replay of `rows` rows (a bucket): False if some layer missed (the
+        step must run again eagerly); else the replay's expert uses become hits and policy
+        recency. A bucket every layer resolves on the device has nothing to check: no read."""
         if not self.layers:
+            return True
+        if rows is not None and all(c.resolves(rows) for c in self.layers):
+            self.graph_steps += 1
             return True
         # a pinned copy and an event wait, like the runner's token read: no implicit sync
         self.counters_host.copy_(self.counters, non_blocking=self.counters_ready is not None)
@@ -446,19 +487,19 @@ class ExpertCache:
             self.counters_ready.record()
             self.counters_ready.synchronize()
         counts = self.counters_host.tolist()
-        self.counters.zero_()
         offsets = [0]
         for c in self.layers:
             offsets.append(offsets[-1] + 1 + c.num_experts)
         if any(counts[o] for o in offsets[:-1]):
+            self.counters.zero_()
             self.graph_reruns += 1
             return False
         self.graph_steps += 1
-        for c, o in zip(self.layers, offsets):
-            used = [e for e, u in enumerate(counts[o + 1:o + 1 + c.num_experts]) if u]
-            c.map.hits += len(used)
-            c.map.policy.touch(used)
-            c.stats.hits = c.map.hits
+        for c in self.layers:
+            used = c.uses_dev > 0  # [E]
+            c.map.counters[HITS] += used.sum()
+            c.map.touch(used)
+        self.counters.zero_()
         return True
 
     # -- telemetry -------------------------------------------------------------------------
@@ -473,12 +514,11 @@ class ExpertCache:
     def reset_stats(self) -> None:
         """Forget the counts (the engine's start-up profile forward is not traffic)."""
         for c in self.layers:
-            c.stats = LayerStats()
-            c.map.hits = c.map.misses = 0
+            c.map.counters.zero_()
         self.graph_steps = self.graph_reruns = 0
 
     def layer_hit_rates(self) -> list[float]:
-        return [round(c.stats.hits / max(1, c.stats.hits + c.stats.misses), 4) for c in self.layers]
+        return [round(st.hits / max(1, st.hits + st.misses), 4) for st in (c.stats for c in self.layers)]
 
     def summary(self, tokens: int) -> str:
         """The CLI stats line's part: hit rate, misses and bytes copied per token."""

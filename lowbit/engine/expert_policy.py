@@ -6,7 +6,8 @@ ids its tokens were routed to); each needed expert that is resident is a hit, ea
 miss that evicts one resident expert the step does not need. Counts are per expert and
 step, because a miss copies an expert once however many tokens read it.
 
-Policies see every access (`touch`) and pick a victim among the evictable experts:
+Policies see every access (`touch`) and pick a victim among the evictable experts (ties
+go to the lowest expert id):
   lru       least recently used
   lfu       least often used over the whole run (ties: least recently used)
   hot-lru   LRU, except that the experts routed to most often (a decayed count) and
@@ -53,7 +54,7 @@ class Policy:
 
 class LRU(Policy):
     def victim(self, candidates: Sequence[int]) -> int:
-        return min(candidates, key=lambda e: self.last_use[e])
+        return min(candidates, key=lambda e: (self.last_use[e], e))
 
 
 class LFU(Policy):
@@ -68,7 +69,7 @@ class LFU(Policy):
             self.count[e] += 1
 
     def victim(self, candidates: Sequence[int]) -> int:
-        return min(candidates, key=lambda e: (self.count[e], self.last_use[e]))
+        return min(candidates, key=lambda e: (self.count[e], self.last_use[e], e))
 
 
 class HotLRU(Policy):
@@ -98,7 +99,7 @@ class HotLRU(Policy):
     def victim(self, candidates: Sequence[int]) -> int:
         hot = self.hot() if self.num_hot else set()
         cold = [e for e in candidates if e not in hot] or list(candidates)
-        return min(cold, key=lambda e: self.last_use[e])
+        return min(cold, key=lambda e: (self.last_use[e], e))
 
 
 class Belady(Policy):

@@ -213,7 +213,7 @@ class ModelRunner:
         (it rewrites the same KV slots, and rounds as an accepted replay would)."""
         counts = self.sampling.snapshot() if self.graph_check is not None else None
         tokens, logits = self.graphs.run(batch.num_seqs, mode)
-        if self.graph_check is None or self.graph_check():
+        if self.graph_check is None or self.graph_check(self.graphs.bucket_for(batch.num_seqs)):
             return tokens, logits
         self.sampling.restore(counts)
         return self.graphs.rerun(batch.num_seqs, mode)

@@ -227,13 +227,15 @@ def test_distinct_slots_keeps_each_row_free_of_repeats():
         assert int(out.min()) >= 0 and int(out.max()) < S
 
 
-def test_speculated_layer_counts_misses_on_the_device():
-    """The graph path: no host read, a miss is counted on the device and graph_check
-    sends the step back; with every needed expert resident the output is the fetch path's."""
+def test_speculated_layer_counts_misses_on_the_device(monkeypatch):
+    """The graph path of a bucket whose experts may not fit: no host read, a miss is
+    counted on the device and graph_check sends the step back; with every needed expert
+    resident the output is the fetch path's."""
     llm = LLM("demo", device="cpu", kv_cache_tokens=64, expert_offload=True, expert_cache_slots=4,
               expert_prefetch=False)
     cache = llm.engine.expert_cache
     moe, layer = cache.moes[0], cache.layers[0]
+    monkeypatch.setattr(layer, "resolves", lambda rows: False)
     x = torch.randn(1, llm.config.hidden_size)  # top-2: fits the 4 slots
     with torch.inference_mode():
         want = moe(x)  # fetch: admits what x routes to
@@ -242,8 +244,8 @@ def test_speculated_layer_counts_misses_on_the_device():
         got = moe(x)
         assert cache.graph_check() is True
         assert layer.stats.hits > hits
-        needed = [e for e in range(8) if int(layer.slot_table[e]) >= 0 and e in layer.map.slot_of]
-        others = [e for e in range(8) if e not in layer.map.slot_of][:4]
+        needed = [e for e in range(8) if int(layer.slot_table[e]) >= 0 and e in layer.owner]
+        others = [e for e in range(8) if e not in layer.owner][:4]
         cache.force_speculate = False
         layer.admit(others)  # evicts every expert x needs
         cache.force_speculate = True
@@ -347,12 +349,15 @@ def _steps(llm: LLM, prompts) -> tuple[list[list[int]], list[dict]]:
     return [r.output_token_ids for r in reqs], steps
 
 
-@pytest.mark.parametrize("slots,prompts", [(2, PROMPTS), (6, PROMPTS), (6, PROMPTS + ["A third"])])
+@pytest.mark.parametrize("slots,prompts", [(2, PROMPTS), (6, PROMPTS), (6, PROMPTS + ["A third"]),
+                                           (2, PROMPTS[:1]), (3, PROMPTS[:1])])
 def test_replays_stand_or_rerun_exactly_when_an_eager_step_hits_or_misses(slots, prompts, device_read_attention):
-    """Without prefetch the slots evolve the same through graph_check as through eager
-    steps: each decode step has the eager step's hits and misses, its replay stands exactly
-    when the eager step hit in every layer and is rerun exactly when it missed, and the
-    tokens are the same (tests/gpu/test_expert_cache_gpu.py runs this against real graphs).
+    """Without prefetch the slots evolve the same through replays as through eager steps:
+    each decode step has the eager step's hits and misses, and the tokens are the same
+    (tests/gpu/test_expert_cache_gpu.py runs this against real graphs). A bucket whose
+    experts always fit the slots (rows x top-2 <= slots) admits and copies its misses
+    inside the replay, which always stands; a larger one counts them, and its replay stands
+    exactly when the eager step hit in every layer and is rerun exactly when it missed.
     Three sequences pad to the bucket of 4: the padding row's experts are neither counted
     nor fetched, in the replay or in its rerun."""
     kw = dict(device="cpu", kv_cache_tokens=256, expert_offload=True, expert_cache_slots=slots,
@@ -362,12 +367,16 @@ def test_replays_stand_or_rerun_exactly_when_an_eager_step_hits_or_misses(slots,
     _stand_in(llm)
     tokens, steps = _steps(llm, prompts)
     assert tokens == eager_tokens and len(steps) == len(eager)
+    bucket = llm.engine.runner.graphs.bucket_for(len(prompts))
+    resolved = llm.engine.expert_cache.layers[0].resolves(bucket)
+    assert resolved == (2 * bucket <= slots)
     for i, (g, e) in enumerate(zip(steps, eager)):
         assert (g["hits"], g["misses"]) == (e["hits"], e["misses"]), (i, g, e)
-        want = (0, 0) if i == 0 else ((0, 1) if e["misses"] else (1, 0))  # step 0: the prefill
+        want = (0, 0) if i == 0 else ((0, 1) if e["misses"] and not resolved else (1, 0))  # 0: the prefill
         assert (g["graph_steps"], g["graph_reruns"]) == want, (i, g, e)
-    assert sum(g["graph_reruns"] for g in steps) > 0
-    assert sum(g["graph_steps"] for g in steps) > 0 or slots == 2  # 2 slots: every step misses
+    assert sum(e["misses"] for e in eager[1:]) > 0  # decode steps that missed ...
+    assert (sum(g["graph_reruns"] for g in steps) > 0) != resolved  # ... rerun, or resolved in the replay
+    assert sum(g["graph_steps"] for g in steps) > 0 or slots == 2  # 2 slots, 2 rows: every step misses
 
 
 def test_record_routing_replays_to_the_engine_counts(tmp_path):

@@ -131,17 +131,64 @@ def _steps(engine: LLMEngine, prompts) -> tuple[list[list[int]], list[dict]]:
 @pytest.mark.parametrize("batch,slots", [(1, 2), (1, 4), (4, 2), (4, 4)])
 def test_graph_replays_and_reruns_equal_eager_steps(batch, slots):
     """No prefetch: the slots evolve the same with graphs on and off, so each step has the
-    same hits and misses; a decode step's replay stands exactly when its eager twin hit in
-    every layer, and is rerun eagerly exactly when it missed."""
+    same hits and misses. A bucket whose experts fit the slots (1 row x top-2 <= slots)
+    copies its misses inside the replay, which always stands; in a larger one a decode
+    step's replay stands exactly when its eager twin hit in every layer, and is rerun
+    eagerly exactly when it missed."""
     kw = dict(expert_offload=True, expert_cache_slots=slots, expert_prefetch=False)
     eager_tokens, eager = _steps(_engine(enforce_eager=True, **kw), PROMPTS[:batch])
-    graph_tokens, graph = _steps(_engine(**kw), PROMPTS[:batch])
+    engine = _engine(**kw)
+    graph_tokens, graph = _steps(engine, PROMPTS[:batch])
+    resolved = engine.expert_cache.layers[0].resolves(batch)
+    assert resolved == (batch == 1)
     assert len(graph) == len(eager)
     for i, (g, e) in enumerate(zip(graph, eager)):
         assert (g["hits"], g["misses"]) == (e["hits"], e["misses"]), (i, g, e)
-        want = (0, 0) if i == 0 else ((0, 1) if e["misses"] else (1, 0))  # step 0: the prefill
+        want = (0, 0) if i == 0 else ((0, 1) if e["misses"] and not resolved else (1, 0))  # 0: the prefill
         assert (g["graph_steps"], g["graph_reruns"]) == want, (i, g, e)
+    assert sum(e["misses"] for e in eager[1:]) > 0
     assert graph_tokens == eager_tokens
+
+
+def test_the_copy_kernel_reads_pinned_host_memory():
+    """Zero-copy: the kernel reads the pinned host stacks through unified addressing."""
+    from lowbit.kernels.expert_copy import copy_experts
+
+    src = {"codes": torch.randint(0, 255, (6, 3000), dtype=torch.uint8).pin_memory(),
+           "scales": torch.randn(6, 7, 5).pin_memory()}
+    dst = {k: torch.zeros(4, *t.shape[1:], dtype=t.dtype, device="cuda") for k, t in src.items()}
+    pairs = torch.tensor([[5, 1], [-1, -1], [2, 3]], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        copy_experts(pairs, src, dst)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for k in src:
+        assert torch.equal(dst[k][1].cpu(), src[k][5]) and torch.equal(dst[k][3].cpu(), src[k][2])
+        assert not dst[k][0].any() and not dst[k][2].any()
+
+
+def test_resolved_misses_replay_without_a_host_sync():
+    """2 slots, top-2, one sequence: every decode step's misses are admitted and copied in
+    the graph; steps run under sync debug mode "error", the replays stand, misses happen,
+    and the tokens are the resident engine's."""
+    want = _tokens(_engine(prefill_graphs=False), PROMPTS[:1])
+    engine = _engine(expert_offload=True, expert_cache_slots=2, expert_prefetch=False)
+    _tokens(engine, PROMPTS[1:2])  # the bucket's graph captured
+    req = engine.add_request(PROMPTS[0], GREEDY)
+    deltas = list(engine.step())  # prefill, eager
+    cache = engine.expert_cache
+    before = cache.totals()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished():
+            deltas += engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    after = cache.totals()
+    assert after["graph_reruns"] == before["graph_reruns"] and after["graph_steps"] > before["graph_steps"]
+    assert after["misses"] > before["misses"]
+    assert tokens_of([d for d in deltas if d.request_id == req.request_id]) == want[0]
 
 
 def test_resident_steps_replay_without_a_host_sync():

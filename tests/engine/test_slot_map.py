@@ -1,0 +1,74 @@
+"""The device slot map (lowbit/engine/slot_map.py) admits as the host SlotMap and its
+policies do (lowbit/engine/expert_policy.py), copy for copy, on random routing traces."""
+
+import random
+
+import pytest
+import torch
+
+from lowbit.engine.expert_policy import POLICIES, SlotMap, make_policy
+from lowbit.engine.slot_map import HITS, MISSES, PREFETCH_HITS, PREFETCHED, DeviceSlotMap
+
+
+def skewed_step(rng: random.Random, E: int, tokens: int, top_k: int, hot: list[int]) -> list[int]:
+    """The experts a step's tokens were routed to: mostly from a hot set, sometimes anywhere."""
+    needed: set[int] = set()
+    for _ in range(tokens):
+        pool = hot if rng.random() < 0.7 else list(range(E))
+        needed |= set(rng.sample(pool, min(top_k, len(pool))))
+    return sorted(needed)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("E,S,tokens,top_k", [(8, 2, 1, 2), (8, 3, 1, 2), (16, 5, 2, 2), (32, 12, 1, 8),
+                                              (64, 17, 2, 8), (9, 9, 3, 3), (8, 1, 1, 1)])
+def test_device_admission_makes_the_host_maps_copies(policy, E, S, tokens, top_k):
+    rng = random.Random(E * 1000 + S * 10 + tokens)
+    host = SlotMap(S, make_policy(policy, S, E))
+    dev = DeviceSlotMap(S, E, policy, torch.device("cpu"))
+    hot = rng.sample(range(E), max(top_k, E // 4))
+    steps = 0
+    for step in range(300):
+        needed = skewed_step(rng, E, tokens, top_k, hot)
+        if len(needed) > S:
+            needed = needed[:S]
+        prefetch = step % 7 == 3  # uncounted admissions, as pre-gating makes them
+        want = host.admit(needed, count=not prefetch)
+        mask = torch.zeros(E, dtype=torch.bool)
+        mask[needed] = True
+        got = dev.admit(mask, count=not prefetch)
+        rows = [(e, s) for e, s in got.tolist() if e >= 0]
+        assert rows == want, f"step {step}"
+        assert all(s == -1 for e, s in got.tolist() if e < 0)
+        table = [host.slot_of.get(e, -1) for e in range(E)]
+        assert dev.slot_table.tolist() == table
+        assert dev.owners() == [next((e for e, t in host.slot_of.items() if t == s), -1) for s in range(S)]
+        steps += not prefetch
+        if step % 50 == 49:  # the used experts of a step that only counted them (graph_check's touch)
+            used = sorted(host.slot_of)[:max(1, S // 2)]
+            host.policy.touch(used)
+            u = torch.zeros(E, dtype=torch.bool)
+            u[used] = True
+            dev.touch(u)
+    assert dev.counters[HITS] == host.hits and dev.counters[MISSES] == host.misses
+    assert host.misses > 0 and (host.hits > 0 or S == 1)
+
+
+def test_prefetch_counters_and_pending_experts():
+    dev = DeviceSlotMap(4, 8, "lru", torch.device("cpu"))
+    m = lambda *e: torch.zeros(8, dtype=torch.bool).index_fill_(0, torch.tensor(e), True)  # noqa: E731
+    dev.admit(m(1, 2))
+    dev.admit(m(3, 5), count=False)  # two prefetched
+    dev.admit(m(1, 3))  # a hit on a prefetched expert
+    assert dev.stats() == {"hits": 2, "misses": 2, "prefetched": 2, "prefetch_hits": 1}
+    dev.admit(m(6, 7))  # evicts 2 and 5 (least recently used; 5 was never used)
+    assert sorted(dev.owners()) == [1, 3, 6, 7]
+    assert not dev.pending[5] and int(dev.counters[PREFETCHED]) == 2 and int(dev.counters[PREFETCH_HITS]) == 1
+
+
+def test_needed_mask_ignores_padding_rows_and_bad_ids():
+    dev = DeviceSlotMap(4, 8, "hot-lru", torch.device("cpu"))
+    ids = torch.tensor([[1, 4], [7, -1], [2, 3]], dtype=torch.int32)
+    live = torch.tensor([[True], [True], [False]])
+    assert dev.needed_mask(ids, live).nonzero().flatten().tolist() == [1, 4, 7]
+    assert dev.needed_mask(ids).nonzero().flatten().tolist() == [1, 2, 3, 4, 7]
