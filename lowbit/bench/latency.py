@@ -380,7 +380,9 @@ def summary_md(rec: dict) -> str:
         h2d = ec.get("h2d_bandwidth_Bps")
         lines.append(f"expert cache {ec['slots']}/{ec['num_experts']} slots per layer: hits {ec['hits']}, "
                      f"misses {ec['misses']}, {ec['bytes_copied'] / 2**20:.1f} MiB copied"
-                     + (f" (pinned H2D {h2d / 1e9:.1f} GB/s)" if h2d else "") + "; per-layer hit rates "
+                     + (f" (pinned H2D {h2d / 1e9:.1f} GB/s)" if h2d else "")
+                     + f"; graph steps {ec['graph_steps']}, reruns {ec['graph_reruns']}, buckets up to "
+                     f"{ec['graph_resolve_rows']} rows copy misses in the graph; per-layer hit rates "
                      + " ".join(f"{r:.2f}" for r in ec["layer_hit_rates"]))
     lines += [format_profile(p).splitlines()[0] for p in rec.get("step_profiles", [])]
     fallbacks = rec.get("routes", {}).get("fallbacks", [])

@@ -16,7 +16,9 @@ from tqdm import tqdm
 
 from lowbit.errors import LowbitError
 
-BUILTIN = {"demo": Path(__file__).resolve().parent.parent / "demo_model"}
+_PACKAGE = Path(__file__).resolve().parent.parent
+# Built-in models: the demo model, and its 2-layer draft for --speculative-method draft.
+BUILTIN = {"demo": _PACKAGE / "demo_model", "demo-draft": _PACKAGE / "demo_draft"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 

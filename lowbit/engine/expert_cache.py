@@ -509,7 +509,13 @@ class ExpertCache:
                 "bytes_copied": sum(s.bytes_copied for s in st),
                 "prefetched": sum(s.prefetched for s in st),
                 "prefetch_hits": sum(s.prefetch_hits for s in st),
-                "graph_steps": self.graph_steps, "graph_reruns": self.graph_reruns}
+                "graph_steps": self.graph_steps, "graph_reruns": self.graph_reruns,
+                "graph_resolve_rows": self.resolve_rows}
+
+    @property
+    def resolve_rows(self) -> int:
+        """The largest decode bucket whose graph copies its own misses (0: none)."""
+        return min((c.num_slots // c.moe.spec.top_k if c.zero_copy else 0) for c in self.layers)
 
     def reset_stats(self) -> None:
         """Forget the counts (the engine's start-up profile forward is not traffic)."""
