@@ -282,8 +282,7 @@ class LayerCache:
         admits its live rows' experts on the device and copies its misses from pinned host
         memory itself, on its own stream; no host read, nothing to send back."""
         T, A = ids.shape
-        live = torch.arange(T, device=ids.device)[:, None] < self.live_rows  # [T, 1]
-        pairs = self.map.admit(self.map.needed_mask(ids, live))[:min(self.num_slots, T * A)]
+        pairs = self.map.admit_routed(ids, self.live_rows)[:min(self.num_slots, T * A)]
         copy_experts(pairs, self.host, self.slots)
         sid = self.slot_ids(ids)  # [T, A]; padding rows may name absent experts: masked
         hit = sid >= 0

@@ -27,6 +27,8 @@ import torch
 
 from lowbit.engine.expert_policy import HOT_DECAY, HOT_SHARE, POLICIES
 from lowbit.errors import LowbitError
+from lowbit.kernels.runtime import HAS_TRITON
+from lowbit.kernels.slot_admit import slot_admit
 
 HITS, MISSES, PREFETCHED, PREFETCH_HITS = range(4)
 
@@ -54,11 +56,14 @@ class DeviceSlotMap:
         self.count = torch.zeros(E, **i64)
         self.score = torch.zeros(E, dtype=torch.float64, device=device)
         self.weight = torch.ones((), dtype=torch.float64, device=device)
+        self.decay = torch.tensor(HOT_DECAY, dtype=torch.float64, device=device)
         self.clock = torch.zeros((), **i64)
         self.counters = torch.zeros(4, **i64)
         self.pending = torch.zeros(E + 1, dtype=torch.bool, device=device)
         self._slots = torch.arange(S, **i64)
         self._experts = torch.arange(E, **i64)
+        # one Triton launch per admission on CUDA (lowbit.kernels.slot_admit); torch ops elsewhere
+        self.use_kernel = device.type == "cuda" and HAS_TRITON
 
     @property
     def slot_table(self) -> torch.Tensor:
@@ -89,9 +94,21 @@ class DeviceSlotMap:
             return [self._hot()[e].long(), self.last_use[e]]
         return [self.last_use[e]]
 
+    def admit_routed(self, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """admit() of the experts that rows below live (a device scalar) of ids [T, A] name."""
+        if not self.use_kernel:
+            return self.admit(self.needed_mask(ids, torch.arange(ids.shape[0], device=ids.device)[:, None] < live))
+        pairs = torch.empty(self.num_slots, 2, dtype=torch.int64, device=self.device)
+        slot_admit(self, self.policy, self.num_hot, pairs, ids=ids.contiguous(), live=live)
+        return pairs
+
     def admit(self, needed: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Make the experts of needed [E] bool resident (at most S of them). Returns the
         copies to make, [S, 2] int64 rows (expert, slot), -1 past the last one."""
+        if self.use_kernel:
+            pairs = torch.empty(self.num_slots, 2, dtype=torch.int64, device=self.device)
+            slot_admit(self, self.policy, self.num_hot, pairs, needed=needed.contiguous(), count=count)
+            return pairs
         S, E = self.num_slots, self.num_experts
         resident = self.slot_table >= 0
         miss = needed & ~resident  # [E]

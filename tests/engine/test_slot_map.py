@@ -8,6 +8,7 @@ import torch
 
 from lowbit.engine.expert_policy import POLICIES, SlotMap, make_policy
 from lowbit.engine.slot_map import HITS, MISSES, PREFETCH_HITS, PREFETCHED, DeviceSlotMap
+from lowbit.kernels.runtime import interpreting
 
 
 def skewed_step(rng: random.Random, E: int, tokens: int, top_k: int, hot: list[int]) -> list[int]:
@@ -72,3 +73,37 @@ def test_needed_mask_ignores_padding_rows_and_bad_ids():
     live = torch.tensor([[True], [True], [False]])
     assert dev.needed_mask(ids, live).nonzero().flatten().tolist() == [1, 4, 7]
     assert dev.needed_mask(ids).nonzero().flatten().tolist() == [1, 2, 3, 4, 7]
+
+
+def _state(m: DeviceSlotMap) -> list:
+    return [getattr(m, k).clone() for k in m.STATE]
+
+
+@pytest.mark.skipif(not interpreting(), reason="runs the Triton admission in the interpreter")
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("E,S,T,A", [(8, 3, 1, 2), (20, 7, 3, 2), (64, 16, 2, 8), (128, 32, 4, 8)])
+def test_the_admission_kernel_is_the_torch_twin_bit_for_bit(policy, E, S, T, A):
+    """slot_admit (one Triton program) against DeviceSlotMap's torch ops: the same pairs and
+    every state tensor equal after each step (float64 scores included), from routed ids
+    with padding rows and from prefetch masks."""
+    rng = random.Random(E + S)
+    twin, kern = (DeviceSlotMap(S, E, policy, torch.device("cpu")) for _ in range(2))
+    kern.use_kernel = True
+    hot = rng.sample(range(E), max(A, E // 4))
+    for step in range(40):
+        if step % 5 == 4:  # a prefetch: an uncounted mask
+            m = torch.zeros(E, dtype=torch.bool)
+            m[rng.sample(range(E), max(1, S // 2))] = True
+            want, got = twin.admit(m, count=False), kern.admit(m, count=False)
+        else:
+            rows = [rng.sample(hot if rng.random() < 0.7 else range(E), A) for _ in range(T)]
+            live = rng.randint(1, T)
+            while len({e for r in rows[:live] for e in r}) > S:
+                live -= 1
+            ids = torch.tensor(rows, dtype=torch.int32)
+            want = twin.admit_routed(ids, torch.tensor(live))
+            got = kern.admit_routed(ids, torch.tensor(live))
+        assert torch.equal(want, got), step
+        for k, a, b in zip(DeviceSlotMap.STATE, _state(twin), _state(kern)):
+            assert torch.equal(a, b), (step, k)
+    assert int(twin.counters[MISSES]) > 0 and int(twin.counters[HITS]) > 0

@@ -208,3 +208,24 @@ def test_resident_steps_replay_without_a_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert (cache.graph_steps, cache.graph_reruns) == (steps + 5, reruns)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "hot-lru"])
+def test_the_admission_kernel_is_its_torch_twin_on_cuda(policy):
+    """The one-launch admission (compiled) against the torch ops of DeviceSlotMap, at the
+    Qwen3-30B-A3B routing shape: same pairs and state after every step."""
+    import random
+
+    from lowbit.engine.slot_map import DeviceSlotMap
+
+    rng, E, S, A = random.Random(0), 128, 32, 8
+    twin, kern = (DeviceSlotMap(S, E, policy, torch.device("cuda")) for _ in range(2))
+    twin.use_kernel = False
+    hot = rng.sample(range(E), 32)
+    for step in range(60):
+        rows = [rng.sample(hot if rng.random() < 0.7 else range(E), A) for _ in range(4)]
+        ids = torch.tensor(rows, dtype=torch.int32, device="cuda")
+        live = torch.tensor(rng.randint(1, 4), device="cuda")
+        assert torch.equal(twin.admit_routed(ids, live), kern.admit_routed(ids, live)), step
+        for k in DeviceSlotMap.STATE:
+            assert torch.equal(getattr(twin, k), getattr(kern, k)), (step, k)
