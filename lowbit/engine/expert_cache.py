@@ -282,11 +282,9 @@ class LayerCache:
         admits its live rows' experts on the device and copies its misses from pinned host
         memory itself, on its own stream; no host read, nothing to send back."""
         T, A = ids.shape
-        pairs = self.map.admit_routed(ids, self.live_rows)[:min(self.num_slots, T * A)]
-        copy_experts(pairs, self.host, self.slots)
-        sid = self.slot_ids(ids)  # [T, A]; padding rows may name absent experts: masked
-        hit = sid >= 0
-        return self.run(x, distinct_slots(sid, hit, self.num_physical), w * hit)
+        pairs, sid, w = self.map.admit_routed(ids, w, self.live_rows)  # padding rows: weight 0
+        copy_experts(pairs[:min(self.num_slots, T * A)], self.host, self.slots)
+        return self.run(x, sid, w)
 
 
 @dataclass

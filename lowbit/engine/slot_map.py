@@ -94,13 +94,23 @@ class DeviceSlotMap:
             return [self._hot()[e].long(), self.last_use[e]]
         return [self.last_use[e]]
 
-    def admit_routed(self, ids: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """admit() of the experts that rows below live (a device scalar) of ids [T, A] name."""
+    def admit_routed(self, ids: torch.Tensor, w: torch.Tensor,
+                     live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """admit() of the experts that rows below live (a device scalar) of ids [T, A] name;
+        returns (pairs, slot ids [T, A] int32, weights [T, A]): a padding row reads slots
+        0..A-1 (distinct, as the fused MoE needs) at weight 0."""
+        T, A = ids.shape
         if not self.use_kernel:
-            return self.admit(self.needed_mask(ids, torch.arange(ids.shape[0], device=ids.device)[:, None] < live))
+            rows = torch.arange(T, device=ids.device)[:, None] < live  # [T, 1]
+            pairs = self.admit(self.needed_mask(ids, rows))
+            pad = torch.arange(A, dtype=torch.int32, device=ids.device).expand(T, A)
+            sid = torch.where(rows, self.table[ids.long().clamp(0, self.num_experts)], pad)
+            return pairs, sid, torch.where(rows, w, torch.zeros_like(w))
         pairs = torch.empty(self.num_slots, 2, dtype=torch.int64, device=self.device)
-        slot_admit(self, self.policy, self.num_hot, pairs, ids=ids.contiguous(), live=live)
-        return pairs
+        sid = torch.empty(T, A, dtype=torch.int32, device=self.device)
+        w = w.float().contiguous()
+        slot_admit(self, self.policy, self.num_hot, pairs, ids=ids.contiguous(), live=live, sid=sid, w=w)
+        return pairs, sid, w
 
     def admit(self, needed: torch.Tensor, count: bool = True) -> torch.Tensor:
         """Make the experts of needed [E] bool resident (at most S of them). Returns the

@@ -5,7 +5,9 @@ node per MoE layer for it. Same state, same choices, bit for bit (float64 scores
 Shape legend: E experts (EP: next power of 2), S slots (SP), T tokens, A top-k.
 Inputs: the step's routed ids [T, A] (rows at or past live[0] name nothing) or a needed
 mask [E]; the slot map's state tensors (slot_map.py's docstring). Output: pairs [S, 2]
-(expert, slot) of the copies to make, -1 past the last.
+(expert, slot) of the copies to make, -1 past the last; with ids, also the step's slot ids
+[T, A] (padding rows: slots 0..A-1, distinct as the fused MoE needs) and the routing
+weights [T, A] with padding rows zeroed.
 Victim order of the slots: free ones first (by slot), then the evictable ones (owner not
 needed) by the policy's key, then the owner's id; rank r of that order takes the miss of
 rank r (misses by ascending id). Ranks and gathers are one-hot comparisons over [SP, EP]
@@ -30,7 +32,7 @@ def _gather(onehot, v):
 
 
 @triton.jit
-def _slot_admit_kernel(ids_ptr, TA, A, live_ptr, mask_ptr,
+def _slot_admit_kernel(ids_ptr, TA, A, live_ptr, mask_ptr, sid_ptr, w_ptr,
                        table_ptr, owner_ptr, last_use_ptr, count_ptr, score_ptr, weight_ptr,
                        decay_ptr, clock_ptr, counters_ptr, pending_ptr, pairs_ptr,
                        E, S, num_hot,
@@ -89,7 +91,12 @@ def _slot_admit_kernel(ids_ptr, TA, A, live_ptr, mask_ptr,
     tl.store(owner_ptr + sv, tl.where(matched, new_owner, owner), mask=sm)
     evicted = tl.max((onehot & matched[:, None]).to(tl.int32), 0) > 0  # [EP]
     slot_of_miss = tl.sum(tl.where(takes, sv[:, None], 0), 0)
-    tl.store(table_ptr + ev, tl.where(miss, slot_of_miss, tl.where(evicted, -1, table)), mask=em)
+    table = tl.where(miss, slot_of_miss, tl.where(evicted, -1, table))
+    tl.store(table_ptr + ev, table, mask=em)
+    if FROM_IDS:  # the step's slot ids; a padding row reads slots 0..A-1 (distinct) at weight 0
+        sid = tl.sum(tl.where(ids[:, None] == ev[None, :], table[None, :], 0), 1)
+        tl.store(sid_ptr + i, tl.where(ok, sid, i % A), mask=i < TA)
+        tl.store(w_ptr + i, tl.zeros([TAP], tl.float32), mask=(i < TA) & ~ok)
 
     # pairs: row j = (the miss of rank j, the slot of rank j), j < n_miss
     jm = (miss_rank[None, :] == sv[:, None]) & miss[None, :]  # [SP, EP]
@@ -125,10 +132,11 @@ def _slot_admit_kernel(ids_ptr, TA, A, live_ptr, mask_ptr,
 
 
 def slot_admit(state, policy: str, num_hot: int, pairs: torch.Tensor, *, ids: torch.Tensor | None = None,
-               live: torch.Tensor | None = None, needed: torch.Tensor | None = None,
-               count: bool = True) -> None:
+               live: torch.Tensor | None = None, sid: torch.Tensor | None = None, w: torch.Tensor | None = None,
+               needed: torch.Tensor | None = None, count: bool = True) -> None:
     """One launch of the admission. state: the DeviceSlotMap (its tensors are updated in
-    place); ids [T, A] with live (a device scalar of live rows), or needed [E] bool."""
+    place); either ids [T, A] with live (a device scalar of live rows), sid [T, A] int32 (out:
+    slot ids) and w [T, A] float32 (padding rows zeroed in place), or needed [E] bool."""
     E, S = state.num_experts, state.num_slots
     from_ids = ids is not None
     ta = ids.numel() if from_ids else 1
@@ -136,7 +144,7 @@ def slot_admit(state, policy: str, num_hot: int, pairs: torch.Tensor, *, ids: to
     dummy = state.clock
     _slot_admit_kernel[(1,)](
         ids if from_ids else dummy, ta, a, live if from_ids else dummy,
-        dummy if from_ids else needed.view(torch.uint8),
+        dummy if from_ids else needed.view(torch.uint8), sid if from_ids else dummy, w if from_ids else dummy,
         state.table, state.owner, state.last_use, state.count, state.score, state.weight, state.decay,
         state.clock, state.counters, state.pending.view(torch.uint8), pairs, E, S, num_hot,
         POLICY=POLICY_CODES[policy], FROM_IDS=from_ids, COUNT=count,

@@ -100,9 +100,13 @@ def test_the_admission_kernel_is_the_torch_twin_bit_for_bit(policy, E, S, T, A):
             live = rng.randint(1, T)
             while len({e for r in rows[:live] for e in r}) > S:
                 live -= 1
-            ids = torch.tensor(rows, dtype=torch.int32)
-            want = twin.admit_routed(ids, torch.tensor(live))
-            got = kern.admit_routed(ids, torch.tensor(live))
+            ids, w = torch.tensor(rows, dtype=torch.int32), torch.rand(T, A)
+            want = twin.admit_routed(ids, w, torch.tensor(live))
+            got = kern.admit_routed(ids, w, torch.tensor(live))
+            assert torch.equal(want[1], got[1]) and torch.equal(want[2], got[2]), step  # slot ids, weights
+            assert (got[1][:live] >= 0).all() and (got[2][live:] == 0).all()
+            assert all(len(set(r)) == A for r in got[1].tolist())  # distinct slots in every row
+            want, got = want[0], got[0]
         assert torch.equal(want, got), step
         for k, a, b in zip(DeviceSlotMap.STATE, _state(twin), _state(kern)):
             assert torch.equal(a, b), (step, k)
