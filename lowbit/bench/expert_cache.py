@@ -19,6 +19,7 @@ import torch
 from lowbit.bench.record import md_table
 from lowbit.engine.expert_policy import SIM_POLICIES, RoutingTrace, load_trace, simulate
 from lowbit.errors import LowbitError
+from lowbit.kernels.expert_copy import copy_experts, zero_copy_refusal
 
 
 def zipf_trace(num_experts: int, top_k: int, num_layers: int, steps: int, s: float,
@@ -78,6 +79,28 @@ def h2d_bandwidth(device: str, nbytes: int = 256 << 20, repeats: int = 5) -> flo
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     return nbytes / best
+
+
+def zero_copy_bandwidth(device: str, row_bytes: int = 2_752_512, rows: int = 8,
+                        repeats: int = 5) -> float | None:
+    """Bytes/s of the expert copy kernel (lowbit.kernels.expert_copy) reading `rows` pinned
+    rows of `row_bytes` (default: one Qwen3-30B-A3B nvfp4 expert) into device slots, what a
+    decode graph's miss pays per byte (the best of `repeats`); None off CUDA or without
+    zero-copy reads."""
+    if not str(device).startswith("cuda") or zero_copy_refusal(torch.device(device)) is not None:
+        return None
+    src = {"x": torch.empty(rows * 2, row_bytes, dtype=torch.uint8, pin_memory=True)}
+    dst = {"x": torch.empty(rows, row_bytes, dtype=torch.uint8, device=device)}
+    pairs = torch.tensor([[2 * i + 1, i] for i in range(rows)], device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        copy_experts(pairs, src, dst)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return rows * row_bytes / best
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from lowbit import LLM, SamplingParams
-from lowbit.bench.expert_cache import h2d_bandwidth
+from lowbit.bench.expert_cache import h2d_bandwidth, zero_copy_bandwidth
 from lowbit.bench.record import md_table
 from lowbit.bench.stats import mean_sd
 from lowbit.bench.step_profile import format_profile, profile_decode, profile_prefill
@@ -348,7 +348,8 @@ def expert_cache_summary(engine) -> dict | None:
     first = cache.layers[0]
     return {"slots": first.num_slots, "num_experts": first.num_experts, "expert_bytes": first.expert_bytes,
             **cache.totals(), "layer_hit_rates": cache.layer_hit_rates(),
-            "h2d_bandwidth_Bps": h2d_bandwidth(str(engine.device))}
+            "h2d_bandwidth_Bps": h2d_bandwidth(str(engine.device)),
+            "zero_copy_bandwidth_Bps": zero_copy_bandwidth(str(engine.device), first.expert_bytes)}
 
 
 HEADERS = ["model", "format", "dtype", "device", "test", "t/s", "ms/tok", "GB/s", "MBU"]
@@ -381,6 +382,8 @@ def summary_md(rec: dict) -> str:
         lines.append(f"expert cache {ec['slots']}/{ec['num_experts']} slots per layer: hits {ec['hits']}, "
                      f"misses {ec['misses']}, {ec['bytes_copied'] / 2**20:.1f} MiB copied"
                      + (f" (pinned H2D {h2d / 1e9:.1f} GB/s)" if h2d else "")
+                     + (f" (zero-copy kernel {ec['zero_copy_bandwidth_Bps'] / 1e9:.1f} GB/s)"
+                        if ec.get("zero_copy_bandwidth_Bps") else "")
                      + f"; graph steps {ec['graph_steps']}, reruns {ec['graph_reruns']}, buckets up to "
                      f"{ec['graph_resolve_rows']} rows copy misses in the graph; per-layer hit rates "
                      + " ".join(f"{r:.2f}" for r in ec["layer_hit_rates"]))
