@@ -181,6 +181,12 @@ class LLMEngine:
             slots = plan_slots(cfg, len(cache.layers), first.num_experts, first.expert_bytes,
                                free_device_bytes(cfg, self.device, kv_reserve))
             cache.allocate(slots, cfg.expert_cache_policy)
+            rows = cache.resolve_rows
+            if self.device.type == "cuda" and not cfg.enforce_eager and rows < cfg.max_num_seqs:
+                log.warning("expert cache: decode graphs of up to %d sequences copy their own misses; "
+                            "larger batches (up to --max-num-seqs %d) replay, and a step with a miss "
+                            "runs again eagerly (slow). More slots (--expert-cache-slots, now %d) or a "
+                            "lower --max-num-seqs avoid it", rows, cfg.max_num_seqs, slots)
         return cache
 
     def _build_cache(self, model_dtype: torch.dtype) -> None:
