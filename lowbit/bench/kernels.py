@@ -200,9 +200,10 @@ def _ours(n: int, k: int) -> dict:
                              "gemv", lut_gemv)
     out["fp8 w8a8 (128x128)"] = (lambda i: resolve(random_fp8_view(n, k, layout="block", device=DEV, seed=i)),
                                  "w8a8", fp8_w8a8)
-    if not SMOKE:  # route torch_scaled_mm: per-token quantization + torch._scaled_mm
-        out["fp8 w8a8 _scaled_mm"] = (lambda i: resolve(random_fp8_view(n, k, layout="channel", device=DEV,
-                                                                        seed=i)), "w8a8", scaled_mm_w8a8)
+    if not SMOKE:  # route torch_scaled_mm: per-token quantization + torch._scaled_mm (both modes)
+        chan = lambda i: resolve(random_fp8_view(n, k, layout="channel", device=DEV, seed=i))  # noqa: E731
+        out["fp8 w8a8 _scaled_mm"] = (chan, "w8a8", scaled_mm_w8a8)
+        out["fp8 w8a8 _scaled_mm rowwise"] = (chan, "w8a8", functools.partial(scaled_mm_w8a8, mode="rowwise"))
     return out
 
 

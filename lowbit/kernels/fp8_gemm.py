@@ -24,20 +24,36 @@ E4M3_MAX = 448.0
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, xq_ptr, sx_ptr, K, stride_xm, stride_qm, BK: tl.constexpr):
+def _quant_rows_kernel(x_ptr, xq_ptr, sx_ptr, M, K, stride_xm, stride_qm, BK: tl.constexpr):
+    """Row m of x (rows at or past M: zeros, the padding of a GEMM that wants 16 rows)."""
     m = tl.program_id(0)
+    live = m < M
     amax = tl.zeros([BK], tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0).to(tl.float32)
+        x = tl.load(x_ptr + m * stride_xm + kk, mask=(kk < K) & live, other=0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     s = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
     tl.store(sx_ptr + m, s)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0).to(tl.float32)
+        x = tl.load(x_ptr + m * stride_xm + kk, mask=(kk < K) & live, other=0).to(tl.float32)
         q = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
         tl.store(xq_ptr + m * stride_qm + kk, q.to(tl.float8e4nv), mask=kk < K)
+
+
+@triton.jit
+def _scale_epilogue_kernel(y_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, N, stride_y, stride_o,
+                           HAS_BIAS: tl.constexpr, BN: tl.constexpr):
+    """out[m, n] = y[m, n] * sx[m] * sw[n] (+ b[n]), rounded once to out's dtype."""
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = cols < N
+    acc = tl.load(y_ptr + m * stride_y + cols, mask=mask, other=0) * tl.load(sx_ptr + m)
+    acc = acc * tl.load(sw_ptr + cols, mask=mask, other=0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=mask, other=0).to(tl.float32)
+    tl.store(out_ptr + m * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -97,17 +113,21 @@ def w8a8_refusal(x: torch.Tensor, w: Fp8View) -> str | None:
     return None
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq float8_e4m3fn [M, K], sx float32 [M]) with a per-row scale."""
+def quantize_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq float8_e4m3fn [R, K], sx float32 [R]) with a per-row scale; R = rows
+    (default M), rows past M are zeros."""
     m, k = x.shape
+    r = m if rows is None else rows
+    assert r >= m
     if interpreting() or not x.is_cuda:  # triton 3.6's interpreter rounds fp32 -> e4m3 wrongly across binades
-        sx = (x.float().abs().amax(1).clamp(min=1e-12) / E4M3_MAX).contiguous()
-        xq = (x.float() / sx[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        xf = torch.cat([x.float(), x.new_zeros(r - m, k, dtype=torch.float32)]) if r > m else x.float()
+        sx = (xf.abs().amax(1).clamp(min=1e-12) / E4M3_MAX).contiguous()
+        xq = (xf / sx[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         return xq, sx
-    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    sx = torch.empty(m, dtype=torch.float32, device=x.device)
+    xq = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x.device)
+    sx = torch.empty(r, dtype=torch.float32, device=x.device)
     bk = min(4096, triton.next_power_of_2(k))
-    launch.run(_quant_rows_kernel, (m,), x, xq, sx, k, x.stride(0), xq.stride(0), BK=bk, num_warps=4)
+    launch.run(_quant_rows_kernel, (r,), x, xq, sx, m, k, x.stride(0), xq.stride(0), BK=bk, num_warps=4)
     return xq, sx
 
 
@@ -155,21 +175,45 @@ def scaled_mm_refusal(x: torch.Tensor, w: Fp8View) -> str | None:
     return None
 
 
-def scaled_mm_w8a8(x: torch.Tensor, w: Fp8View, bias: torch.Tensor | None = None) -> torch.Tensor:
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """A float32 1 on `device`, made once (a graph replays the same tensor)."""
+    if device not in _ONES:
+        _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return _ONES[device]
+
+
+SCALED_MM_MODES = ("tensorwise", "rowwise")
+
+
+def scaled_mm_w8a8(x: torch.Tensor, w: Fp8View, bias: torch.Tensor | None = None,
+                   mode: str = "tensorwise") -> torch.Tensor:
     """y [M, N] in x.dtype: the W8A8 product of fp8_w8a8 (the same per-row activation
-    quantization, quantize_rows) through torch._scaled_mm (cuBLASLt fp8 GEMM with row-wise
-    scales): sx [M, 1] on the activations, the weight's row scales [1, N]. The activation
-    rows are padded to a multiple of 16 with zeros."""
-    assert x.dim() == 2 and w.lead == () and scaled_mm_refusal(x, w) is None
-    m = x.shape[0]
-    xq, sx = quantize_rows(x if x.stride(1) == 1 else x.contiguous())
-    pad = -m % 16
-    if pad:
-        xq = torch.cat([xq, xq.new_zeros(pad, xq.shape[1])])
-        sx = torch.cat([sx, sx.new_ones(pad)])
-    y = torch._scaled_mm(xq, w.codes.t(), scale_a=sx[:, None], out_dtype=x.dtype,
-                         scale_b=w.scales.reshape(1, -1).float())[:m]
-    return y if bias is None else y + bias.to(y.dtype)
+    quantization, quantize_rows, rows zero-padded to a multiple of 16) through
+    torch._scaled_mm. mode "tensorwise": unit scales, a float32 product, then one epilogue
+    launch applies sx [M] and the weight's row scales [N] (and the bias) and rounds once;
+    "rowwise": cuBLASLt / CUTLASS's row-wise scaled GEMM writes x.dtype itself (slower at
+    small M on the H200: docs/BENCHMARKS.md#kernels)."""
+    assert x.dim() == 2 and w.lead == () and scaled_mm_refusal(x, w) is None and mode in SCALED_MM_MODES
+    m, n = x.shape[0], w.n
+    xq, sx = quantize_rows(x if x.stride(1) == 1 else x.contiguous(), rows=m + (-m % 16))
+    sw = w.scales.reshape(-1).float()
+    if mode == "rowwise":
+        y = torch._scaled_mm(xq, w.codes.t(), scale_a=sx[:, None], out_dtype=x.dtype,
+                             scale_b=sw.reshape(1, -1))[:m]
+        return y if bias is None else y + bias.to(y.dtype)
+    one = _one(x.device)
+    y32 = torch._scaled_mm(xq, w.codes.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    if not x.is_cuda and not interpreting():
+        y = y32[:m] * sx[:m, None] * sw[None, :]
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bn = min(1024, triton.next_power_of_2(n))
+    launch.run(_scale_epilogue_kernel, (m, triton.cdiv(n, bn)), y32, sx, sw, x if bias is None else bias,
+               out, n, y32.stride(0), out.stride(0), HAS_BIAS=bias is not None, BN=bn, num_warps=4)
+    return out
 
 
 def reference_w8a8(x: torch.Tensor, w: Fp8View, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -230,10 +230,10 @@ def _admit_scaled_mm(call: LinearCall) -> str | None:
 
 
 routes.register("linear", routes.Route(
-    "torch_scaled_mm", routes.OPT_IN, "no GPU record of the route yet: the bare torch._scaled_mm "
-    "(peer rows of docs/BENCHMARKS.md#kernels, activations pre-quantized) takes 17.2-19.3 us at "
-    "M = 1-16 on 4096x14336 / 14336x4096 against 32 us for triton_fp8_w8a16 at M = 1; W8A8 "
-    "numerics (per-token activation scales), as triton_fp8_w8a8", _admit_scaled_mm,
+    "torch_scaled_mm", routes.OPT_IN, "row-wise _scaled_mm measured 43-48 us at M = 1-16 on "
+    "4096x14336 (H200, docs/BENCHMARKS.md#kernels), 1.5x the fp8 gemv at M = 1; now tensor-wise "
+    "_scaled_mm (17.2-19.3 us bare) + one scale epilogue, not yet measured; W8A8 numerics "
+    "(per-token activation scales), as triton_fp8_w8a8", _admit_scaled_mm,
     lambda call: scaled_mm_w8a8(call.x, call.weight, call.bias)))
 routes.register("linear", routes.Route(
     "triton_vq_gemv", routes.OPT_IN, "no GPU record yet (vector codebook gemv, M <= 4; "

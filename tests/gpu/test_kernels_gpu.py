@@ -268,7 +268,12 @@ def test_scaled_mm_route_real_size(monkeypatch):
     monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "torch_scaled_mm")
     w = make_weight("fp8_channel", 4096, 2048, seed=11, device=DEV)
     bias = torch.randn(4096, device=DEV)
+    from lowbit.kernels.fp8_gemm import scaled_mm_w8a8
+    from lowbit.kernels.weights import resolve
+
     for m in (1, 5, 16, 33):
         x = torch.randn(m, 2048, device=DEV, dtype=torch.bfloat16)
         y = linear(x, w, bias)
         assert rel_err(y, reference_w8a8(x, w, bias)) < 1e-2, m
+        # the row-wise mode: the same product, the scales applied inside the GEMM
+        assert rel_err(scaled_mm_w8a8(x, resolve(w), bias, mode="rowwise"), y) < 1e-2

@@ -47,6 +47,23 @@ def test_scaled_mm_route_matches_twin(monkeypatch):
         assert rel_err(y, reference_w8a8(x, w, bias)) < 1e-2, m
 
 
+@pytest.mark.parametrize("m", [1, 7, 16, 21])
+def test_scaled_mm_modes_round_once_to_the_twin(m):
+    """Tensor-wise mode (float32 product + the scale epilogue) and row-wise mode give the
+    twin's product; the epilogue rounds once, so it is the twin's float32 result rounded to
+    bf16 up to float32 summation order."""
+    from lowbit.kernels.fp8_gemm import scaled_mm_w8a8
+    from lowbit.kernels.weights import resolve
+
+    w = resolve(random_fp8_view(48, 160, layout="channel", seed=m))
+    x, bias = torch.randn(m, 160).bfloat16(), torch.randn(48)
+    want = reference_w8a8(x, w, bias)
+    tw = scaled_mm_w8a8(x, w, bias)
+    assert tw.shape == (m, 48) and torch.isfinite(tw).all()
+    assert rel_err(tw, want) < 5e-3
+    assert rel_err(scaled_mm_w8a8(x, w, bias, mode="rowwise"), want) < 1e-2
+
+
 def test_scaled_mm_refusals():
     from lowbit.kernels.fp8_gemm import scaled_mm_refusal
     from lowbit.kernels.weights import resolve
