@@ -24,7 +24,7 @@ request that finished at step N, or was aborted, had step N+1 computed for it: t
 is dropped unread, so the request ends with what the synchronous engine would have sent.
 A step runs synchronously (the one in flight read back first, itself read back at once)
 when overlapping it is not safe: the reason is `async_off` for the whole engine
-(speculative decoding, the expert cache, parallel workers, the flag) or counted per step in
+(speculative decoding, --record-routing, parallel workers, the flag) or counted per step in
 `sync_steps` (prompt log-probabilities, computed on the host as the step runs).
 """
 
@@ -159,8 +159,8 @@ class LLMEngine:
             return "--no-async-scheduling"
         if self.spec is not None:
             return "speculative decoding (drafts are planned from the host's tokens)"
-        if self.expert_cache is not None:
-            return "the expert cache reads each step's routing on the host (--expert-offload, --record-routing)"
+        if self.expert_cache is not None and self.expert_cache.recorder is not None:
+            return "--record-routing writes each step's routing from the host"
         if self.config.parallel:
             return "parallel workers get each forward's inputs through the host"
         return None

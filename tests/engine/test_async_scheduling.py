@@ -191,7 +191,7 @@ def test_prompt_logprobs_steps_run_synchronously(make_engine):
 
 @pytest.mark.parametrize("flags, why", [
     (dict(speculative_method="ngram"), "speculative decoding"),
-    (dict(expert_offload=True, expert_cache_slots=2), "the expert cache"),
+    (dict(record_routing="/dev/null"), "--record-routing"),
     (dict(async_scheduling=False), "--no-async-scheduling"),
 ])
 def test_engines_that_cannot_overlap_say_why(make_engine, flags, why):
@@ -200,6 +200,20 @@ def test_engines_that_cannot_overlap_say_why(make_engine, flags, why):
     out = run_all_one(engine, [40, 41, 42], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(tokens_of(out)) == 4
     assert engine.num_overlapped_steps == 0 and set(engine.sync_steps) == {engine.async_off}
+
+
+def test_an_offloaded_engine_overlaps_its_steps_with_the_same_tokens(make_engine):
+    """Expert offload: eager steps read their routing on the host, which only waits for the
+    step in flight; decode steps overlap, and the tokens are the synchronous engine's."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = {}
+    for overlap in (True, False):
+        engine = make_engine(expert_offload=True, expert_cache_slots=2, async_scheduling=overlap)
+        out[overlap] = tokens_of(run_all_one(engine, [40, 41, 42], sp))
+        assert (engine.async_off is None) == overlap
+        assert (engine.num_overlapped_steps > 0) == overlap
+        assert engine.expert_cache.totals()["misses"] > 0
+    assert out[True] == out[False] and len(out[True]) == 8
 
 
 def test_pending_tokens_are_filled_in_on_the_device():

@@ -361,7 +361,7 @@ def test_replays_stand_or_rerun_exactly_when_an_eager_step_hits_or_misses(slots,
     Three sequences pad to the bucket of 4: the padding row's experts are neither counted
     nor fetched, in the replay or in its rerun."""
     kw = dict(device="cpu", kv_cache_tokens=256, expert_offload=True, expert_cache_slots=slots,
-              expert_prefetch=False)
+              expert_prefetch=False, async_scheduling=False)  # step for step: each step read at once
     eager_tokens, eager = _steps(LLM("demo", **kw), prompts)
     llm = LLM("demo", **kw)
     _stand_in(llm)

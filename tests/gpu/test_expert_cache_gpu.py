@@ -135,7 +135,8 @@ def test_graph_replays_and_reruns_equal_eager_steps(batch, slots):
     copies its misses inside the replay, which always stands; in a larger one a decode
     step's replay stands exactly when its eager twin hit in every layer, and is rerun
     eagerly exactly when it missed."""
-    kw = dict(expert_offload=True, expert_cache_slots=slots, expert_prefetch=False)
+    kw = dict(expert_offload=True, expert_cache_slots=slots, expert_prefetch=False,
+              async_scheduling=False)  # step for step: each step read at once
     eager_tokens, eager = _steps(_engine(enforce_eager=True, **kw), PROMPTS[:batch])
     engine = _engine(**kw)
     graph_tokens, graph = _steps(engine, PROMPTS[:batch])
