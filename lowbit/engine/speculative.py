@@ -16,6 +16,12 @@ A step with speculation, in the engine's three stages:
    back their blocks; they were never full of computed tokens, so never in the prefix
    cache). `follow` then runs the MTP layer over the positions this step made real.
 
+Synthetic acceptance (`lowbit bench latency --spec-synthetic-accept P`, never on otherwise):
+`plan` pads every request's drafts to k with its last token, so each verify step carries
+k + 1 tokens even where prompt lookup finds nothing (random weights), and `verify` draws
+the verdicts on the device from a seeded generator: draft j is kept with probability P
+given drafts 0..j-1 were. The step does all its real work; the text is not the model's.
+
 Draft KV: a draft model has a pool of its own with the target's block tables (same block
 ids), and tracks per request how many positions it holds. The MTP layer is cache layer
 num_layers of the target's pool. Neither can change what is emitted: drafts are proposals.
@@ -23,6 +29,7 @@ num_layers of the target's pool. Neither can change what is emitted: drafts are 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +40,10 @@ from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
 from lowbit.engine.request import Request
 from lowbit.errors import LowbitError
 
+log = logging.getLogger("lowbit")
+
 NGRAM_MAX, NGRAM_MIN = 3, 1  # suffix lengths prompt lookup tries, longest first
+SYNTHETIC_SEED = 0  # the forced acceptance's generator (bench only)
 
 
 @dataclass
@@ -307,11 +317,16 @@ class MTPDrafter:
 class SpecDecoder:
     """The engine's speculative decoding: one drafter, k draft tokens, the acceptance rule."""
 
-    def __init__(self, method: str, k: int, drafter, max_model_len: int) -> None:
+    def __init__(self, method: str, k: int, drafter, max_model_len: int,
+                 synthetic_accept: float | None = None, device: torch.device | str = "cpu") -> None:
         self.method, self.k, self.drafter = method, k, drafter
         self.max_model_len = max_model_len
         self.stats = SpecStats()
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] of sampled drafts
+        self.synthetic_accept = synthetic_accept  # bench only: forced acceptance (lowbit.engine.acceptance)
+        self.synthetic_draws = None
+        if synthetic_accept is not None:
+            self.synthetic_draws = torch.Generator(device=device).manual_seed(SYNTHETIC_SEED)
 
     @property
     def needs_hidden(self) -> bool:
@@ -324,6 +339,8 @@ class SpecDecoder:
             decoding = req.num_computed_tokens == req.num_tokens - 1 and req.num_output_tokens > 0
             ok = decoding and k > 0 and self.drafter.available(req)
             req.draft_token_ids = self.drafter.plan(req, k) if ok else []
+            if ok and self.synthetic_accept is not None:  # every verify step carries k drafts
+                req.draft_token_ids += [(req.draft_token_ids or req.token_ids)[-1]] * (k - len(req.draft_token_ids))
 
     def propose(self, scheduled: list[tuple[Request, int]], sampling, rows: torch.Tensor, mode) -> None:
         """Cut drafts to the scheduled windows and let a model drafter fill them (step 2)."""
@@ -349,8 +366,11 @@ class SpecDecoder:
                               dtype=torch.long).view(len(picks), K).to(dev)
         q, sampled = self._draft_probs(scheduled, picks, K, logits.shape[-1], dev)
         sel = torch.as_tensor(picks, device=dev)
+        forced = None
+        if self.synthetic_draws is not None:
+            forced = torch.rand(len(picks), K, device=dev, generator=self.synthetic_draws) < self.synthetic_accept
         tokens, n = accept(logits, drafts, torch.as_tensor(ks, device=dev), sampling, rows[sel], steps[sel],
-                           mode, q, sampled)
+                           mode, q, sampled, forced)
         host = torch.cat((n[:, None], tokens), 1).cpu().tolist()  # the step's one wait
         emitted = [row[1:row[0] + 2] for row in host]
         for k, row in zip(ks, host):
@@ -405,4 +425,9 @@ def make_spec_decoder(config, model: torch.nn.Module, kv_cache: PagedKVCache, de
                               "same tokenizer")
         draft.prepare_for_serving()
         drafter = ModelDrafter(draft, kv_cache, device)
-    return SpecDecoder(method, config.num_draft_tokens, drafter, config.max_model_len)
+    if config.speculative_synthetic_accept is not None:
+        log.warning("synthetic acceptance: each draft is accepted with probability %g whatever the model "
+                    "says; the emitted tokens are not the model's output (a benchmark of verify cost only)",
+                    config.speculative_synthetic_accept)
+    return SpecDecoder(method, config.num_draft_tokens, drafter, config.max_model_len,
+                       config.speculative_synthetic_accept, device)
