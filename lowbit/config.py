@@ -63,6 +63,9 @@ class EngineConfig:
         choices=list(SPECULATIVE_METHODS))
     num_speculative_tokens: int | None = _opt(None, "draft tokens per step (default 3 with a method)")
     speculative_model: str | None = _opt(None, "draft model (same tokenizer) for --speculative-method draft")
+    speculative_adaptive: bool = _opt(False, "choose k per batch size as it serves, at most "
+                                             "--num-speculative-tokens, 0 when drafting does not pay, from "
+                                             "measured step times and accept rates (the cost model)")
     # bench only (`lowbit bench latency --spec-synthetic-accept P`), never a flag of generate or serve
     speculative_synthetic_accept: float | None = _opt(
         None, "accept each draft with probability P, whatever the target says (emitted text is not the "
@@ -147,9 +150,10 @@ class EngineConfig:
     def _validate_speculative(self) -> None:
         method, k = self.speculative_method, self.num_speculative_tokens
         if method is None:
-            if k is not None or self.speculative_model is not None or self.speculative_synthetic_accept is not None:
-                raise LowbitError("--num-speculative-tokens, --speculative-model and --spec-synthetic-accept "
-                                  "need --speculative-method (ngram, draft or mtp)")
+            if (k is not None or self.speculative_model is not None or self.speculative_adaptive
+                    or self.speculative_synthetic_accept is not None):
+                raise LowbitError("--num-speculative-tokens, --speculative-model, --speculative-adaptive and "
+                                  "--spec-synthetic-accept need --speculative-method (ngram, draft or mtp)")
             return
         if method not in SPECULATIVE_METHODS:
             raise LowbitError(f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")

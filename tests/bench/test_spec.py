@@ -57,3 +57,18 @@ def test_latency_spec_synthetic_acceptance(tiny_moe_dir, tmp_path, capsys):
 def test_synthetic_acceptance_needs_spec(capsys):
     assert main(["bench", "latency", "demo", "--spec-synthetic-accept", "0.7", "-n", "8"]) != 0
     assert "add --spec METHOD" in capsys.readouterr().err
+
+
+def test_latency_spec_adaptive_records_the_engines_choices(tiny_moe_dir, tmp_path, capsys):
+    rc = main(["bench", "latency", str(tiny_moe_dir), "--spec", "ngram", "--speculative-adaptive",
+               "--spec-synthetic-accept", "1", "--num-speculative-tokens", "2", "-n", "32", "-r", "2",
+               "--records", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    (path,) = tmp_path.glob("*latency_spec*.json")
+    rec = json.loads(path.read_text())
+    assert rec["adaptive"] is True and rec["adaptive_steps"] > 0
+    assert rec["k_history"] and all(h["batch_bucket"] == 1 and 0 <= h["k"] <= 2 for h in rec["k_history"])
+    assert rec["k_now"] == {"1": rec["k_history"][-1]["k"]} == rec["cells"][0]["k_now"]
+    assert table_rows(rec)[0][2] == f"auto <= 2, now B1:{rec['k_now']['1']}"
+    assert "k chosen by the engine (--speculative-adaptive" in out

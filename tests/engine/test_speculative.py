@@ -19,7 +19,7 @@ from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.block_manager import BlockManager
 from lowbit.engine.kv_cache import ContiguousKVCache
 from lowbit.engine.request import Request
-from lowbit.engine.speculative import SpecStats, choose_draft_length, expected_rates, ngram_lookup
+from lowbit.engine.speculative import SpecStats, ngram_lookup
 from lowbit.errors import LowbitError
 from lowbit.server.metrics import render
 from tests.engine.helpers import run_all, tokens_of
@@ -108,15 +108,6 @@ def test_ngram_lookup():
     assert ngram_lookup([1, 2, 3], 3) == []
 
 
-def test_cost_model_picks_the_most_tokens_per_second():
-    verify = {1: 1.0, 2: 1.0, 4: 1.2, 8: 2.0}  # seconds per verify step of T tokens
-    rates = expected_rates([0.8, 0.6, 0.4], verify, 0.0)
-    assert rates[0] == 1.0 and rates[1] == pytest.approx(1.8) and rates[3] == pytest.approx(2.8 / 1.2)
-    assert choose_draft_length([0.8, 0.6, 0.4], verify, 0.0) == 3
-    assert choose_draft_length([0.8, 0.6, 0.4], verify, 0.5) == 1  # a costly draft: fewer
-    assert choose_draft_length([0.05, 0.0], verify, 0.2) == 0  # not worth it at all
-
-
 def test_trim_gives_back_draft_blocks_first_in_line():
     bm = BlockManager(8, 4)
     req = Request("r", list(range(6)), SamplingParams(), 8)
@@ -141,7 +132,7 @@ def test_spec_stats():
     (dict(num_speculative_tokens=2), "need"), (dict(speculative_method="draft"), "speculative-model"),
     (dict(speculative_method="ngram", num_speculative_tokens=0), "1..16"),
     (dict(speculative_method="ngram", speculative_model="x"), "speculative-model"),
-    (dict(speculative_synthetic_accept=0.5), "need"),
+    (dict(speculative_synthetic_accept=0.5), "need"), (dict(speculative_adaptive=True), "need"),
     (dict(speculative_method="ngram", speculative_synthetic_accept=1.5), r"\[0, 1\]")])
 def test_flags_are_checked(bad, match):
     with pytest.raises(LowbitError, match=match):
@@ -204,6 +195,20 @@ def test_demo_greedy_is_the_same_with_speculation(demo, method, draft_4096):
         assert stats.num_accepted == stats.num_drafts
     else:
         assert 0 <= stats.num_accepted < stats.num_drafts
+    assert_idle(llm)
+
+
+@needs_demo
+def test_demo_greedy_is_the_same_with_adaptive_k(demo):
+    """--speculative-adaptive on the wall-clock: steps with 0 to 3 drafts mix (warm-up takes
+    each in turn, then the engine's choice and its exploration), and greedy output is still
+    the output without speculation."""
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm = spec_llm(demo, "ngram", speculative_adaptive=True)
+    assert outputs(llm, PROMPTS, sp) == plain_outputs(demo, PROMPTS, sp)
+    adapt = llm.engine.spec.adapt
+    assert adapt.history and set(adapt.current()) == {4}  # 3 sequences: the bucket of 4
+    assert set(adapt.buckets[4].verify) == {1, 2, 3, 4}
     assert_idle(llm)
 
 
