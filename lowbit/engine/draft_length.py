@@ -12,14 +12,17 @@ It learns from decode steps (every scheduled sequence decoding, none left out), 
 the k the step asked for, whatever the drafter gave (prompt lookup often finds fewer):
 - t_v(k + 1): the step's wall-clock, from planning its drafts to the engine's reading its
   tokens, less its drafting; speculative steps run synchronously, so nothing of the step is
-  left on the device then. The median of the last WINDOW steps.
+  left on the device then. The median of the last WINDOW steps. At k = 0 nothing is taken
+  off: a model drafter still catches its KV up with the new tokens, part of what not
+  drafting costs with it.
 - t_d: a model drafter's wall-clock per draft position (the host reads its last draft, so
   its work is done when `propose` returns); 0 for ngram.
 - a_j: per sequence asked for more than j drafts, the share whose drafts 0..j were all
   accepted (a draft not proposed counts as not accepted), decayed by DECAY every
   DECIDE_EVERY steps so that a change of workload shows.
-Warm-up: a bucket's steps take k = 0, 1, ..., k_max in turn until every T has MIN_SAMPLES;
-then its k is chosen, again every DECIDE_EVERY of its steps, and one step in EXPLORE_EVERY
+Warm-up: a bucket's steps take k = 0, 1, ..., k_max in turn until every T has MIN_SAMPLES
+and MIN_PROPOSED sequences were asked for k_max drafts (a_j from a handful of sequences
+would decide on noise); then its k is chosen, again every DECIDE_EVERY of its steps, and one step in EXPLORE_EVERY
 takes each other k in turn, so every T and every draft position keeps being measured.
 """
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 
 WINDOW = 16  # step times kept per (bucket, T)
 MIN_SAMPLES = 3  # per T (and of draft time), before a bucket's first choice
+MIN_PROPOSED = 16  # sequences asked for k_max drafts, before any first choice
 EXPLORE_EVERY = 8  # one step in this many runs another k
 DECIDE_EVERY = 32  # steps of a bucket between choices
 DECAY = 0.9  # acceptance counts kept at each decay
@@ -113,7 +117,7 @@ class DraftLength:
         """A step of `num_seqs` decoding sequences that asked each for k drafts: its wall-clock,
         the part of it spent drafting, and per sequence (drafts it had room for, drafts accepted)."""
         b = self.buckets.setdefault(batch_bucket(num_seqs), Bucket(self.k_max))
-        b.verify.setdefault(k + 1, deque(maxlen=WINDOW)).append(step_s - draft_s)
+        b.verify.setdefault(k + 1, deque(maxlen=WINDOW)).append(step_s - draft_s if k else step_s)
         if k and self.drafting_costs:
             b.draft.append(draft_s / k)
         for room, accepted in outcomes:
@@ -136,7 +140,8 @@ class DraftLength:
 
     def _ready(self, b: Bucket) -> bool:
         counts = [len(b.verify.get(t, ())) for t in range(1, self.k_max + 2)]
-        return min(counts) >= MIN_SAMPLES and (not self.drafting_costs or len(b.draft) >= MIN_SAMPLES)
+        return (min(counts) >= MIN_SAMPLES and self.proposed_at[-1] >= MIN_PROPOSED
+                and (not self.drafting_costs or len(b.draft) >= MIN_SAMPLES))
 
     def _choose(self, size: int, b: Bucket) -> None:
         k = choose_draft_length(*self.inputs(b))

@@ -62,12 +62,34 @@ def test_converges_to_the_cost_models_choice_per_batch_bucket(p, draft_s):
         assert dl.current() == {1: 3, 64: 1}  # the two buckets differ
 
 
+def test_a_drafters_catch_up_counts_against_k_0():
+    """A draft as costly as the target, always right (the model drafting for itself): k drafts
+    take k draft forwards (a catch-up over the new tokens, then k - 1 chained), and k = 0
+    still takes the catch-up, timed as drafting. Taking it off t_v(1) would make k = 0 look
+    twice as fast as it is and win; kept in, every k >= 1 beats it."""
+    dl = DraftLength(3, drafting_costs=True)
+    for _ in range(200):
+        k = dl.k_for(1)
+        draft_s = max(k, 1) * 1.0
+        dl.record_step(1, k, 1.0 + 0.05 * k + draft_s, draft_s, [(k, k)])
+    assert dl.current()[1] >= 1
+    assert dl.inputs(dl.buckets[1])[1][1] == pytest.approx(2.0)
+
+
 def test_warm_up_measures_every_draft_count_first():
+    """8 sequences: 12 steps give every T 3 samples and 24 sequences asked for 3 drafts, so the
+    13th step chooses. One sequence: 3 samples of each T are not enough acceptance yet."""
+    flat = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}
     dl = DraftLength(3, drafting_costs=False)
-    ks = simulate(dl, 0.9, {1: {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}}, 0.0, 12)
+    ks = simulate(dl, 0.9, {8: flat}, 0.0, 12)
     assert sorted(ks) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3] and dl.current() == {}
-    dl.k_for(1)
-    assert dl.current() == {1: 3} and dl.history == [{"step": 13, "batch_bucket": 1, "k": 3}]
+    dl.k_for(8)
+    assert dl.current() == {8: 3} and dl.history == [{"step": 13, "batch_bucket": 8, "k": 3}]
+    dl = DraftLength(3, drafting_costs=False)
+    simulate(dl, 0.9, {1: flat}, 0.0, 13)
+    assert dl.current() == {}
+    simulate(dl, 0.9, {1: flat}, 0.0, 64)
+    assert dl.current() == {1: 3}
 
 
 class Clock:
