@@ -192,7 +192,8 @@ def table_rows(rec: dict) -> list[list[str]]:
         same = {True: "yes", False: "NO", None: "not compared"}[c["same_tokens"]]
         k = rec["num_speculative_tokens"]
         if rec.get("adaptive"):
-            k = f"auto <= {k}, now " + " ".join(f"B{b}:{v}" for b, v in c["k_now"].items())
+            now = " ".join(f"B{b}:{v}" for b, v in c["k_now"].items()) or "warming up"
+            k = f"auto <= {k}, now {now}"
         rows.append([model, method, k, c["test"],
                      f"{c['tok_s_plain'][0]:.2f} ± {c['tok_s_plain'][1]:.2f}",
                      f"{c['tok_s_spec'][0]:.2f} ± {c['tok_s_spec'][1]:.2f}", f"{c['speedup']:.2f}x",

@@ -61,7 +61,7 @@ def test_synthetic_acceptance_needs_spec(capsys):
 
 def test_latency_spec_adaptive_records_the_engines_choices(tiny_moe_dir, tmp_path, capsys):
     rc = main(["bench", "latency", str(tiny_moe_dir), "--spec", "ngram", "--speculative-adaptive",
-               "--spec-synthetic-accept", "1", "--num-speculative-tokens", "2", "-n", "32", "-r", "2",
+               "--spec-synthetic-accept", "1", "--num-speculative-tokens", "2", "-n", "64", "-r", "2",
                "--records", str(tmp_path)])
     out, err = capsys.readouterr()
     assert rc == 0, err
