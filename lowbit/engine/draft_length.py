@@ -22,8 +22,9 @@ the k the step asked for, whatever the drafter gave (prompt lookup often finds f
   DECIDE_EVERY steps so that a change of workload shows.
 Warm-up: a bucket's steps take k = 0, 1, ..., k_max in turn until every T has MIN_SAMPLES
 and MIN_PROPOSED sequences were asked for k_max drafts (a_j from a handful of sequences
-would decide on noise); then its k is chosen, again every DECIDE_EVERY of its steps, and one step in EXPLORE_EVERY
-takes each other k in turn, so every T and every draft position keeps being measured.
+would decide on noise); then its k is chosen, again every DECIDE_EVERY of its steps, and
+one step in EXPLORE_EVERY takes each other k in turn, so every T and every draft position
+keeps being measured.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 WINDOW = 16  # step times kept per (bucket, T)
 MIN_SAMPLES = 3  # per T (and of draft time), before a bucket's first choice
-MIN_PROPOSED = 16  # sequences asked for k_max drafts, before any first choice
+MIN_PROPOSED = 16  # sequences asked for k_max drafts (all buckets), before a bucket's first choice
 EXPLORE_EVERY = 8  # one step in this many runs another k
 DECIDE_EVERY = 32  # steps of a bucket between choices
 DECAY = 0.9  # acceptance counts kept at each decay
