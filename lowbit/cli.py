@@ -78,7 +78,8 @@ def generate(args: argparse.Namespace) -> int:
     spec = llm.engine.spec
     if spec is not None:
         st = spec.stats
-        print(f"[speculative {spec.method} k={spec.k}: accepted length {st.mean_accepted_length:.2f}, accept rate "
+        k = spec.k if spec.adapt is None else f"auto<={spec.k} {spec.adapt.current() or '(warming up)'}"
+        print(f"[speculative {spec.method} k={k}: accepted length {st.mean_accepted_length:.2f}, accept rate "
               f"per position {' '.join(f'{a:.2f}' for a in st.accept_rate_per_position) or '-'}]", file=sys.stderr)
     return 0
 

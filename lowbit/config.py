@@ -63,6 +63,13 @@ class EngineConfig:
         choices=list(SPECULATIVE_METHODS))
     num_speculative_tokens: int | None = _opt(None, "draft tokens per step (default 3 with a method)")
     speculative_model: str | None = _opt(None, "draft model (same tokenizer) for --speculative-method draft")
+    speculative_adaptive: bool = _opt(False, "choose k per batch size as it serves, at most "
+                                             "--num-speculative-tokens, 0 when drafting does not pay, from "
+                                             "measured step times and accept rates (the cost model)")
+    # bench only (`lowbit bench latency --spec-synthetic-accept P`), never a flag of generate or serve
+    speculative_synthetic_accept: float | None = _opt(
+        None, "accept each draft with probability P, whatever the target says (emitted text is not the "
+              "model's)", cli=False)
     # expert offload (docs/SERVING.md, Expert offload)
     expert_offload: bool = _opt(False, "keep MoE experts in host memory and a cache of them on the device")
     expert_cache_slots: int | None = _opt(None, "with --expert-offload: device slots per MoE layer (default: "
@@ -90,7 +97,7 @@ class EngineConfig:
     def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",),
                      server: bool = False) -> None:
         for f in dataclasses.fields(cls):
-            if f.name in skip or (f.metadata.get("server") and not server):
+            if f.name in skip or (f.metadata.get("server") and not server) or not f.metadata.get("cli", True):
                 continue
             flag = "--" + f.name.replace("_", "-")
             help_ = f.metadata.get("help")
@@ -143,9 +150,10 @@ class EngineConfig:
     def _validate_speculative(self) -> None:
         method, k = self.speculative_method, self.num_speculative_tokens
         if method is None:
-            if k is not None or self.speculative_model is not None:
-                raise LowbitError("--num-speculative-tokens and --speculative-model need "
-                                  "--speculative-method (ngram, draft or mtp)")
+            if (k is not None or self.speculative_model is not None or self.speculative_adaptive
+                    or self.speculative_synthetic_accept is not None):
+                raise LowbitError("--num-speculative-tokens, --speculative-model, --speculative-adaptive and "
+                                  "--spec-synthetic-accept need --speculative-method (ngram, draft or mtp)")
             return
         if method not in SPECULATIVE_METHODS:
             raise LowbitError(f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
@@ -153,6 +161,9 @@ class EngineConfig:
             raise LowbitError(f"--num-speculative-tokens must be in 1..{MAX_NUM_SPECULATIVE_TOKENS}, got {k}")
         if (method == "draft") != (self.speculative_model is not None):
             raise LowbitError("--speculative-method draft takes --speculative-model DIR (and only it does)")
+        p = self.speculative_synthetic_accept
+        if p is not None and not (isinstance(p, (int, float)) and 0 <= p <= 1):
+            raise LowbitError(f"--spec-synthetic-accept must be a probability in [0, 1], got {p}")
 
     @property
     def num_draft_tokens(self) -> int:

@@ -56,6 +56,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
     cfg = EngineConfig.from_cli(args)
     if args.spec or cfg.speculative_method:
         return cmd_latency_spec(args, cfg)
+    if args.spec_synthetic_accept is not None:
+        raise LowbitError("--spec-synthetic-accept forces the acceptance of speculative decoding; add --spec METHOD")
     depths = args.depth if args.depth is not None else [0, 32768]
     rec = latency.measure(cfg, args.prompt, args.gen, depths, args.repeats, fit_depths=args.depth is None,
                           batches=tuple(args.batch))
@@ -70,7 +72,12 @@ def cmd_latency(args: argparse.Namespace) -> int:
 def cmd_latency_spec(args: argparse.Namespace, cfg: EngineConfig) -> int:
     """tg cells with and without speculative decoding (lowbit.bench.spec)."""
     cfg.speculative_method = args.spec or cfg.speculative_method
+    cfg.speculative_synthetic_accept = args.spec_synthetic_accept
     cfg.validate()
+    if cfg.speculative_synthetic_accept is not None:
+        print(f"warning: synthetic acceptance {cfg.speculative_synthetic_accept:g}: drafts are accepted at "
+              "random whatever the model says, so the speculative arm's tokens are not the model's output "
+              "and are not compared; only its speed means something", file=sys.stderr)
     rec = spec.measure(cfg, args.gen, args.repeats)
     rec["env"] = environment(rec["device"])
     md = spec.summary_md(rec)
@@ -175,6 +182,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec", choices=("ngram", "draft", "mtp"), default=None,
                    help="tg cells with this speculative method against the same run without it "
                         "(with --num-speculative-tokens, --speculative-model)")
+    p.add_argument("--spec-synthetic-accept", type=float, default=None, metavar="P",
+                   help="with --spec: SYNTHETIC, accept each draft with probability P (given the ones "
+                        "before it were), whatever the model says, every step carrying k drafts; for "
+                        "random weights, whose real acceptance means nothing; tokens are not compared")
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
     _record_args(p)
     p.set_defaults(func=cmd_latency)

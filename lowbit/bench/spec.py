@@ -9,6 +9,14 @@ the speedup (ratio of means), the mean accepted length (tokens per verify step: 
 drafts + 1), the accept rate per draft position, and whether the greedy tokens were the
 same (speculation is lossless; a difference is a bug, or a near-tie broken differently by
 the verify step's batch shape).
+Synthetic (--spec-synthetic-accept P): each draft is accepted with probability P given the
+ones before it were, whatever the model says, and every verify step carries k drafts
+(lowbit.engine.speculative): the speedup is what verify steps cost at that acceptance, for
+random-weight shapes where real acceptance means nothing. The record says `synthetic`,
+the rate and the expected accepted length 1 + P + ... + P^k; tokens are not compared.
+With --speculative-adaptive the speculative arm's engine chooses k itself (at most
+--num-speculative-tokens; lowbit.engine.draft_length) over the whole run, warm-up included:
+the record keeps its choices (`k_history`) and the k of each batch bucket after each cell.
 Verify cost (the cost model's input): the target's forward and logits over T = 1, 2, 4, 8
 new tokens of one sequence after the prompt, eagerly, median of the repeats, and its ratio
 to T = 1 (a plain decode step).
@@ -29,7 +37,8 @@ from lowbit.bench.record import md_table
 from lowbit.bench.stats import mean_sd
 from lowbit.config import EngineConfig
 from lowbit.distributed import engine_model
-from lowbit.engine.speculative import SpecStats, choose_draft_length, expected_rates, flat_batch
+from lowbit.engine.draft_length import choose_draft_length, expected_rates
+from lowbit.engine.speculative import SpecStats, flat_batch
 
 VERIFY_TOKENS = (1, 2, 4, 8)  # T of the verify-cost cells (B = 1): T - 1 drafts
 
@@ -61,7 +70,8 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
     if not (cfg.kv_cache_tokens or cfg.num_gpu_blocks_override):
         cfg = dataclasses.replace(cfg, kv_cache_tokens=4096 + 2 * max(gen))
     plain_cfg = dataclasses.replace(cfg, speculative_method=None, num_speculative_tokens=None,
-                                    speculative_model=None)
+                                    speculative_model=None, speculative_synthetic_accept=None,
+                                    speculative_adaptive=False)
     t0 = time.perf_counter()
     progress(f"loading {cfg.config if cfg.random_weights else cfg.model} ...")
     plain = LLM(**plain_cfg.llm_kwargs(), loaded=engine_model(plain_cfg))
@@ -71,6 +81,7 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
     prompt = _prompt(plain, text, max(max(gen) + 2 + cfg.num_draft_tokens, max(VERIFY_TOKENS) + 2))
     for llm in (plain, spec):  # warm-up: first calls allocate, compile, capture graphs
         _decode(llm, prompt, 4)
+    synthetic = cfg.speculative_synthetic_accept
     cells = []
     for n in gen:
         spec.engine.spec.stats = SpecStats()
@@ -83,7 +94,9 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
             times["spec"].append(t_spec)
             same &= got == want
             progress(f"tg{n} repeat {r + 1}/{repeats}: {n / t_plain:.1f} tok/s plain, {n / t_spec:.1f} spec")
-        cells.append(_cell(n, times, same, spec.engine.spec.stats))
+        cells.append(_cell(n, times, same if synthetic is None else None, spec.engine.spec.stats))
+        if spec.engine.spec.adapt is not None:
+            cells[-1]["k_now"] = spec.engine.spec.adapt.current()
     verify = verify_costs(plain, prompt, repeats)
     for c in cells:
         c["cost_model"] = cost_model(c, verify, cfg.speculative_method)
@@ -93,7 +106,27 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
             "speculative_model": cfg.speculative_model, "prompt_tokens": len(prompt),
             "repeats": repeats, "graphs": graph_status(plain.engine),
             "verify_graph_steps": spec.engine.runner.spec_graph_steps,
-            "prefill_graphs": prefill_graph_status(spec.engine), "cells": cells}
+            "prefill_graphs": prefill_graph_status(spec.engine), "cells": cells, **_synthetic(synthetic, cfg),
+            "adaptive": cfg.speculative_adaptive, **_k_history(spec)}
+
+
+def _k_history(spec: LLM) -> dict:
+    adapt = spec.engine.spec.adapt
+    if adapt is None:
+        return {}
+    return {"k_history": adapt.history, "k_now": adapt.current(), "adaptive_steps": adapt.num_steps}
+
+
+def _synthetic(p: float | None, cfg: EngineConfig) -> dict:
+    if p is None:
+        return {"synthetic": False, "outputs_compared": True}
+    k = cfg.num_draft_tokens
+    return {"synthetic": True, "outputs_compared": False, "synthetic_accept_rate": p,
+            "synthetic_expected_accepted_length": 1 + sum(p ** j for j in range(1, k + 1)),
+            "synthetic_note": "SYNTHETIC: drafts accepted with probability P each (given the ones before), "
+                              "whatever the model says; the emitted tokens are not the model's and are not "
+                              "compared" + ("; random weights, whose real acceptance would mean nothing"
+                                            if cfg.random_weights else "")}
 
 
 @torch.inference_mode()
@@ -140,7 +173,7 @@ def cost_model(cell: dict, verify: list[dict], method: str) -> dict:
 def _cell(n: int, times: dict[str, list[float]], same: bool, stats: SpecStats) -> dict:
     rates = {arm: mean_sd([n / t for t in ts]) for arm, ts in times.items()}
     return {"test": f"tg{n}", "n": n, "tok_s_plain": rates["plain"], "tok_s_spec": rates["spec"],
-            "speedup": rates["spec"][0] / rates["plain"][0], "same_tokens": same,
+            "speedup": rates["spec"][0] / rates["plain"][0], "same_tokens": same,  # None: not compared
             "samples_s": times, **stats.as_dict()}
 
 
@@ -150,13 +183,21 @@ HEADERS = ["model", "method", "k", "test", "plain t/s", "spec t/s", "speedup", "
 
 def table_rows(rec: dict) -> list[list[str]]:
     model = str(rec["model"]).rstrip("/").split("/")[-1].removesuffix(".json")
+    method = rec["method"]
+    if rec.get("synthetic"):
+        method += f" (SYNTHETIC accept {rec['synthetic_accept_rate']:g})"
     rows = []
     for c in rec["cells"]:
         per_pos = " ".join(f"{a:.2f}" for a in c["accept_rate_per_position"])
-        rows.append([model, rec["method"], rec["num_speculative_tokens"], c["test"],
+        same = {True: "yes", False: "NO", None: "not compared"}[c["same_tokens"]]
+        k = rec["num_speculative_tokens"]
+        if rec.get("adaptive"):
+            now = " ".join(f"B{b}:{v}" for b, v in c["k_now"].items()) or "warming up"
+            k = f"auto <= {k}, now {now}"
+        rows.append([model, method, k, c["test"],
                      f"{c['tok_s_plain'][0]:.2f} ± {c['tok_s_plain'][1]:.2f}",
                      f"{c['tok_s_spec'][0]:.2f} ± {c['tok_s_spec'][1]:.2f}", f"{c['speedup']:.2f}x",
-                     f"{c['mean_accepted_length']:.2f}", per_pos or "-", "yes" if c["same_tokens"] else "NO"])
+                     f"{c['mean_accepted_length']:.2f}", per_pos or "-", same])
     return rows
 
 
@@ -166,8 +207,15 @@ def summary_md(rec: dict) -> str:
     verify = md_table(["T (verify tokens, B = 1)", "ms", "x decode step"],
                       [[r["T"], f"{1e3 * r['s']:.2f}", f"{r['ratio']:.2f}"] for r in rec.get("verify", [])])
     picks = "; ".join(f"{c['test']}: k = {c['cost_model']['k']}" for c in rec["cells"] if "cost_model" in c)
-    foot += f"  \ncost model's choice from these measurements (not applied by the engine yet): {picks}"
+    foot += f"  \ncost model's choice from the bench's measurements: {picks}"
+    if rec.get("adaptive"):
+        changes = ", ".join(f"step {h['step']} B{h['batch_bucket']}: k = {h['k']}" for h in rec["k_history"])
+        foot += (f"  \nk chosen by the engine (--speculative-adaptive, from its own step times, "
+                 f"{rec['adaptive_steps']} steps): {changes or 'still warming up'}")
     if "verify_graph_steps" in rec:
         foot += (f"  \nverify steps replayed from prefill graphs (mode hidden): {rec['verify_graph_steps']}; "
                  f"{rec['prefill_graphs']}; the verify table times the target's forward eagerly")
+    if rec.get("synthetic"):
+        foot = (f"{rec['synthetic_note']}; expected accepted length "
+                f"{rec['synthetic_expected_accepted_length']:.2f}  \n" + foot)
     return md_table(HEADERS, table_rows(rec)) + "\n\n" + verify + "\n\n" + foot

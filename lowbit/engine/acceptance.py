@@ -31,6 +31,11 @@ draw as without speculation; still the same tokens on every run and in any batch
 
 No host read and fixed shapes for fixed B, K: a verify step can be captured in a graph; the
 host reads `tokens` and `num_accepted` once, after it.
+
+Synthetic acceptance (`lowbit bench latency --spec-synthetic-accept P` only): `forced`
+[B, K] bool replaces the rule's verdicts, so a bench at random weights, where no draft
+would be accepted, can time verify steps at a chosen acceptance. The token after the run
+is still the target's own draw at that position; the text is not the target's.
 """
 
 from __future__ import annotations
@@ -93,8 +98,8 @@ def _penalized(logits: torch.Tensor, state, rows: torch.Tensor, drafts: torch.Te
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, state,
            rows: torch.Tensor, steps: torch.Tensor, mode: SampleMode,
-           draft_probs: torch.Tensor | None = None,
-           sampled_drafts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           draft_probs: torch.Tensor | None = None, sampled_drafts: torch.Tensor | None = None,
+           forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The module docstring's rule; returns (tokens [B, K1], num_accepted [B])."""
     B, K1, V = logits.shape
     K, dev = K1 - 1, logits.device
@@ -118,6 +123,8 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
     if draft_probs is not None and probs is not None and K:
         use = valid if sampled_drafts is None else valid & sampled_drafts[:, None]
         ok, after = _sampled_rule(probs.view(B, K1, V), t, drafts, draft_probs, ok, use, state, rows_f, steps_f)
+    if forced is not None:
+        ok = forced
     num_accepted = (ok & valid).long().cumprod(-1).sum(-1)  # [B]
     tokens = torch.cat((drafts, drafts.new_zeros(B, 1)), dim=1)
     tokens.scatter_(1, num_accepted[:, None], after.gather(1, num_accepted[:, None]))

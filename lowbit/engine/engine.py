@@ -14,7 +14,8 @@
    cache, appends the tokens, detokenizes, checks stop conditions, and returns one
    RequestDelta per request that produced something. With speculative decoding
    (lowbit.engine.speculative) a step starts by planning draft slots, and its update
-   appends the accepted drafts too and rolls back the rejected ones. Finished or aborted
+   appends the accepted drafts too, rolls back the rejected ones and, with
+   --speculative-adaptive, hands the step's wall-clock to the draft length. Finished or aborted
    requests give their blocks back at once: FINISHED.
 
 Async scheduling (on by default, --no-async-scheduling turns it off): step N+1 is
@@ -341,6 +342,8 @@ class LLMEngine:
         flight, self._inflight = self._inflight, None
         if flight is not None:
             self._deltas += self._update(flight.sched, flight.output.result())
+            if self.spec is not None:
+                self.spec.observe()
 
     def _advance(self, sched: SchedulerOutput) -> None:
         """Launched: the scheduled tokens count as computed, the sampled ones as pending."""

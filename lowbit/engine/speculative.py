@@ -16,6 +16,16 @@ A step with speculation, in the engine's three stages:
    back their blocks; they were never full of computed tokens, so never in the prefix
    cache). `follow` then runs the MTP layer over the positions this step made real.
 
+With --speculative-adaptive, `plan` takes each step's k (at most the configured k) from
+lowbit.engine.draft_length, which `propose`, `verify` and `observe` (the engine, once the
+step's tokens are read) feed with the step's wall-clock, drafting time and acceptance.
+
+Synthetic acceptance (`lowbit bench latency --spec-synthetic-accept P`, never on otherwise):
+`plan` pads every request's drafts to k with its last token, so each verify step carries
+k + 1 tokens even where prompt lookup finds nothing (random weights), and `verify` draws
+the verdicts on the device from a seeded generator: draft j is kept with probability P
+given drafts 0..j-1 were. The step does all its real work; the text is not the model's.
+
 Draft KV: a draft model has a pool of its own with the target's block tables (same block
 ids), and tracks per request how many positions it holds. The MTP layer is cache layer
 num_layers of the target's pool. Neither can change what is emitted: drafts are proposals.
@@ -23,17 +33,22 @@ num_layers of the target's pool. Neither can change what is emitted: drafts are 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from lowbit.engine.acceptance import accept, draft_tokens
 from lowbit.engine.batch import ForwardBatch
+from lowbit.engine.draft_length import DraftLength
 from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
 from lowbit.engine.request import Request
 from lowbit.errors import LowbitError
 
+log = logging.getLogger("lowbit")
+
 NGRAM_MAX, NGRAM_MIN = 3, 1  # suffix lengths prompt lookup tries, longest first
+SYNTHETIC_SEED = 0  # the forced acceptance's generator (bench only)
 
 
 @dataclass
@@ -73,32 +88,6 @@ class SpecStats:
                 "mean_accepted_length": self.mean_accepted_length,
                 "accept_rate": self.num_accepted / max(self.num_drafts, 1),
                 "accept_rate_per_position": self.accept_rate_per_position}
-
-
-def expected_rates(accept_through: list[float], verify_s: dict[int, float], draft_s: float) -> list[float]:
-    """The cost model: expected tokens per second of one sequence for k = 0..len(accept_through)
-    drafts. accept_through[j]: measured share of steps whose drafts 0..j were all accepted
-    (SpecStats.accept_rate_per_position); verify_s[T]: seconds of a verify step over T tokens
-    (measured at a few T, linear between them); draft_s: seconds per draft token."""
-    known = sorted(verify_s)
-
-    def verify(t: int) -> float:
-        lo = max((x for x in known if x <= t), default=known[0])
-        hi = min((x for x in known if x >= t), default=known[-1])
-        if hi == lo:
-            return verify_s[lo] if t <= known[-1] else verify_s[lo] * t / lo
-        return verify_s[lo] + (verify_s[hi] - verify_s[lo]) * (t - lo) / (hi - lo)
-
-    gains = [1.0]
-    for a in accept_through:
-        gains.append(gains[-1] + a)
-    return [g / (verify(k + 1) + k * draft_s) for k, g in enumerate(gains)]
-
-
-def choose_draft_length(accept_through: list[float], verify_s: dict[int, float], draft_s: float) -> int:
-    """The k the cost model picks: the most expected tokens per second (0: do not speculate)."""
-    rates = expected_rates(accept_through, verify_s, draft_s)
-    return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
 
 def ngram_lookup(ids: list[int], k: int) -> list[int]:
@@ -304,14 +293,36 @@ class MTPDrafter:
                 self.last[req.request_id] = (out[e], logits[r])
 
 
+@dataclass
+class StepSample:
+    """What `adapt` learns from one step: when it started, the k it asked of its `num_seqs`
+    decoding sequences, the drafting's seconds, and per sequence the drafts it could take
+    (None: not a decode step of those sequences alone) and the drafts accepted."""
+
+    start: float
+    k: int
+    num_seqs: int
+    draft_s: float = 0.0
+    asked: list[int] | None = None
+    accepted: dict[int, int] = field(default_factory=dict)  # scheduled index -> drafts accepted
+
+
 class SpecDecoder:
     """The engine's speculative decoding: one drafter, k draft tokens, the acceptance rule."""
 
-    def __init__(self, method: str, k: int, drafter, max_model_len: int) -> None:
-        self.method, self.k, self.drafter = method, k, drafter
+    def __init__(self, method: str, k: int, drafter, max_model_len: int,
+                 synthetic_accept: float | None = None, device: torch.device | str = "cpu",
+                 adaptive: bool = False) -> None:
+        self.method, self.k, self.drafter = method, k, drafter  # k: the most drafts, with `adapt`
+        self.adapt = DraftLength(k, drafting_costs=method != "ngram") if adaptive else None
+        self.sample: StepSample | None = None  # the step in progress, measured for `adapt`
         self.max_model_len = max_model_len
         self.stats = SpecStats()
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] of sampled drafts
+        self.synthetic_accept = synthetic_accept  # bench only: forced acceptance (lowbit.engine.acceptance)
+        self.synthetic_draws = None
+        if synthetic_accept is not None:
+            self.synthetic_draws = torch.Generator(device=device).manual_seed(SYNTHETIC_SEED)
 
     @property
     def needs_hidden(self) -> bool:
@@ -319,11 +330,17 @@ class SpecDecoder:
 
     def plan(self, running: list[Request]) -> None:
         """Draft slots for every running request in decode state (module docstring, step 1)."""
+        num_decoding = sum(map(_decoding, running))
+        k_step, self.sample = self.k, None
+        if self.adapt is not None and num_decoding:
+            k_step = self.adapt.k_for(num_decoding)
+            self.sample = StepSample(self.adapt.clock(), k_step, num_decoding)
         for req in running:
-            k = min(self.k, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
-            decoding = req.num_computed_tokens == req.num_tokens - 1 and req.num_output_tokens > 0
-            ok = decoding and k > 0 and self.drafter.available(req)
+            k = min(k_step, self._room(req))
+            ok = _decoding(req) and k > 0 and self.drafter.available(req)
             req.draft_token_ids = self.drafter.plan(req, k) if ok else []
+            if ok and self.synthetic_accept is not None:  # every verify step carries k drafts
+                req.draft_token_ids += [(req.draft_token_ids or req.token_ids)[-1]] * (k - len(req.draft_token_ids))
 
     def propose(self, scheduled: list[tuple[Request, int]], sampling, rows: torch.Tensor, mode) -> None:
         """Cut drafts to the scheduled windows and let a model drafter fill them (step 2)."""
@@ -332,8 +349,27 @@ class SpecDecoder:
             del req.draft_token_ids[n - real:]
         work = Drafting([r for r, _ in scheduled], num_real, [len(r.draft_token_ids) for r, _ in scheduled],
                         rows, sampling, mode)
+        t0 = self.adapt.clock() if self.sample is not None else 0.0
         qs = self.drafter.propose(work)
         self.draft_probs = {work.reqs[i].request_id: q for i, q in qs.items()}
+        if self.sample is not None:
+            self.sample.draft_s = self.adapt.clock() - t0
+            decode = len(scheduled) == self.sample.num_seqs and all(
+                _decoding(r) and m == 1 for (r, _), m in zip(scheduled, num_real))
+            self.sample.asked = [min(self.sample.k, self._room(r)) for r, _ in scheduled] if decode else None
+
+    def observe(self) -> None:
+        """The engine has read this step's tokens: a decode step's wall-clock, drafting time
+        and acceptance go to the draft length (lowbit.engine.draft_length)."""
+        sample, self.sample = self.sample, None
+        if sample is not None and sample.asked is not None:
+            outcomes = [(a, sample.accepted.get(i, 0)) for i, a in enumerate(sample.asked)]
+            self.adapt.record_step(sample.num_seqs, sample.k, self.adapt.clock() - sample.start,
+                                   sample.draft_s, outcomes)
+
+    def _room(self, req: Request) -> int:
+        """Drafts a request can take: its output and the context end come first."""
+        return min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
 
     def verify(self, scheduled: list[tuple[Request, int]], query_start: list[int], hidden: torch.Tensor,
                model: torch.nn.Module, sampling, rows: torch.Tensor, steps: torch.Tensor, mode):
@@ -349,13 +385,18 @@ class SpecDecoder:
                               dtype=torch.long).view(len(picks), K).to(dev)
         q, sampled = self._draft_probs(scheduled, picks, K, logits.shape[-1], dev)
         sel = torch.as_tensor(picks, device=dev)
+        forced = None
+        if self.synthetic_draws is not None:
+            forced = torch.rand(len(picks), K, device=dev, generator=self.synthetic_draws) < self.synthetic_accept
         tokens, n = accept(logits, drafts, torch.as_tensor(ks, device=dev), sampling, rows[sel], steps[sel],
-                           mode, q, sampled)
+                           mode, q, sampled, forced)
         host = torch.cat((n[:, None], tokens), 1).cpu().tolist()  # the step's one wait
         emitted = [row[1:row[0] + 2] for row in host]
         for k, row in zip(ks, host):
             if k:
                 self.stats.record(k, row[0])
+        if self.sample is not None:
+            self.sample.accepted = {i: row[0] for i, row in zip(picks, host)}
         return picks, emitted, logits
 
     def _draft_probs(self, scheduled, picks: list[int], K: int, V: int, dev):
@@ -405,4 +446,14 @@ def make_spec_decoder(config, model: torch.nn.Module, kv_cache: PagedKVCache, de
                               "same tokenizer")
         draft.prepare_for_serving()
         drafter = ModelDrafter(draft, kv_cache, device)
-    return SpecDecoder(method, config.num_draft_tokens, drafter, config.max_model_len)
+    if config.speculative_synthetic_accept is not None:
+        log.warning("synthetic acceptance: each draft is accepted with probability %g whatever the model "
+                    "says; the emitted tokens are not the model's output (a benchmark of verify cost only)",
+                    config.speculative_synthetic_accept)
+    return SpecDecoder(method, config.num_draft_tokens, drafter, config.max_model_len,
+                       config.speculative_synthetic_accept, device, config.speculative_adaptive)
+
+
+def _decoding(req: Request) -> bool:
+    """In decode state: all but the last token computed, and past the prompt."""
+    return req.num_computed_tokens == req.num_tokens - 1 and req.num_output_tokens > 0

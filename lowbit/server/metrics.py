@@ -48,6 +48,7 @@ def render(engine: LLMEngine | None, model_name: str, startup: StartupReport | N
         _vllm_metrics(vllm, engine)
         _spec_metrics(vllm, engine)
         _block_metrics(own, engine)
+        _draft_length_metrics(own, engine)
         _expert_cache_metrics(own, engine)
     if startup is not None:
         _startup_metrics(own, startup)
@@ -95,6 +96,15 @@ def _spec_metrics(out: Exposition, engine: LLMEngine) -> None:
                [({}, s.num_accepted)])
     out.metric("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Draft tokens accepted per position.",
                [({"position": str(j)}, a) for j, a in enumerate(s.accepted_at)])
+
+
+def _draft_length_metrics(out: Exposition, engine: LLMEngine) -> None:
+    adapt = getattr(getattr(engine, "spec", None), "adapt", None)
+    if adapt is None:
+        return
+    out.metric("spec_decode_draft_length", "gauge",
+               "Draft tokens per step the engine runs now, per batch-size bucket (--speculative-adaptive).",
+               [({"batch_bucket": str(size)}, k) for size, k in adapt.current().items()])
 
 
 def _block_metrics(out: Exposition, engine: LLMEngine) -> None:

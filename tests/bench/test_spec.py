@@ -33,3 +33,42 @@ def test_latency_spec_table_and_record(tiny_moe_dir, tmp_path, capsys):
     assert "cost model's choice" in out
     csv = csv_text(HEADERS, table_rows(rec)).splitlines()
     assert csv[1].split(",")[1:4] == ["draft", "2", "tg8"]
+
+
+def test_latency_spec_synthetic_acceptance(tiny_moe_dir, tmp_path, capsys):
+    """--spec-synthetic-accept 1: every draft kept whatever the model says; the record, the
+    table and a warning say so, and the tokens are not compared."""
+    rc = main(["bench", "latency", str(tiny_moe_dir), "--spec", "ngram", "--spec-synthetic-accept", "1",
+               "--num-speculative-tokens", "2", "-n", "8", "-r", "1", "--records", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "not the model's output" in err
+    assert "| ngram (SYNTHETIC accept 1) | 2 | tg8 |" in out and "SYNTHETIC: drafts accepted" in out
+    (path,) = tmp_path.glob("*latency_spec*.json")
+    rec = json.loads(path.read_text())
+    assert rec["synthetic"] is True and rec["outputs_compared"] is False
+    assert rec["synthetic_accept_rate"] == 1 and rec["synthetic_expected_accepted_length"] == 3
+    (cell,) = rec["cells"]
+    assert cell["same_tokens"] is None and cell["accept_rate_per_position"] == [1.0, 1.0]
+    assert cell["mean_accepted_length"] == pytest.approx(8 / 3)  # 3 + 3 + 2, as the self-draft above
+    assert table_rows(rec)[0][-1] == "not compared"
+
+
+def test_synthetic_acceptance_needs_spec(capsys):
+    assert main(["bench", "latency", "demo", "--spec-synthetic-accept", "0.7", "-n", "8"]) != 0
+    assert "add --spec METHOD" in capsys.readouterr().err
+
+
+def test_latency_spec_adaptive_records_the_engines_choices(tiny_moe_dir, tmp_path, capsys):
+    rc = main(["bench", "latency", str(tiny_moe_dir), "--spec", "ngram", "--speculative-adaptive",
+               "--spec-synthetic-accept", "1", "--num-speculative-tokens", "2", "-n", "64", "-r", "2",
+               "--records", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    (path,) = tmp_path.glob("*latency_spec*.json")
+    rec = json.loads(path.read_text())
+    assert rec["adaptive"] is True and rec["adaptive_steps"] > 0
+    assert rec["k_history"] and all(h["batch_bucket"] == 1 and 0 <= h["k"] <= 2 for h in rec["k_history"])
+    assert rec["k_now"] == {"1": rec["k_history"][-1]["k"]} == rec["cells"][0]["k_now"]
+    assert table_rows(rec)[0][2] == f"auto <= 2, now B1:{rec['k_now']['1']}"
+    assert "k chosen by the engine (--speculative-adaptive" in out

@@ -3,6 +3,7 @@ output without speculation for every method, token frequencies at temperature 1 
 agree with those without it, and rejected drafts leave nothing behind (blocks, lengths,
 prefix cache)."""
 
+import argparse
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.block_manager import BlockManager
 from lowbit.engine.kv_cache import ContiguousKVCache
 from lowbit.engine.request import Request
-from lowbit.engine.speculative import SpecStats, choose_draft_length, expected_rates, ngram_lookup
+from lowbit.engine.speculative import SpecStats, ngram_lookup
 from lowbit.errors import LowbitError
 from lowbit.server.metrics import render
 from tests.engine.helpers import run_all, tokens_of
@@ -107,15 +108,6 @@ def test_ngram_lookup():
     assert ngram_lookup([1, 2, 3], 3) == []
 
 
-def test_cost_model_picks_the_most_tokens_per_second():
-    verify = {1: 1.0, 2: 1.0, 4: 1.2, 8: 2.0}  # seconds per verify step of T tokens
-    rates = expected_rates([0.8, 0.6, 0.4], verify, 0.0)
-    assert rates[0] == 1.0 and rates[1] == pytest.approx(1.8) and rates[3] == pytest.approx(2.8 / 1.2)
-    assert choose_draft_length([0.8, 0.6, 0.4], verify, 0.0) == 3
-    assert choose_draft_length([0.8, 0.6, 0.4], verify, 0.5) == 1  # a costly draft: fewer
-    assert choose_draft_length([0.05, 0.0], verify, 0.2) == 0  # not worth it at all
-
-
 def test_trim_gives_back_draft_blocks_first_in_line():
     bm = BlockManager(8, 4)
     req = Request("r", list(range(6)), SamplingParams(), 8)
@@ -139,11 +131,54 @@ def test_spec_stats():
 @pytest.mark.parametrize("bad,match", [
     (dict(num_speculative_tokens=2), "need"), (dict(speculative_method="draft"), "speculative-model"),
     (dict(speculative_method="ngram", num_speculative_tokens=0), "1..16"),
-    (dict(speculative_method="ngram", speculative_model="x"), "speculative-model")])
+    (dict(speculative_method="ngram", speculative_model="x"), "speculative-model"),
+    (dict(speculative_synthetic_accept=0.5), "need"), (dict(speculative_adaptive=True), "need"),
+    (dict(speculative_method="ngram", speculative_synthetic_accept=1.5), r"\[0, 1\]")])
 def test_flags_are_checked(bad, match):
     with pytest.raises(LowbitError, match=match):
         EngineConfig(**bad).validate()
     assert EngineConfig(speculative_method="mtp").num_draft_tokens == 3
+
+
+def test_synthetic_acceptance_is_no_flag_of_generate_or_serve():
+    for server in (False, True):
+        parser = argparse.ArgumentParser()
+        EngineConfig.add_cli_args(parser, server=server)
+        flags = [f for a in parser._actions for f in a.option_strings]
+        assert "--speculative-method" in flags and not any("synthetic" in f for f in flags)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.7, 1.0])
+def test_synthetic_acceptance_is_a_geometric_run(make_engine, p):
+    """Synthetic acceptance P, k = 3, 8 requests of random tokens (prompt lookup finds little:
+    drafts are padded) for 40 verify steps: every verify step carries k drafts, and the
+    accepted length L = 1 + N (N drafts kept before the first refusal, P(N >= j) = P^j for
+    j <= k) has mean 1 + P + P^2 + P^3. The measured mean over the 320 sequence-steps is
+    within 4 standard errors of it (the sd from N's exact variance; a correct engine fails
+    with probability 6e-5 over the generator's seed), exactly k + 1 at P = 1 and 1 at P = 0.
+    Rollback leaves the pool whole."""
+    k, steps, seqs = 3, 40, 8
+    eng = make_engine(speculative_method="ngram", num_speculative_tokens=k, speculative_synthetic_accept=p,
+                      max_num_seqs=seqs)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(seqs):
+        eng.add_request(torch.randint(0, 250, (8,), generator=g).tolist(),
+                        SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(steps + 1):  # the prefill, then verify steps
+        eng.step()
+    s = eng.spec.stats
+    assert s.num_steps == steps * seqs and s.num_drafts == k * s.num_steps
+    mean_n = sum(p ** j for j in range(1, k + 1))
+    var_n = sum((2 * j - 1) * p ** j for j in range(1, k + 1)) - mean_n ** 2
+    assert abs(s.mean_accepted_length - (1 + mean_n)) <= 4 * (var_n / s.num_steps) ** 0.5
+    if p in (0.0, 1.0):
+        assert s.mean_accepted_length == 1 + k * p
+    for j, rate in enumerate(s.accept_rate_per_position):  # P^(j+1), the share kept through j
+        assert abs(rate - p ** (j + 1)) <= 4 * (p ** (j + 1) * (1 - p ** (j + 1)) / s.proposed_at[j]) ** 0.5
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    eng.step()
+    assert eng.blocks.num_free_blocks == eng.blocks.num_total_blocks
 
 
 @needs_demo
@@ -160,6 +195,20 @@ def test_demo_greedy_is_the_same_with_speculation(demo, method, draft_4096):
         assert stats.num_accepted == stats.num_drafts
     else:
         assert 0 <= stats.num_accepted < stats.num_drafts
+    assert_idle(llm)
+
+
+@needs_demo
+def test_demo_greedy_is_the_same_with_adaptive_k(demo):
+    """--speculative-adaptive on the wall-clock: steps with 0 to 3 drafts mix (warm-up takes
+    each in turn, then the engine's choice and its exploration), and greedy output is still
+    the output without speculation."""
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm = spec_llm(demo, "ngram", speculative_adaptive=True)
+    assert outputs(llm, PROMPTS, sp) == plain_outputs(demo, PROMPTS, sp)
+    adapt = llm.engine.spec.adapt
+    assert adapt.history and set(adapt.current()) == {4}  # 3 sequences: the bucket of 4
+    assert set(adapt.buckets[4].verify) == {1, 2, 3, 4}
     assert_idle(llm)
 
 
