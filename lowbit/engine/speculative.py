@@ -8,7 +8,8 @@ A step with speculation, in the engine's three stages:
    requests with and without drafts (prefill chunks, plain decodes) share the step.
 2. `propose` (the runner, after scheduling): drafts cut to the scheduled window; a draft
    model catches its own KV cache up with the target's tokens and chains k forwards; the MTP
-   head chains from what the last step left (`follow`).
+   head chains from what the last step left (`follow`). A chain feeds each draft to the next
+   forward on the device and reads all of them back once at its end.
 3. `verify` (the runner, after the target's forward): the target's logits at the last real
    token and at every draft go through the lossless rule (lowbit.engine.acceptance); the
    host reads the accepted tokens once. The engine appends them, and rejected drafts' KV
@@ -135,12 +136,24 @@ class Drafting:
     sampling: object  # SamplingState
     mode: object  # SampleMode of the drafting requests
 
-    def sample(self, logits: torch.Tensor, picks: list[int], j: int) -> tuple[list[int], torch.Tensor | None]:
-        """Draft j of the requests `picks` from logits [len(picks), V]."""
+    def sample(self, logits: torch.Tensor, picks: list[int], j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft j of the requests `picks` from logits [len(picks), V]: tokens [len(picks)]
+        on the device (the chain feeds them on without a host read), q or None."""
         sel = torch.as_tensor(picks, device=logits.device)
         steps = torch.as_tensor([self.reqs[i].num_tokens + j for i in picks], device=logits.device)
-        tokens, q = draft_tokens(logits, self.sampling, self.rows[sel], steps, self.mode)
-        return tokens.tolist(), q
+        return draft_tokens(logits, self.sampling, self.rows[sel], steps, self.mode)
+
+    def write(self, drafted: list[tuple[list[int], torch.Tensor]]) -> None:
+        """Each chain step's (picks, tokens) into the requests' draft slots: one host read
+        for the whole chain."""
+        if not drafted:
+            return
+        flat = torch.cat([t for _, t in drafted]).tolist()
+        at = 0
+        for j, (picks, _) in enumerate(drafted):
+            for i in picks:
+                self.reqs[i].draft_token_ids[j] = flat[at]
+                at += 1
 
 
 class NgramDrafter:
@@ -202,20 +215,23 @@ class ModelDrafter:
 
     def _chain(self, work: Drafting, picks: list[int], logits: torch.Tensor | None) -> dict[int, torch.Tensor]:
         qs: dict[int, list[torch.Tensor]] = {}
+        drafted = []
         for j in range(max((work.num_drafts[i] for i in picks), default=0)):
             picks = [i for i in picks if work.num_drafts[i] > j]
             tokens, q = work.sample(logits, picks, j)
-            for r, (i, tok) in enumerate(zip(picks, tokens)):
-                work.reqs[i].draft_token_ids[j] = tok
-                if q is not None:
+            drafted.append((picks, tokens))
+            if q is not None:
+                for r, i in enumerate(picks):
                     qs.setdefault(i, []).append(q[r])
-            nxt = [i for i in picks if work.num_drafts[i] > j + 1]
-            if not nxt:
+            keep = [r for r, i in enumerate(picks) if work.num_drafts[i] > j + 1]
+            if not keep:
                 break
+            nxt = [picks[r] for r in keep]
             entries = [(work.reqs[i].block_table, work.reqs[i].num_tokens + j, 1) for i in nxt]
-            ids = torch.as_tensor([work.reqs[i].draft_token_ids[j] for i in nxt], device=self.device)
+            ids = tokens[torch.as_tensor(keep, device=tokens.device)] if len(keep) < len(picks) else tokens
             hidden = self.model(ids, flat_batch(entries, self.kv_cache, self.device))
             logits, picks = self.model.compute_logits(hidden), nxt
+        work.write(drafted)
         return {i: torch.stack(q) for i, q in qs.items()}
 
 
@@ -242,7 +258,7 @@ class MTPDrafter:
     def release(self, request_id: str) -> None:
         self.last.pop(request_id, None)
 
-    def _predict(self, hidden: torch.Tensor, next_ids: list[int], entries) -> torch.Tensor:
+    def _predict(self, hidden: torch.Tensor, next_ids: list[int] | torch.Tensor, entries) -> torch.Tensor:
         """The MTP layer's output [T, D] at the entries' positions (mtp_forward before its head)."""
         batch = flat_batch(entries, self.kv_cache, self.device)
         emb = self.model.model.embed_tokens(torch.as_tensor(next_ids, device=self.device))  # [T, D]
@@ -255,19 +271,22 @@ class MTPDrafter:
         hidden = torch.stack([self.last[work.reqs[i].request_id][0] for i in picks])
         logits = torch.stack([self.last[work.reqs[i].request_id][1] for i in picks])
         qs: dict[int, list[torch.Tensor]] = {}
+        drafted = []
         for j in range(max(work.num_drafts[i] for i in picks)):
             tokens, q = work.sample(logits, picks, j)
-            for r, (i, tok) in enumerate(zip(picks, tokens)):
-                work.reqs[i].draft_token_ids[j] = tok
-                if q is not None:
+            drafted.append((picks, tokens))
+            if q is not None:
+                for r, i in enumerate(picks):
                     qs.setdefault(i, []).append(q[r])
             keep = [r for r, i in enumerate(picks) if work.num_drafts[i] > j + 1]
             if not keep:
                 break
             picks = [picks[r] for r in keep]
             entries = [(work.reqs[i].block_table, work.reqs[i].num_tokens - 1 + j, 1) for i in picks]
-            hidden = self._predict(hidden[keep], [tokens[r] for r in keep], entries)
+            rows = torch.as_tensor(keep, device=tokens.device)
+            hidden = self._predict(hidden[rows], tokens[rows], entries)
             logits = self.model.compute_logits(hidden)
+        work.write(drafted)
         return {i: torch.stack(q) for i, q in qs.items()}
 
     def follow(self, scheduled: list[tuple[Request, int]], num_real: list[int], batch: ForwardBatch,
