@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lowbit.bench.record import environment
+from lowbit.bench.report import plot_kl
 from lowbit.checkpoint.loader import LoadedModel, load_model
 from lowbit.checkpoint.quant_plan import plan_quantization, quantized_weights, swappable
 from lowbit.checkpoint.tokenizer import Tokenizer
@@ -217,18 +218,50 @@ def peer_student(model: str, spec: str, *, dtype: str, device: str) -> LoadedMod
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model directory, artifact or built-in name (the student)")
+    p.add_argument("model", nargs="+", help="students: model directories, artifacts or built-in names "
+                   "(several: each is scored on the same tokens, then a KL-vs-bits table)")
     p.add_argument("--teacher", required=True, help="the reference model (usually the bf16 checkpoint)")
     p.add_argument("--text", required=True, help="UTF-8 text file to score")
     p.add_argument("--max-tokens", type=int, default=4096, help="score at most this many tokens")
     p.add_argument("--window", type=int, default=None, help="tokens per window (default: the context, at most 2048)")
-    p.add_argument("--json", default=None, help="write the JSON record here ({format} in the path: one per student)")
+    p.add_argument("--json", default=None, help="write the JSON record here ({format} in the path: one per "
+                   "student, the format spec or the artifact's directory name)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw KL to the teacher against bits per weight for every student (needs matplotlib)")
     p.add_argument("--quantization", default=None,
                    help="quantize the student on load to this format (a comma list scores each in turn)")
     p.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: lm_head too")
     p.add_argument("--peer", default=None, help="student made by another quantizer: hqq:BITS:GROUP (a comma list scores each)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when present)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (bf16 on GPU, float32 on CPU)")
+
+
+def students_of(args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
+    """(model, kind, spec) for every student: each model plain, or in each --quantization
+    format, then each --peer round trip."""
+    out = []
+    for model in args.model:
+        kinds = [("quantization", q) for q in (args.quantization or "").split(",") if q]
+        kinds += [("peer", p) for p in (args.peer or "").split(",") if p]
+        out += [(model, kind, spec) for kind, spec in kinds or [("plain", None)]]
+    return out
+
+
+def student_key(model: str, spec: str | None, several_models: bool) -> str:
+    """What {format} in --json becomes for a student."""
+    name = Path(model).name or str(model)
+    key = (spec or "").replace(":", "-")
+    return f"{name}-{key}" if several_models and key else key or name
+
+
+def curve(rows: list[EvalResult]) -> str:
+    """The students by bits per weight: the KL-vs-bits table."""
+    head = "| student | bits/weight | KL mean | KL p99 | top-1 | PPL |"
+    out = [head, "|" + "---|" * 6]
+    for r in sorted(rows, key=lambda r: (r.bits_per_weight, r.kl_mean)):
+        out.append(f"| {r.model} | {r.bits_per_weight:.3f} | {r.kl_mean:.5f} | {r.kl_p99:.5f} | "
+                   f"{r.top1:.4f} | {r.ppl:.3f} |")
+    return "\n".join(out)
 
 
 def main_eval(args: argparse.Namespace) -> int:
@@ -238,34 +271,44 @@ def main_eval(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise LowbitError(f"--max-tokens must be positive, got {args.max_tokens}")
     read_text(args.text)  # a bad --text fails before two models load
-    teacher = load_model(args.teacher, dtype=dtype, device=device)
-    students = [("quantization", q) for q in (args.quantization or "").split(",") if q]
-    students += [("peer", p) for p in (args.peer or "").split(",") if p]
-    students = students or [("plain", None)]
+    students = students_of(args)
     if args.json and len(students) > 1 and "{format}" not in args.json:
         raise LowbitError("several students write several records: put {format} in the --json path")
+    several = len(args.model) > 1
+    keys = [student_key(m, spec, several) for m, _, spec in students]
+    if args.json and len(set(keys)) < len(keys):
+        raise LowbitError(f"two students would write the same --json record ({', '.join(keys)}); give the "
+                          "artifacts directory names of their own")
+    teacher = load_model(args.teacher, dtype=dtype, device=device)
     width = args.window or min(teacher.config.max_position_embeddings, 2048)
     ids = read_tokens(teacher, args.text, args.max_tokens)
     cached = teacher_pass(teacher, ids, width)
-    for kind, spec in students:
+    scored = []
+    for (model, kind, spec), key in zip(students, keys):
         t1 = time.perf_counter()
         if kind == "peer":
-            student = peer_student(args.model, spec, dtype=dtype, device=device)
+            student = peer_student(model, spec, dtype=dtype, device=device)
         else:
-            student = load_model(args.model, dtype=dtype, device=device, quantization=spec,
+            student = load_model(model, dtype=dtype, device=device, quantization=spec,
                                  quantize_lm_head=args.quantize_lm_head)
         if student.config.vocab_size != teacher.config.vocab_size:
             raise LowbitError("the model and the teacher have different vocabularies; eval compares "
                               "next-token distributions, so they must share a tokenizer")
-        label = args.model + {"quantization": f" --quantization {spec}", "peer": f" --peer {spec}"}.get(kind, "")
+        label = model + {"quantization": f" --quantization {spec}", "peer": f" --peer {spec}"}.get(kind, "")
         rows = evaluate(teacher, student, ids, width, (args.teacher, label), cached)
         print(markdown(rows))
+        scored.append(rows[-1])
         if args.json:
-            out = Path(args.json.replace("{format}", (spec or "plain").replace(":", "-")))
+            out = Path(args.json.replace("{format}", key))
             rec = record(rows, shlex.join(["lowbit", *sys.argv[1:]]), time.perf_counter() - t1)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(rec, indent=1, default=str) + "\n")
             print(f"wrote {out}")
         del student
+    if len(scored) > 1:
+        print("\nKL to the teacher by bits per weight:\n" + curve(scored))
+    if args.plot:
+        pts = [{"format": r.model, "bits_per_weight": r.bits_per_weight, "kl_mean": r.kl_mean} for r in scored]
+        print(f"wrote {plot_kl(pts, Path(args.plot).parent, Path(args.plot).name)}")
     print(f"[{time.perf_counter() - t0:.1f} s, {len(ids) - 1} tokens scored, windows of {width}]")
     return 0

@@ -87,7 +87,7 @@ def plot_latency(records: list[dict], out: Path) -> Path | None:
     return _save(fig, out / "latency.png")
 
 
-def plot_kl(records: list[dict], out: Path) -> Path | None:
+def plot_kl(records: list[dict], out: Path, name: str = "kl_vs_bpw.png") -> Path | None:
     pts = eval_points(records)
     if not pts:
         return None
@@ -103,7 +103,7 @@ def plot_kl(records: list[dict], out: Path) -> Path | None:
     ax.set_xlabel("bits per weight")
     ax.set_ylabel("KL divergence to the bf16 teacher (mean)")
     ax.grid(True, alpha=0.3)
-    return _save(fig, out / "kl_vs_bpw.png")
+    return _save(fig, out / name)
 
 
 def _save(fig, path: Path) -> Path:

@@ -1,5 +1,6 @@
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +81,32 @@ def test_cli_errors(tiny_moe_dir, text_file, capsys):
     assert main(["eval", str(tiny_moe_dir), "--teacher", str(tiny_moe_dir), "--text", str(text_file),
                  "--peer", "awq:4"]) == 2
     assert "hqq:BITS:GROUP" in capsys.readouterr().err
+
+
+def test_cli_scores_several_students_into_a_curve_and_a_plot(tiny_moe_dir, text_file, tmp_path, capsys):
+    """Two artifacts, each in two formats: four students on the same teacher tokens, a record
+    each, the KL-vs-bits table sorted by bits per weight, and the PNG."""
+    import shutil
+
+    other = tmp_path / "copy"
+    shutil.copytree(tiny_moe_dir, other)
+    png = tmp_path / "curve.png"
+    rc = main(["eval", str(tiny_moe_dir), str(other), "--teacher", str(tiny_moe_dir), "--text", str(text_file),
+               "--max-tokens", "60", "--quantization", "nvfp4,nf3", "--json", str(tmp_path / "e-{format}.json"),
+               "--plot", str(png), "--device", "cpu"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    table = out.split("KL to the teacher by bits per weight:")[1].split("wrote")[0]
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "student" not in ln]
+    assert len(rows) == 4
+    bits = [float(r.split("|")[2]) for r in rows]
+    assert bits == sorted(bits) and bits[0] < bits[-1]  # nf3 before nvfp4
+    names = sorted(p.name for p in tmp_path.glob("e-*.json"))
+    assert names == sorted(f"e-{d}-{f}.json" for d in (Path(tiny_moe_dir).name, "copy") for f in ("nvfp4", "nf3"))
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_cli_refuses_students_that_would_share_a_record(tiny_moe_dir, text_file, tmp_path, capsys):
+    rc = main(["eval", str(tiny_moe_dir), str(tiny_moe_dir), "--teacher", str(tiny_moe_dir), "--text",
+               str(text_file), "--json", str(tmp_path / "e-{format}.json"), "--device", "cpu"])
+    assert rc == 2 and "same --json record" in capsys.readouterr().err
