@@ -216,7 +216,7 @@ class LayerCache:
 
     def mask(self, experts: list[int]) -> torch.Tensor:
         """[E] bool of a host list of experts."""
-        m = torch.zeros(self.num_experts, dtype=torch.bool)
+        m = torch.zeros(self.num_experts, dtype=torch.bool, pin_memory=self.pin)
         m[experts] = True
         return m.to(self.device, non_blocking=True)
 
