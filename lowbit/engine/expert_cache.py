@@ -277,14 +277,16 @@ class LayerCache:
         self.uses_dev.index_add_(0, ids.reshape(-1).long(), live.expand_as(ids).reshape(-1).long())
         return self.run(x, distinct_slots(sid, hit, self.num_physical), w * hit)
 
-    def resolve_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def resolve_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pairs_out: bool = False):
         """The graph form of a step whose experts fit the slots (`resolves`): the step
         admits its live rows' experts on the device and copies its misses from pinned host
         memory itself, on its own stream; no host read, nothing to send back."""
         T, A = ids.shape
         pairs, sid, w = self.map.admit_routed(ids, w, self.live_rows)  # padding rows: weight 0
-        copy_experts(pairs[:min(self.num_slots, T * A)], self.host, self.slots)
-        return self.run(x, sid, w)
+        pairs = pairs[:min(self.num_slots, T * A)]
+        copy_experts(pairs, self.host, self.slots)
+        y = self.run(x, sid, w)
+        return (y, pairs) if pairs_out else y
 
 
 @dataclass
@@ -423,11 +425,13 @@ class ExpertCache:
             if not self.warming_up():
                 return layer.resolve_forward(x, ids, w)
             # the eager step before a capture computes the step the replay then runs: its
-            # admissions are put back, so that the replay makes them once (the copies it
-            # made are the ones the replay makes again)
+            # admissions are put back, so that the replay makes them once; the slots it
+            # copied into are marked free (their old experts gone), so the map stays true
+            # to the slots' contents even if the capture then fails
             state = layer.map.state()
-            y = layer.resolve_forward(x, ids, w)
+            y, pairs = layer.resolve_forward(x, ids, w, pairs_out=True)
             layer.map.load(state)
+            layer.map.free(pairs[:, 1])
             return y
         live = min(self.num_live, ids.shape[0])
         guess = self._pregate(i, x[:live]) if (self.prefetch or self.recorder) and i + 1 < len(self.moes) else None

@@ -177,6 +177,18 @@ class DeviceSlotMap:
         for k, t in zip(self.STATE, state):
             getattr(self, k).copy_(t)  # in place: captured graphs hold these tensors
 
+    def free(self, slots: torch.Tensor) -> None:
+        """Mark slots [M] (-1: none) free, their experts no longer resident: slots whose
+        contents changed behind the map's back (a warm-up step's copies, its state put back)."""
+        S, E = self.num_slots, self.num_experts
+        s = torch.where(slots >= 0, slots, S)
+        old = self.owner[s]  # -1 where free or none
+        gone = torch.where(old >= 0, old, E)
+        self.table.index_fill_(0, gone, -1)
+        self.pending.index_fill_(0, gone, False)
+        self.owner.index_fill_(0, s, -1)
+        self.table[E] = -1
+
     def stats(self) -> dict[str, int]:
         """The counters on the host (a read: for telemetry, not inside a step)."""
         h, m, p, ph = self.counters.tolist()

@@ -459,3 +459,44 @@ def test_loader_places_only_routed_expert_stacks_on_the_host():
                  "model.embed_tokens.weight"):
         assert filler.device_of(name).type == "meta"
     assert DeviceFiller(torch.nn.Linear(2, 2), "meta").device_of("m.experts.w13").type == "meta"
+
+
+def test_a_warm_up_step_puts_its_admissions_back_and_keeps_the_map_true(monkeypatch):
+    """The eager step before a capture (resolve form): the slot map's policy state and
+    counters are put back, the slots it copied into are marked free, every expert the
+    table calls resident is in its slot, and the replay after it admits the same misses
+    and computes the same output."""
+    llm = LLM("demo", device="cpu", kv_cache_tokens=64, expert_offload=True, expert_cache_slots=2,
+              expert_prefetch=False)
+    cache = llm.engine.expert_cache
+    moe, layer = cache.moes[0], cache.layers[0]
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        moe(torch.randn(1, llm.config.hidden_size))  # eager: two experts resident
+        resident = set(layer.owner)
+        x = next(x for x in (torch.randn(1, llm.config.hidden_size) for _ in range(100))
+                 if not set(route_ids(moe, x)) & resident)  # a token needing two other experts
+        before = layer.map.state()
+        cache.force_speculate = True
+        monkeypatch.setattr(cache, "warming_up", lambda: True)
+        y_warm = moe(x)
+        for k, a, b in zip(layer.map.STATE, before, layer.map.state()):
+            if k not in ("table", "owner", "pending"):
+                assert torch.equal(a, b), k
+        assert layer.owner == [-1, -1] and (layer.slot_table < 0).all()  # both slots were overwritten
+        monkeypatch.setattr(cache, "warming_up", lambda: False)
+        misses = layer.stats.misses
+        y = moe(x)  # the replay
+        cache.force_speculate = False
+    assert layer.stats.misses == misses + 2 and sorted(layer.owner) == sorted(route_ids(moe, x))
+    for e in layer.owner:
+        assert torch.equal(layer.slots["w13.w"][layer.owner.index(e)], layer.host["w13.w"][e])
+    torch.testing.assert_close(y, y_warm, rtol=0, atol=0)
+
+
+def route_ids(moe, x: torch.Tensor) -> list[int]:
+    from lowbit.kernels.router_op import route
+
+    g = moe.gate
+    ids, _ = route(x, g.weight.float(), None, moe.spec, None)
+    return ids[0].tolist()
