@@ -18,10 +18,18 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="runs the Triton kern
 def test_copies_exactly_the_valid_pairs(shapes):
     torch.manual_seed(0)
     src = {k: (torch.randn(s) * 100).to(dt) for k, (s, dt) in shapes.items()}
-    dst = {k: torch.full((5, *s[1:]), float("nan")).to(dt) for k, (s, dt) in shapes.items()}
-    before = {k: d.clone() for k, d in dst.items()}
+    # six rows poisoned with NaN (0xFF bytes for integer tensors); the copies may name 0..4,
+    # so a write past row 4 shows in row 5
+    full = {k: torch.full((6, *s[1:]), float("nan")).to(dt) for k, (s, dt) in shapes.items()}
+    for t in full.values():
+        if not t.is_floating_point():
+            t.view(torch.uint8).fill_(0xFF)
+    dst = {k: t[:5] for k, t in full.items()}
+    before = {k: t.clone() for k, t in full.items()}
     pairs = torch.tensor([[2, 4], [-1, -1], [0, 1], [3, 0], [-1, 2]], dtype=torch.int64)
     expert_copy.copy_experts(pairs, src, dst, kernel=True)
+    for k, t in full.items():
+        assert torch.equal(t[5].view(torch.uint8), before[k][5].view(torch.uint8)), k
     for k, d in dst.items():
         for e, s in ((2, 4), (0, 1), (3, 0)):
             assert torch.equal(d[s].view(torch.uint8), src[k][e].contiguous().view(torch.uint8)), (k, e, s)
