@@ -46,9 +46,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--corpus", type=Path, default=Path("data/demo_corpus"))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--init-layers", default="0,7",
+    p.add_argument("--init-layers", default="0,1",
                    help="teacher layers copied into the draft's layers ('' for a random start)")
-    p.add_argument("--minutes", type=float, default=20.0, help="training time budget")
+    p.add_argument("--minutes", type=float, default=25.0, help="training time budget")
     p.add_argument("--max-steps", type=int, default=100_000)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
