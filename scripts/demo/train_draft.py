@@ -13,7 +13,7 @@ rate of a greedy draft token given the previous ones were right), and the best w
 Writes into --out the checkpoint (config.json, model.safetensors, generation_config.json, in
 the layout train.py writes), the tokenizer files of the demo model, and record.json.
 
-    python scripts/demo/train_draft.py --out lowbit/demo_draft --minutes 20      # CPU
+    python scripts/demo/train_draft.py --out lowbit/demo_draft                   # CPU, 25 min
     python scripts/demo/train_draft.py --out /tmp/draft --minutes 3 --device cuda
     python scripts/demo/train_draft.py --out /tmp/dry --minutes 0.2 --max-heldout 2048  # dry run
 """
