@@ -20,7 +20,7 @@ route are unchanged. Other formats keep their rounding. With `norms`, each RMSNo
 
 The teacher is kept as its TOPK most likely tokens per position (ids int32 and
 log-probabilities float32 [S * W, TOPK]) and the mass of the rest (float32 [S * W]):
-8 * TOPK + 4 bytes a token instead of 4 * V (1,028 against 607,744 at V = 151,936). The
+8 * TOPK + 4 bytes a token instead of 4 * V (2,052 against 607,744 at V = 151,936). The
 loss is then the KL between p and q coarsened to those TOPK tokens plus one tail bucket,
 sum_top p_i log(p_i / q_i) + p_tail log(p_tail / q_tail), q_tail = 1 - sum_top q_i: never
 more than the full KL (coarsening cannot raise a KL), equal to it when the tail holds at
@@ -51,7 +51,7 @@ from lowbit.quantize.calibrate import Calibration
 BLOCK = 64  # weights per bfloat16 scale in every tunable format
 WINDOW = 512  # tokens per window of the tuning text
 TOKENS = 65536  # most tokens tuned on
-TOPK = 128  # teacher tokens kept per position (0: all V; docs/BENCHMARKS.md "Tuned block scales")
+TOPK = 256  # teacher tokens kept per position (0: all V; docs/BENCHMARKS.md "Tuned block scales")
 BATCH = 4  # windows per step
 LR = 2e-3  # Adam step on t (a factor exp(t) moves by about LR per step)
 EVAL_EVERY = 25  # steps between validation checks
