@@ -24,6 +24,7 @@ from lowbit.kernels.routes import check_env
 from lowbit.models import param_counts
 from lowbit.models.config import load_config
 from lowbit.quantize.export import DEFAULT_FORMATS, quantize_model, summary_table
+from lowbit.quantize.tune import TOPK as TUNE_TOPK
 
 
 def _fmt_count(n: float) -> str:
@@ -139,7 +140,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                               calib=args.calib, damp=args.damp, bpw=args.bpw, formats=args.formats,
                               sensitivity=args.sensitivity, sensitivity_from=args.sensitivity_from,
                               tune_steps=args.tune_scales, tune_text=args.tune_text,
-                              tune_tokens=args.tune_tokens, tune_norms=args.tune_norms)
+                              tune_tokens=args.tune_tokens, tune_norms=args.tune_norms,
+                              tune_topk=args.tune_teacher_topk)
     print(summary_table(manifest))
     print(f"wrote {args.out}")
     return 0
@@ -235,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tune-scales: the UTF-8 text to tune on (default: the --calib text)")
     q.add_argument("--tune-tokens", type=int, default=65536, metavar="N",
                    help="with --tune-scales: tune on at most N tokens of the text, windows spread evenly over it")
+    q.add_argument("--tune-teacher-topk", type=int, default=None, metavar="K",
+                   help=f"with --tune-scales: keep the teacher's K most likely tokens per position and "
+                        f"the rest's mass (default {TUNE_TOPK}; 0: the whole distribution, 4 * vocab bytes a token)")
     q.add_argument("--tune-norms", action="store_true",
                    help="with --tune-scales: tune the RMSNorm weights (kept dense, not in --bpw) with the scales")
     q.set_defaults(func=cmd_quantize)

@@ -16,6 +16,8 @@ on the per-token scale of a Linear's.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +107,18 @@ def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: 
     X^T X for each planned weight."""
     width = min(WINDOW, context)
     sums = HessianSums()
+    with hessian_hooks(model, plan, sums), torch.inference_mode():
+        for s in range(0, len(ids), width):
+            x = torch.tensor(ids[s:s + width], device=device)  # [T]
+            sums.tokens += len(x)
+            model(x, ForwardBatch.build([len(x)], [0], None, None, torch.device(device)))
+    return sums
+
+
+@contextmanager
+def hessian_hooks(model: nn.Module, plan: QuantPlan, sums: HessianSums) -> Iterator[None]:
+    """While open, every forward of `model` (or of one of its layers) adds the inputs of
+    each planned weight under it to `sums`."""
     hooks = []
     for pname, (mod, attr) in swappable(model).items():
         if pname not in plan.quantized:
@@ -121,15 +135,10 @@ def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: 
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, args, pname=pname: _expert_inputs(m, pname, sums, *args)))
     try:
-        with torch.inference_mode():
-            for s in range(0, len(ids), width):
-                x = torch.tensor(ids[s:s + width], device=device)  # [T]
-                sums.tokens += len(x)
-                model(x, ForwardBatch.build([len(x)], [0], None, None, torch.device(device)))
+        yield
     finally:
         for h in hooks:
             h.remove()
-    return sums
 
 
 def _expert_inputs(mod: Experts, pname: str, sums: HessianSums, x: Tensor, ids: Tensor, w: Tensor,

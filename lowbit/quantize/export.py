@@ -11,6 +11,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -41,11 +42,21 @@ from lowbit.quantize.calibrate import (
 from lowbit.quantize.gptq import DAMP
 from lowbit.quantize.sensitivity import WINDOW, KLProbe
 from lowbit.quantize.tune import TOKENS as TUNE_TOKENS
+from lowbit.quantize.tune import TOPK as TUNE_TOPK
 from lowbit.quantize.tune import TUNABLE, TuneText, teacher, tune_scales
 from lowbit.quantize.tune import WINDOW as TUNE_WINDOW
 
-# --tune-scales: the text, steps, most tokens, and the norms' dtype with --tune-norms (else None)
-Tuning = tuple[Calibration, int, int, torch.dtype | None]
+
+class Tuning(NamedTuple):
+    """--tune-scales: the text, steps, most tokens, teacher tokens kept per position (0: all),
+    and the norms' dtype with --tune-norms (else None)."""
+
+    text: Calibration
+    steps: int
+    tokens: int
+    topk: int
+    norms: torch.dtype | None
+
 DEFAULT_FORMATS = "vq2,nf3,vq3,lut3,nf4,vq4,lut4,nvfp4,int4-g32,fp8,dense"  # the --bpw candidates
 
 
@@ -60,7 +71,8 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
                    bpw: float | None = None, formats: str | None = None,
                    sensitivity: str | None = None, sensitivity_from: str | Path | None = None,
                    tune_steps: int = 0, tune_text: str | Path | None = None,
-                   tune_tokens: int = TUNE_TOKENS, tune_norms: bool = False) -> dict:
+                   tune_tokens: int = TUNE_TOKENS, tune_norms: bool = False,
+                   tune_topk: int | None = None) -> dict:
     """Write the artifact for `model` in format `fmt` (or, with `bpw`, a format per weight
     from `formats` under that budget) at `out`; return its manifest with the run's wall
     time added under totals.seconds. With `calib` (a text file) every weight is rounded by
@@ -70,16 +82,18 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
     calibration and damping) lends its scores instead of scoring again. `tune_steps` (with
     `calib`) then tunes the block scales of the rounded weights against the unquantized
     model's next-token distributions on `tune_text` (default: the calibration text) for that
-    many steps, on at most `tune_tokens` of its tokens, with `tune_norms` the RMSNorm weights
-    too (lowbit.quantize.tune)."""
+    many steps, on at most `tune_tokens` of its tokens, keeping the teacher's `tune_topk` most
+    likely tokens per position (default TOPK; 0: all), with `tune_norms` the RMSNorm weights too
+    (lowbit.quantize.tune)."""
     t0 = time.perf_counter()
     candidates = _check_budget_args(fmt, bpw, formats)
     sensitivity = _check_sensitivity(sensitivity, bpw, calib, sensitivity_from)
     calibration = Calibration.read(calib) if calib is not None else None  # fails before loading
-    tuning = _check_tuning(tune_steps, tune_text, tune_tokens, calibration, fmt)
+    tuning = _check_tuning(tune_steps, tune_text, tune_tokens, tune_topk, calibration, fmt)
     if tune_norms and tuning is None:
         raise LowbitError("--tune-norms tunes the norms with the scales: give --tune-scales STEPS too.")
-    tuning = None if tuning is None else (*tuning, parse_dtype(dtype) if tune_norms else None)
+    if tune_norms:
+        tuning = tuning._replace(norms=parse_dtype(dtype))
     if not 0 <= damp < 1:
         raise LowbitError(f"--damp {damp}: give a fraction of the mean Hessian diagonal in [0, 1), e.g. 0.01.")
     if calibration is not None and fmt is not None and fmt not in SCALAR_FORMATS + VQ_FORMAT_NAMES:
@@ -148,11 +162,13 @@ def _check_budget_args(fmt: str | None, bpw: float | None, formats: str | None) 
     return list(dict.fromkeys(names))
 
 
-def _check_tuning(steps: int, text: str | Path | None, tokens: int, calibration: Calibration | None,
-                  fmt: str | None) -> tuple[Calibration, int, int] | None:
+def _check_tuning(steps: int, text: str | Path | None, tokens: int, topk: int | None,
+                  calibration: Calibration | None, fmt: str | None) -> Tuning | None:
     """The tuning text and steps of --tune-scales (None without it)."""
-    if steps == 0 and text is None:
+    if steps == 0 and text is None and topk is None:
         return None
+    if steps == 0 and topk is not None:
+        raise LowbitError("--tune-teacher-topk sets the teacher of --tune-scales; give --tune-scales STEPS too.")
     if steps == 0:
         raise LowbitError("--tune-text is the text of --tune-scales; give --tune-scales STEPS too.")
     if steps < 0:
@@ -164,14 +180,18 @@ def _check_tuning(steps: int, text: str | Path | None, tokens: int, calibration:
                           "none: drop the flag or pick one of those formats.")
     if tokens < 2:
         raise LowbitError(f"--tune-tokens {tokens}: give the most tokens to tune on, e.g. 65536.")
-    return (calibration if text is None else Calibration.read(text)), steps, tokens
+    topk = TUNE_TOPK if topk is None else topk
+    if topk < 0:
+        raise LowbitError(f"--tune-teacher-topk {topk}: give the teacher tokens to keep per position, "
+                          f"e.g. {TUNE_TOPK}, or 0 for all of them.")
+    return Tuning(calibration if text is None else Calibration.read(text), steps, tokens, topk, None)
 
 
 def _tuning_text(tuning: Tuning | None, path: Path, context: int) -> TuneText | None:
     if tuning is None:
         return None
-    text, steps, tokens, _ = tuning
-    return TuneText.build(text, Tokenizer(path).encode(text.text), steps, min(TUNE_WINDOW, context), tokens)
+    ids = Tokenizer(path).encode(tuning.text.text)
+    return TuneText.build(tuning.text, ids, tuning.steps, min(TUNE_WINDOW, context), tuning.tokens)
 
 
 def _check_sensitivity(sensitivity: str | None, bpw: float | None, calib: str | Path | None,
@@ -230,7 +250,7 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
         sums, rounding, ids = _hessians(loaded, path, formats, calibration, device, quantize_lm_head)
         rounding["damp"] = damp
     text = _tuning_text(tuning, path, loaded.config.max_position_embeddings)
-    reference = None if text is None else teacher(loaded.model, text, device)
+    reference = None if text is None else teacher(loaded.model, text, device, tuning.topk)
     if sensitivity == "kl":
         probe = KLProbe.build(loaded.model, ids, device, window=min(WINDOW, loaded.config.max_position_embeddings))
     t0 = time.perf_counter()
@@ -250,7 +270,7 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
         set_quantized(mod, attr, round_weight(get_format(c.format), w, h, damp))
     record = _sensitivity_record(sensitivity, sums, probe, chosen, scored)
     if text is not None:
-        rounding["tuning"] = _tuned(loaded, text, reference, device, tuning[3], probe)
+        rounding["tuning"] = _tuned(loaded, text, reference, device, tuning.norms, probe)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
     if rounding is not None:
@@ -304,11 +324,11 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
     t0 = time.perf_counter()
     sums = collect_hessians(loaded.model, plan, ids, device, loaded.config.max_position_embeddings)
     text = _tuning_text(tuning, path, loaded.config.max_position_embeddings)
-    reference = None if text is None else teacher(loaded.model, text, device)
+    reference = None if text is None else teacher(loaded.model, text, device, tuning.topk)
     t1 = time.perf_counter()
     counts = calibrated_quantize(loaded.model, plan, sums, damp)
     t2 = time.perf_counter()
-    tuned = None if text is None else _tuned(loaded, text, reference, device, tuning[3])
+    tuned = None if text is None else _tuned(loaded, text, reference, device, tuning.norms)
     target = parse_dtype(dtype)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
@@ -332,10 +352,15 @@ def _tuned(loaded: LoadedModel, text: TuneText, target: list, device: str, norms
         return record
     print(f"tune-scales: {record['weights']} weights, validation KL {record['validation_kl_before']:.5f} -> "
           f"{record['validation_kl_after']:.5f} (step {record['kept_step']} of {record['steps']}), "
-          f"{record['seconds']:.0f} s")
+          f"{record['seconds']:.0f} s; teacher {_kept(record['teacher'])}")
     if probe is not None:
         record["plan_kl_measured_after"] = probe.kl()
     return record
+
+
+def _kept(teacher: dict) -> str:
+    k = f"top {teacher['top_k']} tokens a position" if teacher["top_k"] else "whole distributions"
+    return f"{k}, {teacher['bytes'] / 2**20:.1f} MiB"
 
 
 def summary_table(manifest: dict) -> str:

@@ -34,7 +34,7 @@ CHUNK = 128  # columns per lazy batch of error updates (a multiple of every bloc
 def inverse_factor(h: Tensor, damp: float) -> tuple[Tensor, Tensor]:
     """h float [L, K, K] -> (upper Cholesky factor of (h + damping)^-1, float32 [L, K, K];
     dead columns bool [L, K])."""
-    h = h.double().clone()
+    h = h.to(torch.float64, copy=True)
     diag = torch.diagonal(h, dim1=-2, dim2=-1)  # a view: the edits below land in h
     dead = diag <= 0
     diag[dead] = 1.0

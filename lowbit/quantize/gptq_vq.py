@@ -26,9 +26,21 @@ from lowbit.formats.scalar import ScalarFormat
 from lowbit.formats.vq import VQ_BLOCK, VqFormat, pack_indices
 from lowbit.quantize.gptq import CHUNK, DAMP, gptq_quantize, inverse_factor
 
+# expert matrices rounded per call: bounds the float64 inverse-Hessian work, about
+# 4 * 8 * K^2 bytes a matrix (2.1 GiB for 16 at K = 2,048; docs/BENCHMARKS.md "Calibrated rounding")
+MATRICES_PER_CALL = 16
+
 
 def calibrated_rounding(fmt: Format, w: Tensor, h: Tensor, damp: float = DAMP) -> QuantizedTensor:
-    """GPTQ rounding of w [N, K] / [L, N, K] on h [K, K] / [L, K, K] in a scalar or vector format."""
+    """GPTQ rounding of w [N, K] / [L, N, K] on h [K, K] / [L, K, K] in a scalar or vector
+    format; a stack of more than MATRICES_PER_CALL matrices goes in slices of that many (each
+    matrix is rounded alone, and its payload fields lead with L, so the slices concatenate)."""
+    if w.dim() == 3 and w.shape[0] > MATRICES_PER_CALL:
+        shared = h.dim() == 2 or h.shape[0] == 1
+        parts = [calibrated_rounding(fmt, w[i:i + MATRICES_PER_CALL], h if shared else h[i:i + MATRICES_PER_CALL],
+                                     damp) for i in range(0, w.shape[0], MATRICES_PER_CALL)]
+        payload = {key: torch.cat([p.payload[key] for p in parts]) for key in parts[0].payload}
+        return QuantizedTensor(fmt, tuple(w.shape), payload)
     if isinstance(fmt, VqFormat):
         return gptq_quantize_vq(fmt, w, h, damp)
     return gptq_quantize(fmt, w, h, damp)

@@ -9,15 +9,24 @@ w = u * s: u [L, N, Kp] the weight decoded with every bfloat16 block scale set t
 tables and codebooks fixed), s [L, N, NB] its scales. Tuning keeps u and learns one factor
 exp(t) per block (t = 0 at the start) by Adam on the mean KL(p || q) of the next-token
 distributions over windows of the tuning text (at most TOKENS tokens, windows spread evenly
-over a longer text): p from the unquantized model (one pass before rounding, kept as
-log-probabilities: S * W * V * 4 bytes), q from the model with the tuned weights. Every
-tenth window (the last one when there are fewer than ten) is a validation split, never
-trained on: its KL, every EVAL_EVERY steps with the scales rounded to bfloat16 as stored,
-picks the factors that are kept (those of the best check, or none when no check beats
-t = 0). The stored scale is bf16(s * exp(t)): the payload keeps its format, shapes and
-bytes, so bits per weight, decoding and every kernel route are unchanged. Other formats
-keep their rounding. With `norms`, each RMSNorm weight g (dense, outside the byte budget)
-is tuned alike as g * exp(t) per entry.
+over a longer text): p from the unquantized model (one pass before rounding), q from the
+model with the tuned weights. Every tenth window (the last one when there are fewer than
+ten) is a validation split, never trained on: its KL, every EVAL_EVERY steps with the
+scales rounded to bfloat16 as stored, picks the factors that are kept (those of the best
+check, or none when no check beats t = 0). The stored scale is bf16(s * exp(t)): the
+payload keeps its format, shapes and bytes, so bits per weight, decoding and every kernel
+route are unchanged. Other formats keep their rounding. With `norms`, each RMSNorm weight g
+(dense, outside the byte budget) is tuned alike as g * exp(t) per entry.
+
+The teacher is kept as its TOPK most likely tokens per position (ids int32 and
+log-probabilities float32 [S * W, TOPK]) and the mass of the rest (float32 [S * W]):
+8 * TOPK + 4 bytes a token instead of 4 * V (2,052 against 607,744 at V = 151,936). The
+loss is then the KL between p and q coarsened to those TOPK tokens plus one tail bucket,
+sum_top p_i log(p_i / q_i) + p_tail log(p_tail / q_tail), q_tail = 1 - sum_top q_i: never
+more than the full KL (coarsening cannot raise a KL), equal to it when the tail holds at
+most one token. Its gradient in the student's logits z is the full KL's, q_j - p_j, on the
+top tokens, and q_j (1 - p_tail / q_tail) on the others (the tail's p spread as q spreads
+it). With topk 0 (or >= V) the full [S * W, V] log-probabilities are kept.
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ from lowbit.quantize.calibrate import Calibration
 
 BLOCK = 64  # weights per bfloat16 scale in every tunable format
 WINDOW = 512  # tokens per window of the tuning text
-TOKENS = 65536  # most tokens tuned on (teacher log-probabilities: TOKENS * V * 4 bytes)
+TOKENS = 65536  # most tokens tuned on
+TOPK = 256  # teacher tokens kept per position (0: all V; docs/BENCHMARKS.md "Tuned block scales")
 BATCH = 4  # windows per step
 LR = 2e-3  # Adam step on t (a factor exp(t) moves by about LR per step)
 EVAL_EVERY = 25  # steps between validation checks
@@ -98,15 +108,60 @@ def log_probs(model: nn.Module, windows: list[list[int]], device: str) -> Tensor
     return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
 
 
-def kl(logp: Tensor, logq: Tensor) -> Tensor:
-    """mean over tokens of KL(p || q), from log-probabilities [T, V]."""
-    return (logp.exp() * (logp - logq)).sum(-1).mean()
+@dataclass
+class Target:
+    """The teacher's next-token distributions over T positions: log-probabilities logp
+    [T, V] (ids and tail None), or those of its top k tokens, logp and ids [T, k] (k < V),
+    with the mass of the others, tail [T]."""
+
+    logp: Tensor
+    ids: Tensor | None = None
+    tail: Tensor | None = None
+
+    @classmethod
+    def of(cls, logp: Tensor, topk: int) -> Target:
+        """Keep logp [T, V] whole (topk 0 or >= V) or its top `topk` entries and the tail mass."""
+        if topk == 0 or topk >= logp.shape[-1]:
+            return cls(logp)
+        top, ids = logp.topk(topk, dim=-1)  # [T, k]
+        tail = logp.scatter(-1, ids, float("-inf")).logsumexp(-1).exp()  # [T]
+        return cls(top, ids.int(), tail)
+
+    @classmethod
+    def cat(cls, parts: list[Target]) -> Target:
+        def join(name: str) -> Tensor | None:
+            xs = [getattr(p, name) for p in parts]
+            return None if xs[0] is None else torch.cat(xs)
+        return cls(join("logp"), join("ids"), join("tail"))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in (self.logp, self.ids, self.tail) if x is not None)
+
+    def kl(self, logq: Tensor) -> Tensor:
+        """Mean over positions of KL(p || q) (top k: the coarsened KL of the module docstring);
+        logq [T, V] the student's log-probabilities."""
+        if self.ids is None:
+            return (self.logp.exp() * (self.logp - logq)).sum(-1).mean()
+        ids = self.ids.long()
+        top = (self.logp.exp() * (self.logp - logq.gather(-1, ids))).sum(-1)  # [T]
+        q_tail = logq.scatter(-1, ids, float("-inf")).logsumexp(-1)  # [T] log of q's mass off the top k
+        return (top + torch.xlogy(self.tail, self.tail) - self.tail * q_tail).mean()
+
+
+def teacher_record(target: list[Target]) -> dict:
+    """What lowbit.json records of the teacher: top k (0: all), bytes kept, mean tail mass."""
+    if target[0].ids is None:
+        return {"top_k": 0, "bytes": sum(t.nbytes for t in target)}
+    tail = torch.cat([t.tail for t in target])
+    return {"top_k": target[0].ids.shape[-1], "bytes": sum(t.nbytes for t in target),
+            "tail_mass_mean": float(tail.mean())}
 
 
 @torch.inference_mode()
-def teacher(model: nn.Module, text: TuneText, device: str) -> list[Tensor]:
-    """The unquantized model's log-probabilities, one [W, V] per window."""
-    return [log_probs(model, [w], device) for w in text.windows]
+def teacher(model: nn.Module, text: TuneText, device: str, topk: int = TOPK) -> list[Target]:
+    """The unquantized model's next-token distributions, one Target per window."""
+    return [Target.of(log_probs(model, [w], device), topk) for w in text.windows]
 
 
 class _Block:
@@ -160,7 +215,7 @@ class _Norm:
         self.mod._parameters["weight"] = self.param
 
 
-def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: str,
+def tune_scales(model: nn.Module, text: TuneText, target: list[Target], device: str,
                 lr: float = LR, seed: int = 0, norms: torch.dtype | None = None) -> dict:
     """Tune the block scales of every tunable weight installed in `model` (module docstring),
     and with `norms` (the dtype the artifact stores them in) the RMSNorm weights too;
@@ -173,7 +228,7 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: 
         blocks += [_Norm(m, norms) for m in model.modules() if isinstance(m, RMSNorm)]
     val = [i for i in range(len(text.windows)) if text.validation(i)]
     train = [i for i in range(len(text.windows)) if not text.validation(i)]
-    val_windows, val_target = [text.windows[i] for i in val], torch.cat([target[i] for i in val])
+    val_windows, val_target = [text.windows[i] for i in val], Target.cat([target[i] for i in val])
     opt = torch.optim.Adam([b.t for b in blocks], lr=lr)
     gen = torch.Generator().manual_seed(seed)
 
@@ -181,7 +236,7 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: 
         with torch.no_grad():
             for b in blocks:
                 b.install(stored=True)
-            return float(kl(val_target, log_probs(model, val_windows, device)))
+            return float(val_target.kl(log_probs(model, val_windows, device)))
 
     before = best = check()
     print(f"tune-scales: {len(blocks)} tensors, validation KL {before:.5f} before tuning", file=sys.stderr, flush=True)
@@ -191,7 +246,8 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: 
             pick = [train[i] for i in torch.randperm(len(train), generator=gen)[:BATCH].tolist()]
             for b in blocks:
                 b.install(stored=False)
-            loss = kl(torch.cat([target[i] for i in pick]), log_probs(model, [text.windows[i] for i in pick], device))
+            logq = log_probs(model, [text.windows[i] for i in pick], device)  # [BATCH * W, V]
+            loss = Target.cat([target[i] for i in pick]).kl(logq)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -210,6 +266,7 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Tensor], device: 
     return {"method": "block scales tuned on the teacher's KL", "steps": steps, "lr": lr, "batch_windows": BATCH,
             "window": len(text.windows[0]),
             "text": {"file": text.path.name, "sha256": text.sha256, "tokens": sum(map(len, text.windows))},
+            "teacher": teacher_record(target),
             "train_windows": len(train), "validation_windows": len(val),
             "validation_kl_before": before, "validation_kl_after": best, "kept_step": best_step,
             "validation_history": history, "weights": sum(isinstance(b, _Block) for b in blocks),

@@ -53,3 +53,20 @@ def test_dead_columns_decode_to_zero_and_dispatch(layer):
     assert torch.equal(same.payload["codes"], qt.payload["codes"])
     shared = calibrated_rounding(get_format("vq4"), w, h)  # one [K, K] Hessian for a stack
     assert shared.shape == w.shape and torch.isfinite(shared.dequantize()).all()
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "lut3", "int4-g32", "vq3"])
+def test_stack_rounded_in_slices_is_the_stack_rounded_at_once(layer, name, monkeypatch):
+    """Expert stacks above MATRICES_PER_CALL go in slices: the same payload, field by field."""
+    import lowbit.quantize.gptq_vq as gv
+
+    _, w, h = layer
+    stack = torch.cat([w, w.flip(1), 0.5 * w])  # [6, N, K]
+    hs = torch.stack([h * (1 + i / 6) for i in range(6)])  # a Hessian per matrix
+    fmt = get_format(name)
+    whole = [calibrated_rounding(fmt, stack, hh) for hh in (hs, h)]  # per matrix, shared
+    monkeypatch.setattr(gv, "MATRICES_PER_CALL", 4)  # slices of 4 and 2
+    for hh, ref in zip((hs, h), whole):
+        sliced = calibrated_rounding(fmt, stack, hh)
+        assert sliced.shape == ref.shape and sliced.payload.keys() == ref.payload.keys()
+        assert all(torch.equal(sliced.payload[k], ref.payload[k]) for k in ref.payload)

@@ -7,7 +7,7 @@ import torch
 
 from lowbit.cli import main
 from lowbit.formats import get_format
-from lowbit.quantize.tune import _Block, tunable
+from lowbit.quantize.tune import Target, _Block, tunable
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
         "must be in want of a wife. However little known the feelings or views of such a man may be. ") * 30
@@ -31,6 +31,44 @@ def test_unit_scale_decode_times_scales_is_the_decode(name):
     assert torch.allclose(tuned.dequantize(), qt.dequantize() * torch.exp(torch.tensor(0.1)), rtol=1e-2)
 
 
+def _teacher_student(t: int = 48, v: int = 1000) -> tuple[torch.Tensor, torch.Tensor]:
+    """Peaked next-token log-probabilities [t, v] of a teacher, and student logits near it."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(t, v, generator=g) * 4
+    return z.log_softmax(-1), (z + 0.5 * torch.randn(t, v, generator=g)).requires_grad_()
+
+
+def _kl_and_grad(target: Target, zq: torch.Tensor) -> tuple[float, torch.Tensor]:
+    loss = target.kl(zq.log_softmax(-1))
+    return loss.item(), torch.autograd.grad(loss, zq)[0]
+
+
+@pytest.mark.parametrize("k", [999, 1000])
+def test_topk_teacher_kl_is_the_full_kl_when_it_leaves_at_most_one_token(k):
+    logp, zq = _teacher_student()
+    full, grad = _kl_and_grad(Target.of(logp, 0), zq)
+    top, top_grad = _kl_and_grad(Target.of(logp, k), zq)
+    assert top == pytest.approx(full, rel=1e-5) and torch.allclose(top_grad, grad, atol=1e-8)
+
+
+@pytest.mark.parametrize("k,cos", [(8, 0.98), (64, 0.9995), (128, 0.99999)])
+def test_topk_teacher_kl_bounds_the_full_kl_and_its_gradient_agrees(k, cos):
+    logp, zq = _teacher_student()
+    full, grad = _kl_and_grad(Target.of(logp, 0), zq)
+    top, top_grad = _kl_and_grad(Target.of(logp, k), zq)
+    assert 0 < top <= full
+    assert torch.nn.functional.cosine_similarity(top_grad.flatten(), grad.flatten(), 0) > cos
+
+
+def test_topk_teacher_stores_8k_plus_4_bytes_a_token_and_concatenates():
+    logp, _ = _teacher_student(t=48, v=1000)
+    assert Target.of(logp, 0).nbytes == 48 * 1000 * 4 == Target.of(logp, 5000).nbytes
+    parts = [Target.of(logp[:16], 64), Target.of(logp[16:], 64)]
+    joined, whole = Target.cat(parts), Target.of(logp, 64)
+    assert joined.nbytes == whole.nbytes == 48 * (64 * 8 + 4)
+    assert torch.equal(joined.ids, whole.ids) and torch.equal(joined.tail, whole.tail)
+
+
 def test_formats_without_bf16_block_scales_are_not_tuned():
     w = torch.randn(8, 64)
     for name in ("nvfp4", "int4", "fp8", "mxfp4"):
@@ -46,7 +84,11 @@ def test_tune_scales_needs_calib_and_steps(tiny_moe_dir, tmp_path, capsys):
                        (["--format", "nf4", "--calib", str(calib), "--tune-scales", "-1"], "number of tuning steps"),
                        (["--format", "nf4", "--calib", str(calib), "--tune-text", str(calib)], "--tune-scales STEPS"),
                        (["--format", "nvfp4", "--calib", str(calib), "--tune-scales", "10"], "has none"),
-                       (["--format", "nf4", "--calib", str(calib), "--tune-norms"], "--tune-scales STEPS too")):
+                       (["--format", "nf4", "--calib", str(calib), "--tune-norms"], "--tune-scales STEPS too"),
+                       (["--format", "nf4", "--calib", str(calib), "--tune-teacher-topk", "64"],
+                        "--tune-scales STEPS too"),
+                       (["--format", "nf4", "--calib", str(calib), "--tune-scales", "10", "--tune-teacher-topk", "-1"],
+                        "or 0 for all")):
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err, err
@@ -73,7 +115,7 @@ def test_bpw_plan_is_tuned_after_allocation_within_its_bytes(tiny_moe_dir, tmp_p
     calib.write_text(TEXT)
     art = tmp_path / "art"
     argv = ["quantize", str(tiny_moe_dir), "--bpw", "7.6", "--formats", "nf3,nf4,fp8", "--out", str(art),
-            "--device", "cpu", "--calib", str(calib), "--tune-scales", "25", "--tune-norms"]
+            "--device", "cpu", "--calib", str(calib), "--tune-scales", "25", "--tune-norms", "--tune-teacher-topk", "8"]
     assert main(argv) == 0
     manifest = json.loads((art / "lowbit.json").read_text())
     plan, rec = manifest["allocation"], manifest["provenance"]["rounding"]["tuning"]
@@ -82,3 +124,5 @@ def test_bpw_plan_is_tuned_after_allocation_within_its_bytes(tiny_moe_dir, tmp_p
     assert rec["validation_kl_after"] <= rec["validation_kl_before"]
     assert rec["norms"] == 2 * 2 + 2 * 2 + 1  # per layer: input, post-attention, q and k norms; the final one
     assert rec["plan_kl_measured_after"] >= 0 and plan["sensitivity"]["plan_kl_measured"] > 0
+    assert rec["teacher"]["top_k"] == 8 and rec["teacher"]["bytes"] == rec["text"]["tokens"] * (8 * 8 + 4)
+    assert 0 < rec["teacher"]["tail_mass_mean"] < 1
