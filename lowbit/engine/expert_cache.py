@@ -166,7 +166,9 @@ class LayerCache:
                       for name, (kind, keys, shared) in self._kinds.items()}
         self.num_physical = P
         self.map = DeviceSlotMap(S, E, policy, device)
-        self.zero_copy = zero_copy_refusal(device) is None
+        # the largest graph bucket whose experts always fit (rows x top-k <= S) and whose
+        # misses the copy kernel can bring in (it reads pinned host memory here); 0: none
+        self.resolve_rows = S // self.moe.spec.top_k if zero_copy_refusal(device) is None else 0
         self.slot_table = self.map.slot_table  # [E] int32 view: expert -> slot, -1
         self.misses_dev = torch.zeros((), dtype=torch.int64, device=device)  # views of the
         self.uses_dev = torch.zeros(E, dtype=torch.int64, device=device)  # cache's counters, set by it
@@ -185,10 +187,8 @@ class LayerCache:
                           c["prefetched"], c["prefetch_hits"])
 
     def resolves(self, rows: int) -> bool:
-        """Whether a graph step of `rows` rows admits its own misses on the device: its
-        experts always fit the slots (rows x top-k <= S), and the copy kernel reads host
-        memory here."""
-        return rows * self.moe.spec.top_k <= self.num_slots and self.zero_copy
+        """Whether a graph step of `rows` rows admits its own misses on the device."""
+        return rows <= self.resolve_rows
 
     # -- copies ---------------------------------------------------------------------------
     def admit(self, needed: torch.Tensor | list[int], count: bool = True) -> None:
@@ -365,6 +365,7 @@ class ExpertCache:
         self.layers = [LayerCache(m, i, device) for i, m in enumerate(self.moes)] if offload else []
         self.force_speculate = False  # tests: the graph path without a graph
         self.graph_steps = self.graph_reruns = 0  # replays accepted / sent back by graph_check
+        self.resolve_rows = 0  # set by allocate
         self.num_live = 1 << 62  # the step's real rows, on the host (live_rows: on the device)
         for m in self.moes:
             m.expert_hook = self
@@ -388,6 +389,8 @@ class ExpertCache:
             c.misses_dev, c.uses_dev = self.counters[off], self.counters[off + 1:off + n]
             c.live_rows = self.live_rows
             off += n
+        # the largest decode bucket every layer resolves: its replays need no graph_check read
+        self.resolve_rows = min((c.resolve_rows for c in self.layers), default=0)
         refusal = zero_copy_refusal(self.device) if self.layers else None
         if refusal is not None:
             log.warning("expert cache: decode graphs cannot copy their own misses (%s); a graph step "
@@ -479,7 +482,7 @@ class ExpertCache:
         recency. A bucket every layer resolves on the device has nothing to check: no read."""
         if not self.layers:
             return True
-        if rows is not None and all(c.resolves(rows) for c in self.layers):
+        if rows is not None and rows <= self.resolve_rows:
             self.graph_steps += 1
             return True
         # a pinned copy and an event wait, like the runner's token read: no implicit sync
@@ -512,11 +515,6 @@ class ExpertCache:
                 "prefetch_hits": sum(s.prefetch_hits for s in st),
                 "graph_steps": self.graph_steps, "graph_reruns": self.graph_reruns,
                 "graph_resolve_rows": self.resolve_rows}
-
-    @property
-    def resolve_rows(self) -> int:
-        """The largest decode bucket whose graph copies its own misses (0: none)."""
-        return min((c.num_slots // c.moe.spec.top_k if c.zero_copy else 0) for c in self.layers)
 
     def reset_stats(self) -> None:
         """Forget the counts (the engine's start-up profile forward is not traffic)."""
