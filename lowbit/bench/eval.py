@@ -254,16 +254,6 @@ def student_key(model: str, spec: str | None, several_models: bool) -> str:
     return f"{name}-{key}" if several_models and key else key or name
 
 
-def curve(rows: list[EvalResult]) -> str:
-    """The students by bits per weight: the KL-vs-bits table."""
-    head = "| student | bits/weight | KL mean | KL p99 | top-1 | PPL |"
-    out = [head, "|" + "---|" * 6]
-    for r in sorted(rows, key=lambda r: (r.bits_per_weight, r.kl_mean)):
-        out.append(f"| {r.model} | {r.bits_per_weight:.3f} | {r.kl_mean:.5f} | {r.kl_p99:.5f} | "
-                   f"{r.top1:.4f} | {r.ppl:.3f} |")
-    return "\n".join(out)
-
-
 def main_eval(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -306,7 +296,8 @@ def main_eval(args: argparse.Namespace) -> int:
             print(f"wrote {out}")
         del student
     if len(scored) > 1:
-        print("\nKL to the teacher by bits per weight:\n" + curve(scored))
+        print("\nKL to the teacher by bits per weight:\n"
+              + markdown(sorted(scored, key=lambda r: (r.bits_per_weight, r.kl_mean))))
     if args.plot:
         pts = [{"format": r.model, "bits_per_weight": r.bits_per_weight, "kl_mean": r.kl_mean} for r in scored]
         print(f"wrote {plot_kl(pts, Path(args.plot).parent, Path(args.plot).name)}")

@@ -97,9 +97,9 @@ def test_cli_scores_several_students_into_a_curve_and_a_plot(tiny_moe_dir, text_
     assert rc == 0
     out = capsys.readouterr().out
     table = out.split("KL to the teacher by bits per weight:")[1].split("wrote")[0]
-    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "student" not in ln]
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "bits/weight" not in ln]
     assert len(rows) == 4
-    bits = [float(r.split("|")[2]) for r in rows]
+    bits = [float(r.split("|")[3]) for r in rows]
     assert bits == sorted(bits) and bits[0] < bits[-1]  # nf3 before nvfp4
     names = sorted(p.name for p in tmp_path.glob("e-*.json"))
     assert names == sorted(f"e-{d}-{f}.json" for d in (Path(tiny_moe_dir).name, "copy") for f in ("nvfp4", "nf3"))
