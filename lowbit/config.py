@@ -70,6 +70,9 @@ class EngineConfig:
     speculative_synthetic_accept: float | None = _opt(
         None, "accept each draft with probability P, whatever the target says (emitted text is not the "
               "model's)", cli=False)
+    router_zipf: float | None = _opt(None, "with --random-weights: bias every MoE router toward Zipf(S) expert "
+                                           "popularity over a seeded per-layer ranking (synthetic routing for "
+                                           "expert-cache measurements; docs/SERVING.md)")
     # expert offload (docs/SERVING.md, Expert offload)
     expert_offload: bool = _opt(False, "keep MoE experts in host memory and a cache of them on the device")
     expert_cache_slots: int | None = _opt(None, "with --expert-offload: device slots per MoE layer (default: "
@@ -128,6 +131,16 @@ class EngineConfig:
             raise LowbitError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self._validate_speculative()
         self._validate_expert_cache()
+        z = self.router_zipf
+        if z is not None:
+            if not self.random_weights:
+                raise LowbitError("--router-zipf biases the router of a random-weight model; a checkpoint "
+                                  "routes as it was trained (add --random-weights --config FILE)")
+            if not (isinstance(z, (int, float)) and 0 <= z <= 4):
+                raise LowbitError(f"--router-zipf must be an exponent in [0, 4], got {z}")
+            if self.parallel:
+                raise LowbitError("--router-zipf runs on one device; drop --tensor-parallel-size / "
+                                  "--expert-parallel-size")
 
     def _validate_expert_cache(self) -> None:
         slots, gib = self.expert_cache_slots, self.expert_cache_gib

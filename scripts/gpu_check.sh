@@ -18,9 +18,11 @@
 #              ENGINE_FORMATS="nvfp4 nvfp4+nopdl" adds a run with LOWBIT_PDL=0
 #   offload    expert offload at the Qwen3-30B-A3B shape, $QUANT, C1: resident, then
 #              OFFLOAD_SLOTS slots per layer (default 32 = 25 %, graphs copy their own
-#              misses), then Qwen3-235B-A22B in nf3 from a 24 GiB slot budget
-#   spec       speculative decoding: the demo with ngram and its draft (k = 3), and the
-#              synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape, $QUANT
+#              misses), then Qwen3-235B-A22B in nf3 from a 24 GiB slot budget (OFFLOAD_BIG=0
+#              skips it); tokens sampled over Zipf-biased routers (OFFLOAD_ROUTING)
+#   spec       speculative decoding: the demo with ngram and its draft (k = 3; SPEC_DEMO=0
+#              skips them), and the synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape,
+#              $QUANT (SPEC_SYN=0 skips it)
 # Writes under $OUT (default ./gpu_out); the last lines printed are the summary tables. The
 # records (*-latency-*.json, kernel JSON) are in $OUT/results.tar.gz: $OUT returns at most 8 files.
 set -uo pipefail
@@ -115,28 +117,36 @@ if has engine; then
 fi
 
 if has offload; then
-  C1="-p 64 -n 64 -d 0 -r ${OFFLOAD_REPEATS:-3}"
+  # sampled tokens over Zipf-biased routers: greedy random weights repeat a token and route
+  # to the same experts every step (docs/SERVING.md "Routing of random weights")
+  ROUTING=${OFFLOAD_ROUTING:---temperature 1 --router-zipf 1.0}
+  C1="-p 64 -n 64 -d 0 -r ${OFFLOAD_REPEATS:-3} $ROUTING"
   for args in "" "--expert-offload --expert-cache-slots ${OFFLOAD_SLOTS:-32}"; do
-    echo "== offload: $QUANT ${args:-resident}" | tee -a "$OUT/offload.log"
+    echo "== offload: $QUANT ${args:-resident} ($ROUTING)" | tee -a "$OUT/offload.log"
     timeout "${T_OFFLOAD:-200}" python3 -m lowbit bench latency x --random-weights --config "$CONFIG" \
       --quantization "$QUANT" $C1 $args --records "$RES" 2>&1 \
       | grep --line-buffered -v "^loading" | tee -a "$OUT/offload.log"
   done
-  echo "== offload: Qwen3-235B-A22B nf3, 24 GiB of slots" | tee -a "$OUT/offload.log"
-  timeout "${T_OFFLOAD_BIG:-400}" python3 -m lowbit bench latency x --random-weights \
-    --config lowbit/model_configs/Qwen__Qwen3-235B-A22B.json --quantization nf3 --expert-offload \
-    --expert-cache-gib 24 --kv-cache-tokens 4096 -p 64 -n 32 -d 0 -r 2 --records "$RES" \
-    2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/offload.log"
+  if [ "${OFFLOAD_BIG:-1}" = 1 ]; then
+    echo "== offload: Qwen3-235B-A22B nf3, 24 GiB of slots ($ROUTING)" | tee -a "$OUT/offload.log"
+    timeout "${T_OFFLOAD_BIG:-400}" python3 -m lowbit bench latency x --random-weights \
+      --config lowbit/model_configs/Qwen__Qwen3-235B-A22B.json --quantization nf3 --expert-offload \
+      --expert-cache-gib 24 --kv-cache-tokens 4096 -p 64 -n 32 -d 0 -r 2 $ROUTING --records "$RES" \
+      2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/offload.log"
+  fi
 fi
 
 if has spec; then
-  for m in "ngram" "draft --speculative-model demo-draft"; do
+  SPEC_DEMO_METHODS=("ngram" "draft --speculative-model demo-draft")
+  [ "${SPEC_DEMO:-1}" = 1 ] || SPEC_DEMO_METHODS=()
+  [ "${SPEC_SYN:-1}" = 1 ] || T_SPEC_SYN=0
+  for m in "${SPEC_DEMO_METHODS[@]}"; do
     echo "== spec: demo $m" | tee -a "$OUT/spec.log"
     timeout "${T_SPEC:-150}" python3 -m lowbit bench latency demo --spec $m --num-speculative-tokens 3 \
       -n 128 -r 3 --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"
   done
-  echo "== spec: synthetic acceptance 0.7, $QUANT" | tee -a "$OUT/spec.log"
+  [ "${T_SPEC_SYN:-240}" = 0 ] || { echo "== spec: synthetic acceptance 0.7, $QUANT" | tee -a "$OUT/spec.log"
   timeout "${T_SPEC_SYN:-240}" python3 -m lowbit bench latency x --random-weights --config "$CONFIG" \
     --quantization "$QUANT" --spec ngram --num-speculative-tokens 3 --spec-synthetic-accept 0.7 \
-    -n 128 -r 3 --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"
+    -n 128 -r 3 --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"; }
 fi

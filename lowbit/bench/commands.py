@@ -55,12 +55,22 @@ def _emit(fmt: str, headers: list[str], rows: list[list], md: str, rec: dict) ->
 def cmd_latency(args: argparse.Namespace) -> int:
     cfg = EngineConfig.from_cli(args)
     if args.spec or cfg.speculative_method:
+        if args.temperature:
+            raise LowbitError("--temperature samples the plain tg cells; --spec compares greedy tokens "
+                              "with and without drafts, so drop one of them")
         return cmd_latency_spec(args, cfg)
     if args.spec_synthetic_accept is not None:
         raise LowbitError("--spec-synthetic-accept forces the acceptance of speculative decoding; add --spec METHOD")
     depths = args.depth if args.depth is not None else [0, 32768]
+    if not args.temperature >= 0:
+        raise LowbitError(f"--temperature must be >= 0, got {args.temperature}")
+    if cfg.expert_offload and cfg.random_weights and args.temperature == 0:
+        print("warning: greedy decoding of random weights repeats a few tokens, so each step routes to "
+              "nearly the experts of the step before and the expert cache hits far more often than with "
+              "a real model; add --temperature 1 (and --router-zipf S for skewed expert popularity)",
+              file=sys.stderr)
     rec = latency.measure(cfg, args.prompt, args.gen, depths, args.repeats, fit_depths=args.depth is None,
-                          batches=tuple(args.batch))
+                          batches=tuple(args.batch), temperature=args.temperature)
     rec["env"] = environment(rec["device"])
     md = latency.summary_md(rec)
     _emit(args.output, latency.HEADERS, latency.table_rows(rec), md, rec)
@@ -179,6 +189,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-b", "--batch", type=int_list, default=[1],
                    help="tg cells at depth 0: sequences decoding together (aggregate tok/s)")
     p.add_argument("-r", "--repeats", type=int, default=5)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the generated tokens at this temperature (default 0: greedy); with random "
+                        "weights, 1 keeps the routing from settling on a few repeated tokens")
     p.add_argument("--spec", choices=("ngram", "draft", "mtp"), default=None,
                    help="tg cells with this speculative method against the same run without it "
                         "(with --num-speculative-tokens, --speculative-model)")

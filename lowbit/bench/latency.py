@@ -77,8 +77,9 @@ class Session:
     is the prefill time of a request [depth + P new tokens] and a tgN cell the decode time
     of a request [depth + 1 token] generating N + 1 tokens (the first comes from prefill)."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, temperature: float = 0.0) -> None:
         t0 = time.perf_counter()
+        self.temperature = temperature
         progress(f"loading {cfg.config if cfg.random_weights else cfg.model} ...")
         self.llm = LLM(**cfg.llm_kwargs(), loaded=engine_model(cfg))
         _sync(self.llm.device)
@@ -112,7 +113,8 @@ class Session:
         return out.metrics["decode_s"]
 
     def _generate(self, ids: list[int] | list[list[int]], max_tokens: int):
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        sp = SamplingParams(temperature=self.temperature, max_tokens=max_tokens, ignore_eos=True,
+                            seed=self._rng.randrange(1 << 31) if self.temperature > 0 else None)
         prompts = ids if ids and isinstance(ids[0], list) else [ids]
         return self.llm.generate(prompts, sp)[0]
 
@@ -306,7 +308,8 @@ def step_bytes(wb: dict, batch: int) -> float:
 
 
 def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[int],
-            repeats: int, fit_depths: bool = False, batches: tuple[int, ...] = (1,)) -> dict:
+            repeats: int, fit_depths: bool = False, batches: tuple[int, ...] = (1,),
+            temperature: float = 0.0) -> dict:
     """Load, check lengths, time every cell, measure the copy ceiling; return the record.
     fit_depths: drop the depths that do not fit the context instead of refusing."""
     if torch.cuda.is_available():
@@ -318,7 +321,7 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
         need += (max(batches) - 1) * (max(gen) + 2)
         cfg = dataclasses.replace(cfg, kv_cache_tokens=need + max(need // 4, 4096),
                                   max_num_seqs=max(cfg.max_num_seqs, max(batches)))
-    s = Session(cfg)
+    s = Session(cfg, temperature)
     depths = usable_depths(depths, prompt, gen, s.llm.max_model_len, fit_depths)
     mem_loaded = peak_memory(s.device)
     cells = run_cells(s, prompt, gen, depths, repeats, batches)
@@ -331,7 +334,8 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
     return {"kind": "latency", "model": cfg.config if cfg.random_weights else cfg.model,
             "weight_format": s.llm.loaded.weight_format, "device": s.device,
             "dtype": str(next(s.model.parameters()).dtype).removeprefix("torch."),
-            "kv_cache_tokens": cfg.kv_cache_tokens, "repeats": repeats, "time_to_ready_s": s.time_to_ready_s,
+            "kv_cache_tokens": cfg.kv_cache_tokens, "repeats": repeats, "temperature": temperature,
+            "router_zipf": cfg.router_zipf, "time_to_ready_s": s.time_to_ready_s,
             "memory_after_load": mem_loaded, "memory": mem, "copy_bandwidth_Bps": bw,
             "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw),
             "graphs": graph_status(s.llm.engine), "prefill_graphs": prefill_graph_status(s.llm.engine),
@@ -376,6 +380,10 @@ def summary_md(rec: dict) -> str:
             f"{rec['weight_bytes']['active'] / 2**20:.1f} MiB; {rec['repeats']} repeats, mean ± sd")
     lines = [foot, rec.get("graphs", ""), rec.get("prefill_graphs", ""), rec.get("async", ""),
              rec.get("pdl", "")]
+    if rec.get("temperature") or rec.get("router_zipf") is not None:
+        lines.append(f"tokens sampled at temperature {rec.get('temperature') or 0:g}"
+                     + (f"; SYNTHETIC routing: routers biased toward Zipf({rec['router_zipf']:g}) expert "
+                        "popularity" if rec.get("router_zipf") is not None else ""))
     ec = rec.get("expert_cache")
     if ec:
         h2d = ec.get("h2d_bandwidth_Bps")

@@ -248,6 +248,47 @@ def _random_(name: str, p: torch.Tensor, g: torch.Generator) -> None:
         p.data.zero_()
 
 
+def zipf_router_(model: nn.Module, s: float, seed: int = 0) -> list[torch.Tensor]:
+    """Bias every MoE router of a random-weight model toward Zipf(s) expert popularity.
+
+    Each layer ranks its experts by a seeded permutation (rank r = 1..E) and gets a gate bias
+    b_e = -s * beta * ln(r_e), beta = sqrt(6) / pi * sigma: sigma is the standard deviation of
+    the random logits (sqrt of the mean squared gate-row norm, the router's input being
+    RMS-normalised with unit norm weights, as random_init_ makes it), and beta the scale of the
+    Gumbel variable with that standard deviation. Were the logits Gumbel, the top-1 choice
+    would follow p_e ~ r_e^-s exactly (the Gumbel-max rule) and the top-k draw p without
+    replacement; the logits are close to Gaussian, so the realised popularity is only
+    Zipf-like: `lowbit bench expert-cache` fits its exponent on the recorded trace. Returns the
+    per-layer rankings (expert ids, most popular first)."""
+    from lowbit.layers.moe import SparseMoE
+
+    if getattr(model, "_router_zipf", None) is not None:  # an engine built again on the same model
+        if model._router_zipf[0] != s:
+            raise LowbitError(f"the routers already carry a Zipf({model._router_zipf[0]}) bias")
+        return model._router_zipf[1]
+    g = torch.Generator().manual_seed(seed + 7919)
+    ranks = []
+    for mod in model.modules():
+        if not isinstance(mod, SparseMoE):
+            continue
+        w = mod.gate.weight
+        E = w.shape[0]
+        order = torch.randperm(E, generator=g)  # order[i]: the expert of rank i + 1
+        rank = torch.empty(E, dtype=torch.float64)
+        rank[order] = torch.arange(1, E + 1, dtype=torch.float64)
+        sigma = w.double().pow(2).sum(-1).mean().sqrt()
+        bias = (-s * math.sqrt(6) / math.pi * sigma * rank.log()).to(w.device)
+        if mod.gate.bias is None:
+            mod.gate.bias = nn.Parameter(bias.to(w.dtype), requires_grad=False)
+        else:
+            mod.gate.bias.data += bias.to(mod.gate.bias.dtype)
+        ranks.append(order)
+    if not ranks:
+        raise LowbitError("--router-zipf: the model has no MoE router")
+    model._router_zipf = (s, ranks)
+    return ranks
+
+
 def _fill_random(model: nn.Module, filler: DeviceFiller, seed: int) -> None:
     """random_init_'s values, one parameter at a time; planned ones are encoded at once."""
     g = torch.Generator(device=filler.device).manual_seed(seed)

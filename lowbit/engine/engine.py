@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.checkpoint.loader import LoadedModel, load_model
+from lowbit.checkpoint.loader import LoadedModel, load_model, zipf_router_
 from lowbit.checkpoint.tokenizer import Tokenizer
 from lowbit.config import EngineConfig
 from lowbit.engine.batch import ForwardBatch
@@ -112,6 +112,8 @@ class LLMEngine:
                                            quantization=config.quantization,
                                            experts_on_host=config.expert_offload)
         self.model, self.arch = self.loaded.model, self.loaded.config
+        if config.router_zipf is not None:
+            zipf_router_(self.model, config.router_zipf)
         self.model.prepare_for_serving()
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(config.cpu_threads, self.arch))
