@@ -252,14 +252,16 @@ def zipf_router_(model: nn.Module, s: float, seed: int = 0) -> list[torch.Tensor
     """Bias every MoE router of a random-weight model toward Zipf(s) expert popularity.
 
     Each layer ranks its experts by a seeded permutation (rank r = 1..E) and gets a gate bias
-    b_e = -s * beta * ln(r_e), beta = sqrt(6) / pi * sigma: sigma is the standard deviation of
-    the random logits (sqrt of the mean squared gate-row norm, the router's input being
-    RMS-normalised with unit norm weights, as random_init_ makes it), and beta the scale of the
-    Gumbel variable with that standard deviation. Were the logits Gumbel, the top-1 choice
-    would follow p_e ~ r_e^-s exactly (the Gumbel-max rule) and the top-k draw p without
-    replacement; the logits are close to Gaussian, so the realised popularity is only
-    Zipf-like: `lowbit bench expert-cache` fits its exponent on the recorded trace. Returns the
-    per-layer rankings (expert ids, most popular first)."""
+    b_e = -c * s * ln(r_e). Were the logits Gumbel noise, c = 1 would make the top-k choice
+    a draw of p_e ~ r_e^-s without replacement (the Gumbel-top-k rule), as `lowbit bench
+    expert-cache --zipf s` draws its traces. A random gate's logits are close to Gaussian,
+    with sigma the root mean squared gate-row norm (the router's input is RMS-normalised
+    with unit norm weights, as random_init_ makes it), so c is found by bisection such that
+    Gaussian logits of that sigma plus the bias send the same share of the picks to the top
+    quarter of the experts as the Gumbel draw (8,192 simulated tokens each, seeded). What a
+    real run routes is then measured, not assumed: `lowbit bench expert-cache --trace` fits
+    the exponent of a recorded trace. Returns the per-layer rankings (expert ids, most
+    popular first)."""
     from lowbit.layers.moe import SparseMoE
 
     if getattr(model, "_router_zipf", None) is not None:  # an engine built again on the same model
@@ -272,12 +274,13 @@ def zipf_router_(model: nn.Module, s: float, seed: int = 0) -> list[torch.Tensor
         if not isinstance(mod, SparseMoE):
             continue
         w = mod.gate.weight
-        E = w.shape[0]
+        E, k = w.shape[0], mod.spec.top_k
         order = torch.randperm(E, generator=g)  # order[i]: the expert of rank i + 1
         rank = torch.empty(E, dtype=torch.float64)
         rank[order] = torch.arange(1, E + 1, dtype=torch.float64)
-        sigma = w.double().pow(2).sum(-1).mean().sqrt()
-        bias = (-s * math.sqrt(6) / math.pi * sigma * rank.log()).to(w.device)
+        sigma = float(w.double().pow(2).sum(-1).mean().sqrt())
+        c = _gaussian_zipf_scale(E, k, s, sigma, seed)
+        bias = (-c * s * rank.log()).to(w.device)
         if mod.gate.bias is None:
             mod.gate.bias = nn.Parameter(bias.to(w.dtype), requires_grad=False)
         else:
@@ -287,6 +290,30 @@ def zipf_router_(model: nn.Module, s: float, seed: int = 0) -> list[torch.Tensor
         raise LowbitError("--router-zipf: the model has no MoE router")
     model._router_zipf = (s, ranks)
     return ranks
+
+
+def _gaussian_zipf_scale(E: int, k: int, s: float, sigma: float, seed: int, tokens: int = 8192) -> float:
+    """c such that top-k of (N(0, sigma^2) logits - c s ln r) puts as many picks on ranks
+    1..E/4 as top-k of (Gumbel - s ln r), the Zipf(s) draw without replacement."""
+    if s == 0:
+        return 0.0
+    g = torch.Generator().manual_seed(seed + 104729)
+    logp = -s * torch.arange(1, E + 1, dtype=torch.float64).log()
+    u = torch.rand(tokens, E, generator=g, dtype=torch.float64).clamp_min(1e-300)
+    q = max(1, E // 4)
+
+    def share(scores: torch.Tensor) -> float:
+        return float((scores.topk(min(k, E), dim=-1).indices < q).double().mean())
+
+    target = share(logp - (-u.log()).log())
+    z = torch.randn(tokens, E, generator=g, dtype=torch.float64) * sigma
+    lo, hi = 0.0, 1.0
+    while share(z + hi * logp) < target and hi < 1e6:
+        lo, hi = hi, hi * 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if share(z + mid * logp) < target else (lo, mid)
+    return (lo + hi) / 2
 
 
 def _fill_random(model: nn.Module, filler: DeviceFiller, seed: int) -> None:
