@@ -18,8 +18,8 @@
 #              ENGINE_FORMATS="nvfp4 nvfp4+nopdl" adds a run with LOWBIT_PDL=0
 #   offload    expert offload at the Qwen3-30B-A3B shape, $QUANT, C1: resident, then
 #              OFFLOAD_SLOTS slots per layer (default 32 = 25 %, graphs copy their own
-#              misses), then Qwen3-235B-A22B in nf3 from a 24 GiB slot budget (OFFLOAD_BIG=0
-#              skips it); tokens sampled over Zipf-biased routers (OFFLOAD_ROUTING)
+#              misses; OFFLOAD_30B=0 skips both), then Qwen3-235B-A22B in nf3 from a
+#              24 GiB slot budget (OFFLOAD_BIG=0 skips it); tokens sampled at temperature 1 (OFFLOAD_ROUTING)
 #   spec       speculative decoding: the demo with ngram and its draft (k = 3; SPEC_DEMO=0
 #              skips them), and the synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape,
 #              $QUANT (SPEC_SYN=0 skips it)
@@ -117,11 +117,13 @@ if has engine; then
 fi
 
 if has offload; then
-  # sampled tokens over Zipf-biased routers: greedy random weights repeat a token and route
+  # sampled tokens: greedy random weights repeat a token and route
   # to the same experts every step (docs/SERVING.md "Routing of random weights")
-  ROUTING=${OFFLOAD_ROUTING:---temperature 1 --router-zipf 1.0}
+  ROUTING=${OFFLOAD_ROUTING:---temperature 1}
   C1="-p 64 -n 64 -d 0 -r ${OFFLOAD_REPEATS:-3} $ROUTING"
-  for args in "" "--expert-offload --expert-cache-slots ${OFFLOAD_SLOTS:-32}"; do
+  OFFLOAD_RUNS=("" "--expert-offload --expert-cache-slots ${OFFLOAD_SLOTS:-32}")
+  [ "${OFFLOAD_30B:-1}" = 1 ] || OFFLOAD_RUNS=()
+  for args in "${OFFLOAD_RUNS[@]}"; do
     echo "== offload: $QUANT ${args:-resident} ($ROUTING)" | tee -a "$OUT/offload.log"
     timeout "${T_OFFLOAD:-200}" python3 -m lowbit bench latency x --random-weights --config "$CONFIG" \
       --quantization "$QUANT" $C1 $args --records "$RES" 2>&1 \
