@@ -20,6 +20,8 @@
 #              OFFLOAD_SLOTS slots per layer (default 32 = 25 %, graphs copy their own
 #              misses; OFFLOAD_30B=0 skips both), then Qwen3-235B-A22B in nf3 from a
 #              24 GiB slot budget (OFFLOAD_BIG=0 skips it); tokens sampled at temperature 1 (OFFLOAD_ROUTING)
+#   mla        DeepSeek-V2-Lite bf16, default routes (MLA prefill and decode on the latent
+#              kernels, both captured) then LOWBIT_ROUTE_LATENT_ATTENTION=torch: pp / tg cells
 #   spec       speculative decoding: the demo with ngram and its draft (k = 3; SPEC_DEMO=0
 #              skips them), and the synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape,
 #              $QUANT (SPEC_SYN=0 skips it)
@@ -136,6 +138,15 @@ if has offload; then
       --expert-cache-gib 24 --kv-cache-tokens 4096 -p 64 -n 32 -d 0 -r 2 $ROUTING --records "$RES" \
       2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/offload.log"
   fi
+fi
+
+if has mla; then
+  for route in "" torch; do
+    echo "== mla: DeepSeek-V2-Lite bf16 ${route:-default routes}" | tee -a "$OUT/mla.log"
+    LOWBIT_ROUTE_LATENT_ATTENTION=$route timeout "${T_MLA:-150}" python3 -m lowbit bench latency x --random-weights \
+      --config lowbit/model_configs/deepseek-ai__DeepSeek-V2-Lite.json ${MLA_CELLS:--p 512,2048 -n 32 -d 0 -b 1,8 -r 2} \
+      --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/mla.log"
+  done
 fi
 
 if has spec; then

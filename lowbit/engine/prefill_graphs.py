@@ -28,8 +28,8 @@ mode set to error, as the decode graphs do). At most `max_graphs` are kept: past
 steps of a new shape run eagerly, with a WARNING once. Steps that need host-side work
 between layers run eagerly: prompt log-probabilities (every row's logits), speculative
 verification before HIDDEN graphs existed, an expert cache (it routes on the host), and
-models whose attention op has
-no graph-safe prefill route (MLA's latent prefill runs the torch route).
+models whose attention op would run a route that is not graph-safe (a forced torch route;
+MLA's latent prefill is captured through triton_latent_prefill).
 """
 
 from __future__ import annotations

@@ -18,8 +18,12 @@ Routes of `latent_attention` (MLA over the latent cache, lowbit.layers.attention
   triton_latent_decode   decode steps over a paged pool: the step's latent written by kv_write
                          (slot mapping), then lowbit.kernels.latent's split-KV kernel and reduce,
                          heads of one sequence sharing each latent tile; graph-safe
+  triton_latent_prefill  prefill and mixed steps: the same kernel with one query per token over
+                         its causal prefix (its sequence's table row and length computed on the
+                         device from the staged query_start); graph-safe
   torch                  reference: per sequence, the cache's `update` and float32 attention
-                         over the gathered latent; host lengths (prefill and mixed steps)
+                         over the gathered latent; host lengths (on CUDA only when forced, or
+                         for a contiguous cache)
 `decode_graph_refusal(op)` / `prefill_graph_refusal(op)` say whether a captured decode /
 prefill step of a model calling `op` for its attention would run a graph-safe route.
 """
@@ -40,7 +44,7 @@ from lowbit.kernels.attention import (
     reference_latent_attention,
     reference_paged_attention,
 )
-from lowbit.kernels.latent import MAX_LATENT, MAX_ROPE_DIM, latent_decode
+from lowbit.kernels.latent import MAX_LATENT, MAX_ROPE_DIM, latent_decode, latent_prefill
 from lowbit.kernels.runtime import capability, triton_refusal
 
 BENCH = "docs/BENCHMARKS.md#attention"
@@ -48,11 +52,15 @@ ENGINE_RECORD = ("docs/BENCHMARKS.md#decode-graph (engine tg at the Qwen3-30B-A3
                  "route kept decode eager at 15.1 tok/s bf16; with this route graphs capture: 224-235)")
 GRAPH_SAFE_DECODE = ("triton_paged_decode", "triton_paged")  # routes a captured decode may run
 GRAPH_SAFE_LATENT_DECODE = ("triton_latent_decode",)
+GRAPH_SAFE_LATENT_PREFILL = ("triton_latent_prefill",)
 GRAPH_SAFE_PREFILL = ("triton_paged_prefill", "triton_paged")  # read the staged query_start
 DECODE_ONLY = ("triton_paged_decode", "triton_latent_decode")
 LATENT_RECORD = ("docs/BENCHMARKS.md#decode-graph (DeepSeek-V2-Lite bf16, H200: the torch route keeps "
                  "decode eager at 13.4 tok/s, 61.8 ms a step for 5.0 ms of kernels; this route is what "
                  "lets the step be captured; its own engine record is still to be taken)")
+LATENT_PREFILL_RECORD = ("docs/BENCHMARKS.md#decode-graph (DeepSeek-V2-Lite bf16, H200: the torch route "
+                         "loops over sequences with host lengths, prefill steps eager; this route is "
+                         "what lets them be captured; its engine record is still to be taken)")
 MAX_HEAD_DIM = 256
 
 
@@ -239,12 +247,16 @@ def _run_latent_torch(call: LatentCall) -> torch.Tensor:
 
 
 def _admit_latent_decode(call: LatentCall) -> str | None:
+    if not call.batch.mode.is_decode:
+        return "not a decode step (prefill and mixed steps: triton_latent_prefill)"
+    return _admit_latent(call)
+
+
+def _admit_latent(call: LatentCall) -> str | None:
     q, batch = call.q_lat, call.batch
     reason = triton_refusal(q, call.forced)
     if reason is not None:
         return reason
-    if not batch.mode.is_decode:
-        return "not a decode step (prefill and mixed steps run the torch route)"
     cache = batch.kv_cache
     if batch.slot_mapping is None or batch.block_tables is None or batch.seq_lens is None \
             or not hasattr(cache, "layer_pool"):
@@ -269,8 +281,22 @@ def _run_latent_decode(call: LatentCall) -> torch.Tensor:
     return latent_decode(call.q_lat, call.q_pe, pool, batch.block_tables, batch.seq_lens, call.scale)
 
 
+def _run_latent_prefill(call: LatentCall) -> torch.Tensor:
+    """Write the step's latents at the slot mapping, then one query per token over its prefix."""
+    batch, layer = call.batch, f"layers.{call.layer_idx}.attn"
+    c_kv, k_pe = call.c_kv[:, None], call.k_pe[:, None]
+    pool = KVPool(*batch.kv_cache.layer_pool(call.layer_idx, c_kv, k_pe))
+    kv_write(c_kv, k_pe, pool, batch.slot_mapping, layer=layer)
+    starts = batch.query_start_dev
+    if starts is None:
+        starts = _starts_on_device(batch.query_start, call.q_lat.device)
+    return latent_prefill(call.q_lat, call.q_pe, pool, batch.block_tables, batch.seq_lens, starts, call.scale)
+
+
 routes.register("latent_attention", routes.Route(
     "triton_latent_decode", routes.DEFAULT, LATENT_RECORD, _admit_latent_decode, _run_latent_decode))
+routes.register("latent_attention", routes.Route(
+    "triton_latent_prefill", routes.DEFAULT, LATENT_PREFILL_RECORD, _admit_latent, _run_latent_prefill))
 routes.register("latent_attention", routes.Route(
     "torch", routes.DEFAULT, "reference (admits every call; host lengths: decode graphs are off "
     "while it serves decode steps)", lambda call: None, _run_latent_torch), reference=True)
@@ -314,8 +340,8 @@ def decode_graph_refusal(op: str = "attention") -> str | None:
 
 def prefill_graph_refusal(op: str = "attention") -> str | None:
     """Why a captured prefill or mixed step would not run a graph-safe route of `op`, or
-    None. MLA's `latent_attention` has no graph-safe prefill route (its prefill is torch)."""
-    safe = {"attention": GRAPH_SAFE_PREFILL, "latent_attention": ()}[op]
+    None. MLA's `latent_attention` prefill is graph-safe through triton_latent_prefill."""
+    safe = {"attention": GRAPH_SAFE_PREFILL, "latent_attention": GRAPH_SAFE_LATENT_PREFILL}[op]
     env = f"{routes.ENV_PREFIX}{op.upper()}"
     forced = routes.forced_name(op)
     if forced is not None:

@@ -68,18 +68,21 @@ MAX_ROPE_DIM = 256
 
 @triton.jit
 def _latent_split_kernel(
-    ql_ptr, qp_ptr, c_ptr, p_ptr, cs_ptr, ps_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
+    ql_ptr, qp_ptr, c_ptr, p_ptr, cs_ptr, ps_ptr, bt_ptr, lens_ptr, seq_ptr, out_ptr, part_ptr, ml_ptr,
     qk_scale, S, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_cr, stride_pr, stride_sr,
     stride_bt, stride_ot, stride_oh,
     H: tl.constexpr, C: tl.constexpr, DR: tl.constexpr, BC: tl.constexpr, BDR: tl.constexpr,
     BH: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, DIRECT: tl.constexpr,
-    FP8: tl.constexpr, IEEE: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
 ):
     h = tl.program_id(0) * BH + tl.arange(0, BH)
     b = tl.program_id(1)
     sp = tl.program_id(2)
     hmask = h < H
     seq_len = tl.load(lens_ptr + b)
+    tb = b  # the block-table row of query b: its own, or its sequence's (a prefill token)
+    if HAS_SEQ:
+        tb = tl.load(seq_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, S), BN) * BN
     start = sp * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -97,7 +100,7 @@ def _latent_split_kernel(
     for n0 in range(start, end, BN):
         n = n0 + tl.arange(0, BN)
         nmask = n < end
-        rows = _tile_rows(bt_ptr, b, n, nmask, stride_bt, BS)
+        rows = _tile_rows(bt_ptr, tb, n, nmask, stride_bt, BS)
         kv = tl.load(c_ptr + rows[:, None] * stride_cr + c[None, :],
                      mask=nmask[:, None] & cmask[None, :], other=0.0)  # [BN, BC]
         pe = tl.load(p_ptr + rows[:, None] * stride_pr + r[None, :],
@@ -156,7 +159,7 @@ def _latent_reduce_kernel(part_ptr, ml_ptr, out_ptr, S, stride_ot, stride_oh,
 
 
 def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, out: torch.Tensor) -> None:
+           seq_lens: torch.Tensor, out: torch.Tensor, seq_idx: torch.Tensor | None) -> None:
     B, H, C = q_lat.shape
     R = pool.k.shape[0]
     assert pool.k.shape == (R, 1, C) and pool.v.shape[:2] == (R, 1), "one latent 'head': k [R, 1, C], v [R, 1, Dr]"
@@ -171,16 +174,23 @@ def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_tables: 
         assert pool.k_scale.dtype == torch.float32 and pool.k_scale.shape == (R, 1)
         assert pool.v_scale.stride() == pool.k_scale.stride()
     assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1
-    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (B,) and block_tables.shape[0] == B
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (B,)
+    if seq_idx is None:
+        assert block_tables.shape[0] == B
+    else:
+        assert seq_idx.dtype == torch.int32 and seq_idx.shape == (B,) and seq_idx.device == q_lat.device
 
 
 def latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                  num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+                  num_splits: int | None = None, config: dict | None = None,
+                  seq_idx: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence: q_lat [B, H, C], q_pe [B, H, Dr] (row b = sequence b's last
-    token, whose latent is already in the pool) -> latent context [B, H, C] in q_lat's dtype."""
+    token, whose latent is already in the pool) -> latent context [B, H, C] in q_lat's dtype.
+    With seq_idx [B] int32, query b reads block-table row seq_idx[b] instead of row b (the
+    prefill form: latent_prefill), over its own length seq_lens[b]."""
     out = torch.empty_like(q_lat) if out is None else out
-    _check(q_lat, q_pe, pool, block_tables, seq_lens, out)
+    _check(q_lat, q_pe, pool, block_tables, seq_lens, out, seq_idx)
     B, H, C = q_lat.shape
     Dr = q_pe.shape[-1]
     cfg = {**LATENT_CFG, **(config or {})}
@@ -193,17 +203,41 @@ def latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_t
     cs, ps = (pool.k_scale, pool.v_scale) if fp8 else (pool.k, pool.v)  # any pointer when unused
     launch.run(
         _latent_split_kernel, (NH, B, S),
-        q_lat, q_pe, pool.k, pool.v, cs, ps, block_tables, seq_lens, out, part, ml, scale * LOG2E, S,
+        q_lat, q_pe, pool.k, pool.v, cs, ps, block_tables, seq_lens,
+        seq_lens if seq_idx is None else seq_idx, out, part, ml, scale * LOG2E, S,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), pool.k.stride(0),
         pool.v.stride(0), pool.k_scale.stride(0) if fp8 else 0, block_tables.stride(0),
         out.stride(0), out.stride(1),
         H=H, C=C, DR=Dr, BC=BC, BDR=max(16, triton.next_power_of_2(Dr)), BH=BH, BS=pool.block_size,
         BN=cfg["BN"], DIRECT=S == 1, FP8=fp8, IEEE=q_lat.dtype == torch.float32 or interpreting(),
+        HAS_SEQ=seq_idx is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if S > 1:
         launch.run(_latent_reduce_kernel, (B, H), part, ml, out, S, out.stride(0), out.stride(1),
                    H=H, C=C, BC=BC, SP=triton.next_power_of_2(S), RS=REDUCE_SPLITS, num_warps=4)
     return out
+
+
+def latent_prefill(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, query_start: torch.Tensor, scale: float,
+                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Any step (prompts, chunks, decodes side by side): q_lat [T, H, C], q_pe [T, H, Dr]
+    for the step's tokens, sequence b's at rows query_start[b]:query_start[b + 1], their
+    latents already in the pool; seq_lens [B] cached + new, query_start [B + 1] int32 on the
+    device. Each token is one query of the split kernel over its causal prefix: token t of
+    sequence b reads row b of the tables over seq_lens[b] - query_start[b + 1] + t + 1 keys.
+    The sequence of each token and its length are computed on the device (no host read, a
+    grid that depends on T alone: a prefill step can be captured). Each token's program
+    reads its own prefix, so a long prompt reads the latent T / 2 times on average (from L2
+    where it fits) and computes with C + Dr per head and key (the absorbed form)."""
+    T = q_lat.shape[0]
+    assert query_start.dtype == torch.int32 and query_start.shape == (block_tables.shape[0] + 1,)
+    assert seq_lens.shape == (block_tables.shape[0],)
+    t = torch.arange(T, dtype=torch.int32, device=q_lat.device)
+    seq = torch.searchsorted(query_start[1:], t, right=True).clamp_(max=block_tables.shape[0] - 1)
+    lens = (seq_lens[seq] - query_start[seq + 1] + t + 1).to(torch.int32)
+    return latent_decode(q_lat, q_pe, pool, block_tables, lens, scale, out=out, config=config,
+                         seq_idx=seq.to(torch.int32))
 
 
 def reference_latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool,

@@ -16,9 +16,10 @@ attention runs with absorbed weights (lowbit.layers.attention.latent_attention):
 which equals attention over k = [W_UK c_kv, k_pe], v = W_UV c_kv per head. Every step runs
 this form, prefill and extend as well as decode: one code path, and the cache never holds
 per-head K/V. (Expanding the latent to per-head K/V would be cheaper for long prefills:
-Dn + Dr per head and key instead of C + Dr.) The `latent_attention` op runs decode steps
+Dn + Dr per head and key instead of C + Dr.) The `latent_attention` op runs every step
 on a paged pool through a Triton kernel that reads lengths and tables on the device
-(lowbit.kernels.latent), so the decode step can be one CUDA graph; other steps run its
+(lowbit.kernels.latent; prefill and mixed steps as one query per token over its prefix),
+so decode, prefill and mixed steps can each be one CUDA graph; a contiguous cache runs its
 torch route.
 W is decoded to the compute dtype lazily, at the layer's first forward, and kept (a dense
 weight of that dtype is used as it is, no copy): the absorbed products need it per head

@@ -164,6 +164,8 @@ def test_verify_steps_run_the_hidden_step_on_padded_inputs(device_read_prefill):
 
 def test_refusal_names_the_route(monkeypatch):
     assert attention_op.prefill_graph_refusal("attention") is None
+    assert attention_op.prefill_graph_refusal("latent_attention") is None
+    monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "torch")
     assert "torch" in attention_op.prefill_graph_refusal("latent_attention")
     monkeypatch.setenv("LOWBIT_ROUTE_ATTENTION", "torch")
     assert "LOWBIT_ROUTE_ATTENTION=torch" in attention_op.prefill_graph_refusal("attention")

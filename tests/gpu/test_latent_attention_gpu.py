@@ -1,6 +1,7 @@
-"""MLA decode on the GPU: the latent kernel at DeepSeek sizes against its twin, replayed from
-a CUDA graph at other lengths, and a small random DeepSeek model in the engine with decode
-graphs on: captured, no host sync inside a decode step, the same greedy tokens as eager.
+"""MLA on the GPU: the latent decode and prefill kernels at DeepSeek sizes against their
+twin, replayed from a CUDA graph at other lengths, and a small random DeepSeek model in the
+engine with decode and prefill graphs on: captured, no host sync inside a decode step, the
+same greedy tokens as eager.
 
 Sizes: C = 512, Dr = 64 (DeepSeek-V2-Lite and V3), H = 16 (V2-Lite) and 128 (V3), B up to
 8, contexts up to 32K. Pools hold random data, blocks are handed out shuffled, outputs are
@@ -112,6 +113,46 @@ def test_latent_decode_replays_from_a_graph_at_other_lengths():
         out.fill_(float("nan"))
         graph.replay()
         assert _rel(out, reference_latent_decode(q_lat, q_pe, pool, tables, lens, 0.1)) < RTOL, lens
+
+
+PREFILL_CASES = [  # (seq_lens, new tokens, H, fp8): prompts, chunks over cached prefixes, decodes
+    ([2048], [2048], 16, False),
+    ([3000, 700, 64, 9], [512, 100, 64, 1], 128, False),
+    ([3000, 700, 64, 9], [512, 100, 64, 1], 16, True),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"T{sum(c[1])}-H{c[2]}-fp8{c[3]}")
+def test_latent_prefill_real_sizes(case):
+    """One query per token over its causal prefix, the sequence of each token and its length
+    found on the device, against the twin run per token; then the same call replayed from a
+    CUDA graph after the lengths changed."""
+    from lowbit.kernels.latent import latent_prefill, reference_latent_decode
+
+    lens, news, H, fp8 = case
+    pool, tables = _latent_pool(lens, fp8, seed=sum(news))
+    T = sum(news)
+    q_lat, q_pe = _queries(T, H, seed=H + 1)
+    starts = torch.tensor([0] + news, device="cuda").cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    scale = (128 + DR) ** -0.5
+    out = torch.full_like(q_lat, float("nan"))
+    latent_prefill(q_lat, q_pe, pool, tables, seq_lens, starts, scale, out=out)
+    rows = [b for b, n in enumerate(news) for _ in range(n)]
+    pos = [lens[b] - news[b] + j for b, n in enumerate(news) for j in range(n)]
+    ref = reference_latent_decode(q_lat, q_pe, pool, tables[rows], [p + 1 for p in pos], scale)
+    assert _rel(out, ref) < RTOL
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        latent_prefill(q_lat, q_pe, pool, tables, seq_lens, starts, scale, out=out)
+    shorter = [n - 1 if n > news[b] else n for b, n in enumerate(lens)]  # one cached token fewer
+    seq_lens.copy_(torch.tensor(shorter, dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    pos = [shorter[b] - news[b] + j for b, n in enumerate(news) for j in range(n)]
+    ref = reference_latent_decode(q_lat, q_pe, pool, tables[rows], [p + 1 for p in pos], scale)
+    assert _rel(out, ref) < RTOL
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -226,3 +267,37 @@ def test_deepseek_graph_replay_matches_eager_with_splits(tmp_path):
         eager = engine.model.compute_logits(engine.model(ids, batch))  # rewrites the same latent rows
     assert _rel(logits, eager) < RTOL
     assert torch.equal(tokens, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_deepseek_prefill_graphs_give_the_eager_tokens(tmp_path, version):
+    """Prompts arriving two steps apart (so chunks run beside decodes) through captured
+    prefill and mixed steps on the latent prefill route give the tokens of the same engine
+    with prefill graphs off."""
+    from lowbit import SamplingParams
+    from lowbit.kernels import routes
+
+    path = _deepseek_dir(tmp_path / "m", version)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 300, 17, 900, 40)]
+    outs = {}
+    for on in (True, False):
+        engine = _engine(path, prefill_graphs=on, max_model_len=2048, max_num_batched_tokens=512)
+        assert (engine.runner.prefill_graphs is not None) == on, engine.runner.prefill_graphs_off
+        routes.reset_counters()
+        reqs, pending = [], list(prompts)
+        while pending or engine.has_unfinished():
+            if pending:
+                reqs.append(engine.add_request(pending.pop(0), sp))
+            for _ in range(2):
+                if engine.has_unfinished():
+                    engine.step()
+        outs[on] = [r.output_token_ids for r in reqs]
+        if on:
+            pg = engine.runner.prefill_graphs
+            assert not pg.eager and pg.replays > 0, pg.status()
+        else:
+            ran = {c["route"] for c in routes.counters()["route_calls"] if c["op"] == "latent_attention"}
+            assert "triton_latent_prefill" in ran and "torch" not in ran, ran
+    assert outs[True] == outs[False]

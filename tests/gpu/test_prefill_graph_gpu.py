@@ -84,9 +84,12 @@ def test_replayed_prefill_steps_do_not_sync(moe_dir):
     assert all(len(r.output_token_ids) == 4 for r in reqs)
 
 
-def test_mla_prefill_stays_eager():
+def test_mla_prefill_is_captured_unless_torch_is_forced(monkeypatch):
     from lowbit.engine.prefill_graphs import prefill_graphs_wanted
 
     model = torch.nn.Module()
     model.attention_op = "latent_attention"
+    monkeypatch.delenv("LOWBIT_ROUTE_LATENT_ATTENTION", raising=False)
+    assert prefill_graphs_wanted(model) is None
+    monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "torch")
     assert "torch" in prefill_graphs_wanted(model)

@@ -23,7 +23,7 @@ from lowbit.engine.speculative import flat_batch  # noqa: E402
 from lowbit.errors import LowbitError  # noqa: E402
 from lowbit.kernels import attention_op, routes  # noqa: E402
 from lowbit.kernels.attention import FP8, KVPool, reference_kv_write  # noqa: E402
-from lowbit.kernels.latent import latent_decode, reference_latent_decode  # noqa: E402
+from lowbit.kernels.latent import latent_decode, latent_prefill, reference_latent_decode  # noqa: E402
 from lowbit.kernels.runtime import interpreting  # noqa: E402
 from tests.kernels.cases import poisoned, rel_err  # noqa: E402
 
@@ -92,6 +92,33 @@ def test_deepseek_shape_with_strided_queries():
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
+PREFILL_CASES = (([40], [40]), ([17, 40, 5, 1], [17, 1, 3, 1]), ([33, 9], [2, 9]))  # (seq_lens, new tokens)
+
+
+@pytest.mark.parametrize("dtype,kv", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8),
+                                      (torch.float32, torch.float32)])
+@pytest.mark.parametrize("heads", [(20, 40, 12), (3, 18, 6)])  # H, C, Dr
+def test_latent_prefill_matches_twin(dtype, kv, heads):
+    """Prompts, chunks over a cached prefix and single decode tokens in one step: token t of
+    sequence b attends over its causal prefix (the twin: one query per token over the same
+    table row, cut at its position)."""
+    H, C, Dr = heads
+    for i, (lens, news) in enumerate(PREFILL_CASES):
+        pool, tables = make_latent_pool(lens, C, Dr, kv, dtype, seed=20 + i)
+        T = sum(news)
+        g = torch.Generator().manual_seed(200 + i)
+        q_lat = torch.randn(T, H, C, generator=g).to(dtype)
+        q_pe = torch.randn(T, H, Dr, generator=g).to(dtype)
+        starts = torch.tensor([0] + news, dtype=torch.int32).cumsum(0).to(torch.int32)
+        out = poisoned(T, H, C, dtype=dtype)
+        latent_prefill(q_lat, q_pe, pool, tables, torch.tensor(lens, dtype=torch.int32), starts, 0.3, out=out,
+                       config=dict(BN=16))
+        rows = [b for b, n in enumerate(news) for _ in range(n)]
+        pos = [lens[b] - news[b] + j for b, n in enumerate(news) for j in range(n)]
+        ref = reference_latent_decode(q_lat, q_pe, pool, tables[rows], [p + 1 for p in pos], 0.3)
+        assert rel_err(out, ref) < TOL[dtype], (lens, news)
+
+
 # -- the op ----------------------------------------------------------------------------------
 C, DR, H = 24, 8, 5
 
@@ -144,6 +171,31 @@ def test_decode_route_writes_and_reads_like_the_torch_route(kv, monkeypatch):
     assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("kv", [torch.float32, FP8])
+def test_prefill_route_writes_and_reads_like_the_torch_route(kv, monkeypatch):
+    """Prompts of 6 and 9 tokens, then a mixed step (a decode token beside a 3-token chunk):
+    the forced Triton prefill route on one cache and the torch route on another store the
+    same pool bytes (fp8: codes and scales) and return the same context."""
+    tables = [[5, 1, 7], [0, 3, 6]]
+    caches = {"torch": _paged_cache(kv), "triton_latent_prefill": _paged_cache(kv)}
+    for seed, entries in ((11, [(tables[0], 0, 6), (tables[1], 0, 9)]),
+                          (12, [(tables[0], 6, 1), (tables[1], 9, 3)])):
+        outs = {}
+        for route, cache in caches.items():
+            monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", route)
+            call = _step(cache, entries, seed=seed)
+            assert not call.batch.mode.is_decode
+            routes.reset_counters()
+            outs[route] = attention_op.latent_attention(call)
+            ran = {c["route"] for c in routes.counters()["route_calls"] if c["op"] == "latent_attention"}
+            assert ran == {route}
+        assert rel_err(outs["triton_latent_prefill"], outs["torch"]) < 1e-5
+        a, b = caches["torch"], caches["triton_latent_prefill"]
+        for x, y in zip((a.k[0], a.v[0], a.k_scale[0], a.v_scale[0]), (b.k[0], b.v[0], b.k_scale[0], b.v_scale[0])):
+            if x is not None:
+                assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
 def test_latent_route_admission_reasons(monkeypatch):
     route = {r.name: r for r in routes.ops()["latent_attention"].routes}["triton_latent_decode"]
     cache = _paged_cache(torch.float32)
@@ -161,11 +213,15 @@ def test_latent_route_admission_reasons(monkeypatch):
         c.forced = True
     assert "not a decode step" in route.admit(prefill)
     assert "not a decode step" in route.admit(mixed)
+    prefill_route = {r.name: r for r in routes.ops()["latent_attention"].routes}["triton_latent_prefill"]
+    assert prefill_route.admit(prefill) is None and prefill_route.admit(mixed) is None
+    assert "no paged KV pool" in prefill_route.admit(contiguous)
     assert "no paged KV pool" in route.admit(contiguous)
     assert "queries are torch.float64" in route.admit(wide)
     assert route.admit(bf16) == "KV pool is torch.float32, queries are torch.bfloat16"
     status = {r.name: r.status for r in routes.ops()["latent_attention"].routes}
-    assert status == {"triton_latent_decode": routes.DEFAULT, "torch": routes.DEFAULT}
+    assert status == {"triton_latent_decode": routes.DEFAULT, "triton_latent_prefill": routes.DEFAULT,
+                      "torch": routes.DEFAULT}
     monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "triton_latent_decode")
     with pytest.raises(LowbitError, match="not a decode step"):
         attention_op.latent_attention(prefill)
@@ -181,6 +237,11 @@ def test_graph_safety_of_the_latent_op(monkeypatch):
     assert attention_op.decode_graph_refusal() is None  # the GQA op is not concerned
     monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "triton_latent_decode")
     assert attention_op.decode_graph_refusal("latent_attention") is None
+    assert "not a graph-safe prefill route" in attention_op.prefill_graph_refusal("latent_attention")
+    monkeypatch.delenv("LOWBIT_ROUTE_LATENT_ATTENTION")
+    assert attention_op.prefill_graph_refusal("latent_attention") is None
+    monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "torch")
+    assert "torch is not a graph-safe prefill route" in attention_op.prefill_graph_refusal("latent_attention")
 
 
 def test_torch_route_refuses_a_graph_batch_with_a_runtime_error():

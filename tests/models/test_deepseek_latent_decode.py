@@ -68,6 +68,28 @@ def test_decode_steps_through_the_latent_kernel_match_the_torch_route(tmp_path, 
         logits, lens = want, [n + 1 for n in lens]
 
 
+@pytest.mark.parametrize("name", ["deepseek-ai__DeepSeek-V2-Lite", "deepseek-ai__DeepSeek-V3"])
+def test_prefill_and_mixed_steps_through_the_latent_kernel_match_the_torch_route(tmp_path, monkeypatch, name):
+    """Prompts, then a mixed step (two decode tokens beside a 4-token chunk), each through the
+    forced prefill route on one cache and the torch route on another: the same logits."""
+    lm = tiny(tmp_path, name)
+    caches = {r: PagedKVCache(lm.num_cache_layers, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
+              for r in ("triton_latent_prefill", "torch")}
+    g = torch.Generator().manual_seed(1)
+    steps = [([0, 0, 0], PROMPTS), ([5, 9, 2], [1, 1, 4])]
+    for starts, news in steps:
+        ids = torch.randint(0, lm.config.vocab_size, (sum(news),), generator=g)
+        out = {}
+        for route, cache in caches.items():
+            routes.reset_counters()
+            out[route] = _logits(lm, cache, ids, starts, news, route, monkeypatch)
+            ran = {c["route"] for c in routes.counters()["route_calls"] if c["op"] == "latent_attention"}
+            assert ran == {route}
+        got, want = out["triton_latent_prefill"], out["torch"]
+        assert (got - want).abs().max() < 1e-4 * want.abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_graph_decision_follows_the_latent_op(tmp_path, monkeypatch):
     lm = tiny(tmp_path, "deepseek-ai__DeepSeek-V2-Lite")
     cuda = torch.device("cuda")  # graphs_wanted only looks at the device type
