@@ -24,7 +24,8 @@
 #              kernels, both captured) then LOWBIT_ROUTE_LATENT_ATTENTION=torch: pp / tg cells
 #   spec       speculative decoding: the demo with ngram and its draft (k = 3; SPEC_DEMO=0
 #              skips them), and the synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape,
-#              $QUANT (SPEC_SYN=0 skips it)
+#              $QUANT (SPEC_SYN=0 skips it), and DeepSeek-V3 cut to 4 layers with its MTP
+#              layer drafting (SPEC_MTP=0 skips it): verify steps in graphs
 # Writes under $OUT (default ./gpu_out); the last lines printed are the summary tables. The
 # records (*-latency-*.json, kernel JSON) are in $OUT/results.tar.gz: $OUT returns at most 8 files.
 set -uo pipefail
@@ -158,6 +159,14 @@ if has spec; then
     timeout "${T_SPEC:-150}" python3 -m lowbit bench latency demo --spec $m --num-speculative-tokens 3 \
       -n 128 -r 3 --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"
   done
+  if [ "${SPEC_MTP:-1}" = 1 ]; then  # DeepSeek-V3 cut to 4 layers (3 dense, 1 MoE) + its MTP layer
+    python3 -c "import json; c = json.load(open('lowbit/model_configs/deepseek-ai__DeepSeek-V3.json')); \
+c.update(num_hidden_layers=4, num_nextn_predict_layers=1); json.dump(c, open('/tmp/v3_l4.json', 'w'))"
+    echo "== spec: DeepSeek-V3 (4 layers + MTP) $QUANT, mtp k = 1" | tee -a "$OUT/spec.log"
+    timeout "${T_SPEC_MTP:-200}" python3 -m lowbit bench latency x --random-weights --config /tmp/v3_l4.json \
+      --quantization "$QUANT" --spec mtp --num-speculative-tokens 1 -n 64 -r 2 --records "$RES" 2>&1 \
+      | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"
+  fi
   [ "${T_SPEC_SYN:-240}" = 0 ] || { echo "== spec: synthetic acceptance 0.7, $QUANT" | tee -a "$OUT/spec.log"
   timeout "${T_SPEC_SYN:-240}" python3 -m lowbit bench latency x --random-weights --config "$CONFIG" \
     --quantization "$QUANT" --spec ngram --num-speculative-tokens 3 --spec-synthetic-accept 0.7 \
