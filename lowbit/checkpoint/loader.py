@@ -35,6 +35,7 @@ from lowbit.formats import QuantizedTensor
 from lowbit.formats.base import ACCEPTED_DTYPES
 from lowbit.layers.linear import set_quantized
 from lowbit.layers.loading import default_loader
+from lowbit.layers.moe import SparseMoE
 from lowbit.models import build_model
 from lowbit.models.config import ArchConfig, load_config
 
@@ -262,8 +263,6 @@ def zipf_router_(model: nn.Module, s: float, seed: int = 0) -> list[torch.Tensor
     real run routes is then measured, not assumed: `lowbit bench expert-cache --trace` fits
     the exponent of a recorded trace. Returns the per-layer rankings (expert ids, most
     popular first)."""
-    from lowbit.layers.moe import SparseMoE
-
     if getattr(model, "_router_zipf", None) is not None:  # an engine built again on the same model
         if model._router_zipf[0] != s:
             raise LowbitError(f"the routers already carry a Zipf({model._router_zipf[0]}) bias")
