@@ -1,12 +1,18 @@
 """Time the vector codebook GEMV (route triton_vq_gemv) on one GPU against its peers.
 
     python scripts/bench_vq_gemv.py [--shapes 14336x4096,4096x14336,2048x6144] [--m 1,4]
+    python scripts/bench_vq_gemv.py --moe [--tokens 1,4,16]
 
 For each weight shape N x K and M: vq2 / vq3 / vq4 through `vq_gemv` (random indices and
 scales, the shipped codebooks), nf4 through the LUT gemv (`lut_gemv`), bf16 through
 `F.linear`; each checked against its torch twin first, then timed by
 `triton.testing.do_bench` (median, microseconds), with the achieved weight bandwidth
 (payload bytes / time). Prints a markdown table for docs/BENCHMARKS.md.
+
+--moe: the MoE layer at the Qwen3-30B-A3B expert shape (128 experts, H 2048, I 768, top-8)
+at T tokens (random routing, distinct experts per token): vq3 / vq4 stacks through the
+per-slot vq kernels (route triton_vq_moe), nvfp4 through the default route, bf16 through
+the default route; bytes are the distinct experts' payload read.
 """
 
 from __future__ import annotations
@@ -39,8 +45,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="14336x4096,4096x14336,2048x6144")
     ap.add_argument("--m", default="1,4")
+    ap.add_argument("--moe", action="store_true", help="the MoE layer instead of the gemv")
+    ap.add_argument("--tokens", default="1,4,16", help="--moe: token counts")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.moe:
+        return moe_main([int(v) for v in args.tokens.split(",")])
     print("| N x K | M | weight | us | GB/s (weight bytes) | rel err vs twin |")
     print("|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
@@ -68,6 +78,39 @@ def measure(x: torch.Tensor, w) -> tuple[float, float, float]:
     err = float((y.float() - ref.float()).norm() / ref.float().norm())
     us = timed(run)
     return us, nbytes / us / 1e3, err
+
+def moe_main(tokens: list[int]) -> None:
+    from lowbit.kernels.moe import reference_moe
+    from lowbit.kernels.moe_op import moe_experts
+    from lowbit.kernels.vq_moe import vq_moe
+
+    e, h, inter, a = 128, 2048, 768, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(e, 2 * inter, h, device="cuda", generator=g) * 0.02
+    w2 = torch.randn(e, h, inter, device="cuda", generator=g) * 0.02
+    stacks = {f: (get_format(f).quantize(w13), get_format(f).quantize(w2)) for f in ("vq3", "vq4", "nvfp4")}
+    stacks["bf16"] = (w13.bfloat16(), w2.bfloat16())
+    print("| T | experts | us | GB/s (distinct experts' bytes) | rel err vs twin |")
+    print("|---|---|---|---|---|")
+    for t in tokens:
+        x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:a] for _ in range(t)]).int()
+        w = torch.rand(t, a, device="cuda", generator=g)
+        distinct = len(torch.unique(ids))
+        for name, (q13, q2) in stacks.items():
+            if name.startswith("vq"):
+                r13, r2 = resolve(q13), resolve(q2)
+                run = (lambda x=x, ids=ids, w=w, r13=r13, r2=r2: vq_moe(x, ids, w, r13, r2))
+                per_expert = (r13.nbytes + r2.nbytes) / e
+            else:
+                run = (lambda x=x, ids=ids, w=w, q13=q13, q2=q2: moe_experts(x, ids, w, q13, q2))
+                per_expert = sum(getattr(q, "nbytes", q.numel() * q.element_size()) for q in (q13, q2)) / e
+            ref = reference_moe(x, ids, w, resolve(q13), resolve(q2))
+            y = run()
+            err = float((y.float() - ref.float()).norm() / ref.float().norm())
+            us = timed(run)
+            print(f"| {t} | {name} | {us:.1f} | {distinct * per_expert / us / 1e3:.0f} | {err:.1e} |")
+
 
 if __name__ == "__main__":
     main()

@@ -20,6 +20,8 @@
 #              OFFLOAD_SLOTS slots per layer (default 32 = 25 %, graphs copy their own
 #              misses; OFFLOAD_30B=0 skips both), then Qwen3-235B-A22B in nf3 from a
 #              24 GiB slot budget (OFFLOAD_BIG=0 skips it); tokens sampled at temperature 1 (OFFLOAD_ROUTING)
+#   vq         vector codebook kernels: tests/gpu/test_vq_gemv_gpu.py, then the gemv and the MoE
+#              layer timed beside nf4 / nvfp4 / bf16 (scripts/bench_vq_gemv.py [--moe])
 #   mla        DeepSeek-V2-Lite bf16, default routes (MLA prefill and decode on the latent
 #              kernels, both captured) then LOWBIT_ROUTE_LATENT_ATTENTION=torch: pp / tg cells
 #   spec       speculative decoding: the demo with ngram and its draft (k = 3; SPEC_DEMO=0
@@ -139,6 +141,13 @@ if has offload; then
       --expert-cache-gib 24 --kv-cache-tokens 4096 -p 64 -n 32 -d 0 -r 2 $ROUTING --records "$RES" \
       2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/offload.log"
   fi
+fi
+
+if has vq; then
+  echo "== vq kernels" | tee -a "$OUT/vq.log"
+  timeout "${T_VQ_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_vq_gemv_gpu.py 2>&1 | tail -15 | tee -a "$OUT/vq.log"
+  timeout "${T_VQ:-120}" python3 scripts/bench_vq_gemv.py 2>&1 | tail -30 | tee -a "$OUT/vq.log"
+  timeout "${T_VQ:-120}" python3 scripts/bench_vq_gemv.py --moe 2>&1 | tail -20 | tee -a "$OUT/vq.log"
 fi
 
 if has mla; then

@@ -17,6 +17,10 @@ Routes, in selection order (status and record in docs/ROUTES.md):
                             tensor-core GEMVs (lowbit.kernels.tc_moe) per slot, or from the
                             device config's GROUPED_FROM tokens per expert (each expert read
                             once for all its tokens)
+  triton_vq_moe             (OPT_IN: no GPU record yet) vector codebook stacks (vq2 / vq3 /
+                            vq4, SiLU, no biases), T <= 64 tokens: per-slot CUDA-core GEMVs
+                            over the codebook (lowbit.kernels.vq_moe), three launches,
+                            graph-safe; without it vq experts run the torch route
   triton_fused_moe_decode   T <= 16 tokens (nvfp4: 32), T * A <= 256 slots: LUT / fp8 / bf16
                             experts as per-slot GEMVs (expert id read on the device) while
                             slots < 2 E (fewer than two tokens per expert on average; nvfp4:
@@ -61,6 +65,7 @@ from lowbit.kernels.moe_layout import (
 )
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
 from lowbit.kernels.tc_moe import tc_moe_gemv, tc_moe_grouped, tc_moe_refusal
+from lowbit.kernels.vq_moe import vq_moe, vq_moe_refusal
 from lowbit.kernels.weights import DECODE_E2M1, Resolved, resolve
 
 BENCH = "docs/BENCHMARKS.md#kernels"
@@ -296,6 +301,31 @@ routes.register("moe", routes.Route(
     "127 / 237 / 454 per slot, and 539 for the grouped tiles at C64; C128 / C512: 205 / 428 us "
     "against 561 / 578 for the grouped tiles)", _admit_tc,
     _then_shared(_run_tc)))
+def _admit_vq(call: MoeCall) -> str | None:
+    reason = triton_refusal(call.x, call.forced)
+    if reason is not None:
+        return reason
+    if isinstance(call.w13, (HybridTensor, HybridExperts)):
+        return "hybrid expert layouts: the vq kernels take one vq stack for w13 and one for w2"
+    if call.x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"activations are {call.x.dtype}"
+    if call.ids.dtype not in (torch.int32, torch.int64):
+        return f"topk_ids are {call.ids.dtype}, not int32/int64"
+    if call.b13 is not None or call.b2 is not None or call.activation.kind != "silu":
+        return "expert biases or the clamped SwiGLU: the vq kernels take SiLU experts only"
+    return vq_moe_refusal(call.x, call.ids, call.w13, call.w2)
+
+
+def _run_vq(call: MoeCall) -> torch.Tensor:
+    return vq_moe(call.x, call.ids, call.weights, call.w13, call.w2, out=call.out)
+
+
+routes.register("moe", routes.Route(
+    "triton_vq_moe", routes.OPT_IN,
+    "none yet: vector codebook experts (vq2 / vq3 / vq4) as per-slot CUDA-core GEMVs, checked "
+    "against the twin in the interpreter (tests/kernels/test_vq_moe.py) and on the GPU "
+    "(tests/gpu/test_vq_gemv_gpu.py); timing: python scripts/bench_vq_gemv.py --moe",
+    _admit_vq, _then_shared(_run_vq)))
 routes.register("moe", routes.Route(
     "triton_fused_moe_decode", routes.DEFAULT,
     BENCH + " (Qwen3-30B-A3B and Mixtral C1-C16: 22-1476 us, 2-277x the torch bf16 expert "

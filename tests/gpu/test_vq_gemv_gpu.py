@@ -39,3 +39,31 @@ def test_linear_door_forces_the_vq_route(monkeypatch):
     ref = linear(x, qt)  # OPT_IN: the torch route serves it by default
     monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "triton_vq_gemv")
     assert rel_err(linear(x, qt), ref) < 1e-2
+
+
+@pytest.mark.parametrize("fc1,fc2", [("vq3", "vq4"), ("vq2", "vq3")])
+def test_vq_moe_qwen3_shape(fc1, fc2):
+    """The per-slot vq MoE at the Qwen3-30B-A3B expert shape (128 experts, H 2048, I 768,
+    top-8) against the twin at T = 1, 4, 16, then replayed from a CUDA graph on new routing."""
+    from lowbit.kernels.moe import reference_moe
+    from lowbit.kernels.vq_moe import vq_moe
+
+    e, h, inter, a = 128, 2048, 768, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = resolve(get_format(fc1).quantize(torch.randn(e, 2 * inter, h, device="cuda", generator=g) * 0.02))
+    w2 = resolve(get_format(fc2).quantize(torch.randn(e, h, inter, device="cuda", generator=g) * 0.02))
+    for t in (1, 4, 16):
+        x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:a] for _ in range(t)]).int()
+        w = torch.rand(t, a, device="cuda", generator=g)
+        out = torch.full((t, h), float("nan"), device="cuda", dtype=torch.bfloat16)
+        vq_moe(x, ids, w, w13, w2, out=out)
+        assert rel_err(out, reference_moe(x, ids, w, w13, w2)) < 1e-2, t
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        vq_moe(x, ids, w, w13, w2, out=out)
+    ids.copy_(torch.stack([torch.randperm(e, device="cuda", generator=g)[:a] for _ in range(16)]).int())
+    out.fill_(float("nan"))
+    graph.replay()
+    assert rel_err(out, reference_moe(x, ids, w, w13, w2)) < 1e-2
