@@ -135,6 +135,12 @@ class LLMEngine:
         if self.expert_cache is not None:
             self.runner.graph_check = self.expert_cache.graph_check
             self.runner.before_forward.append(self.expert_cache.before_forward)
+            if self.runner.prefill_graphs is not None:  # a hooked step never pads to a bucket
+                self.runner.prefill_graphs = None
+                self.runner.prefill_graphs_off = ("the expert cache reads each prefill step's routing on "
+                                                  "the host (its experts rarely fit the slots)")
+                log.warning("prefill CUDA graphs are off (prefill steps run eagerly): %s",
+                            self.runner.prefill_graphs_off)
         self.spec: SpecDecoder | None = make_spec_decoder(
             self.config, self.model, self.kv_cache, self.device,
             lambda path: load_model(path, dtype=dtype, device=str(self.device)).model)

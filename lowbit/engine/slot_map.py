@@ -139,8 +139,8 @@ class DeviceSlotMap:
         self.pending.index_fill_(0, gone, False)
         self.table.index_copy_(0, torch.where(valid, first, E), slots.to(torch.int32))
         self.owner.index_copy_(0, torch.where(valid, order, S), experts)
-        self.table[E] = -1
-        self.owner[S] = -1
+        self.table[E:].fill_(-1)  # fill_ with a scalar: no host tensor copied to the device
+        self.owner[S:].fill_(-1)
         if count:
             self._touch(needed, n_miss)
         else:
@@ -161,7 +161,8 @@ class DeviceSlotMap:
         self.clock += 1
         self.last_use.copy_(torch.where(used, self.clock, self.last_use))
         self.count += used.long()
-        self.weight /= HOT_DECAY
+        self.weight /= self.decay  # a device tensor: torch divides a CUDA tensor by a host
+        # scalar as a multiply by its reciprocal, which rounds apart from the kernel's division
         self.score += used.double() * self.weight
         big = self.weight > 1e100  # renormalise before float overflow, as the host policy does
         self.score.copy_(torch.where(big, self.score / self.weight, self.score))
@@ -187,7 +188,7 @@ class DeviceSlotMap:
         self.table.index_fill_(0, gone, -1)
         self.pending.index_fill_(0, gone, False)
         self.owner.index_fill_(0, s, -1)
-        self.table[E] = -1
+        self.table[E:].fill_(-1)  # `t[E] = -1` would copy a host scalar: a sync under capture
 
     def stats(self) -> dict[str, int]:
         """The counters on the host (a read: for telemetry, not inside a step)."""

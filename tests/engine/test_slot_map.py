@@ -111,3 +111,26 @@ def test_the_admission_kernel_is_the_torch_twin_bit_for_bit(policy, E, S, T, A):
         for k, a, b in zip(DeviceSlotMap.STATE, _state(twin), _state(kern)):
             assert torch.equal(a, b), (step, k)
     assert int(twin.counters[MISSES]) > 0 and int(twin.counters[HITS]) > 0
+
+
+def test_device_state_is_never_written_from_a_host_scalar():
+    """`state[i] = 3` on a CUDA tensor copies a host scalar to the device: a synchronizing
+    copy that breaks the capture of a step that admits its own misses (free() runs in the
+    warm-up step before every capture). The map's device-side code writes scalars with
+    fill_ / index_fill_ instead; this reads its source for the pattern."""
+    import ast
+    import inspect
+
+    from lowbit.engine import expert_cache, slot_map
+
+    bad = []
+    for mod in (slot_map, expert_cache):
+        for node in ast.walk(ast.parse(inspect.getsource(mod))):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, ast.AugAssign) else [])
+            for t in targets:
+                v = getattr(node, "value", None)
+                v = v.operand if isinstance(v, ast.UnaryOp) else v
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and isinstance(v, ast.Constant):
+                    bad.append(f"{mod.__name__}:{node.lineno}")
+    assert not bad, bad

@@ -232,3 +232,69 @@ def test_the_admission_kernel_is_its_torch_twin_on_cuda(policy):
             assert torch.equal(a, b), step
         for k in DeviceSlotMap.STATE:
             assert torch.equal(getattr(twin, k), getattr(kern, k)), (step, k)
+
+
+def _nvfp4_layer(seed: int) -> SparseMoE:
+    """A random nvfp4 MoE layer at the Qwen3-30B-A3B expert shape: 128 experts of width 768
+    over 2048, top-8, on the GPU in bf16."""
+    from lowbit.formats import FORMATS
+
+    torch.manual_seed(seed)
+    moe = SparseMoE(2048, 128, 768, RouterSpec(top_k=8), f"layer{seed}").to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.02)
+        for name in ("w13", "w2"):
+            moe.experts.set_quantized_weight(name, FORMATS["nvfp4"].quantize(getattr(moe.experts, name).data))
+    return moe
+
+
+def test_nvfp4_layers_at_the_30b_shape_through_fetch_and_resolve():
+    """Two nvfp4 layers at the Qwen3-30B-A3B expert shape with 32 slots (hot-lru, prefetch
+    on), what `lowbit bench latency --expert-offload --expert-cache-slots 32` runs: a
+    64-token prefill in groups, single tokens through the fetch path (pre-gating layer 1),
+    then single tokens replayed from a captured graph in the resolve form (the warm-up under
+    sync debug mode "error"); every output is the resident layers'."""
+    layers = torch.nn.ModuleList([_nvfp4_layer(0), _nvfp4_layer(1)])
+    torch.manual_seed(2)
+    prefill = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    singles = [torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
+    with torch.inference_mode():
+        want = [[m(x) for m in layers] for x in [prefill, *singles]]
+        cache = ExpertCache(layers, torch.device("cuda"), offload=True, prefetch=True)
+        cache.allocate(32, "hot-lru")
+        assert cache.resolve_rows == 4
+        got = [[m(x) for m in layers] for x in [prefill, *singles[:8]]]
+        torch.cuda.synchronize()
+        for i, (g, w) in enumerate(zip(got, want)):
+            for a, b in zip(g, w):
+                torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=lambda m, i=i: f"input {i}: {m}")
+        static = singles[8].clone()
+        cache.num_live = 1
+        cache.live_rows.fill_(1)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            warm = [m(static) for m in layers]  # the warm-up step: admissions put back
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = [m(static) for m in layers]
+        misses = cache.totals()["misses"]
+        replayed = []
+        for x in singles[8:]:
+            static.copy_(x)
+            graph.replay()
+            replayed.append([o.clone() for o in out])
+        torch.cuda.synchronize()
+    for a, b in zip(warm, want[9]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    for i, (g, w) in enumerate(zip(replayed, want[9:])):
+        for a, b in zip(g, w):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=lambda m, i=i: f"replay {i}: {m}")
+    assert cache.totals()["misses"] > misses  # the replays admitted and copied misses
+    for layer in cache.layers:  # the map is true to the slots' contents
+        for s, e in enumerate(layer.owner):
+            if e >= 0:
+                assert torch.equal(layer.slots["w13.codes"][s].cpu(), layer.host["w13.codes"][e]), (s, e)
