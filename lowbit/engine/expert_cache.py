@@ -204,6 +204,12 @@ class LayerCache:
             copy_experts(pairs, self.host, self.slots)
             if self.ready is not None:
                 self.ready.record()
+        if self.stream is not None:
+            # pairs was allocated on the compute stream and is read on the side stream: without
+            # this, its block goes back to the compute stream's pool when admit returns, and
+            # the next allocation there (a prefetch's mask or pairs, queued before this copy
+            # runs) overwrites the pairs the copy kernel is about to read
+            pairs.record_stream(self.stream)
 
     def wait_copies(self) -> None:
         if self.ready is not None:

@@ -298,3 +298,23 @@ def test_nvfp4_layers_at_the_30b_shape_through_fetch_and_resolve():
         for s, e in enumerate(layer.owner):
             if e >= 0:
                 assert torch.equal(layer.slots["w13.codes"][s].cpu(), layer.host["w13.codes"][e]), (s, e)
+
+
+def test_side_stream_copies_read_their_own_pairs():
+    """The copies of an admit run on the side stream after the compute stream has moved on;
+    the pairs they read must not be handed to the compute stream's next allocations. The
+    side stream is held back (a sleep queued on it), the compute stream then allocates and
+    fills blocks of the pairs' size, and the copies must still land where the map says."""
+    layer = _offload(_layer(), 2).layers[0]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(layer.stream):
+        torch.cuda._sleep(50_000_000)  # ~25 ms at 2 GHz: the copies queue behind it
+    layer.admit([3, 6])
+    junk = [torch.full((layer.num_slots, 2), 7 << 40, dtype=torch.int64, device="cuda") for _ in range(64)]
+    layer.wait_copies()
+    torch.cuda.synchronize()
+    del junk
+    table = layer.slot_table.tolist()
+    for e in (3, 6):
+        assert table[e] >= 0
+        assert torch.equal(layer.slots["w13.w"][table[e]].cpu(), layer.host["w13.w"][e]), e
