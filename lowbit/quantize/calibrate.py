@@ -6,8 +6,10 @@ Shape legend: T tokens, K a weight's input dim, E experts, A active experts per 
 H = X^T X / n over the inputs X [n, K] a weight sees (float32 accumulation): a Linear's
 inputs over all T tokens; an expert's w13 over the tokens routed to it, its w2 over those
 tokens' activations act(x w13^T). An expert routed fewer than MIN_TOKENS tokens takes its
-layer's H over all routed tokens instead. All Hessians come from the dense model (the
-rounding of one layer does not change the inputs another layer is calibrated on).
+layer's H over all routed tokens instead. By default all Hessians come from the dense
+model (the rounding of one layer does not change the inputs another layer is calibrated
+on); with `--sequential` (round_sequentially) each decoder layer's come from the model whose
+earlier layers are already rounded.
 For the byte-budget allocator, each expert also sums g^2 over its routed tokens (g its
 routing weight, which scales its output): g2 / tokens puts an expert's mean output error
 on the per-token scale of a Linear's.
@@ -16,6 +18,7 @@ on the per-token scale of a Linear's.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -101,18 +104,77 @@ class HessianSums:
         return torch.where((n < MIN_TOKENS)[:, None, None], pooled, per)
 
 
+class _Stop(Exception):
+    """Raised by a forward hook once the weights being calibrated have seen their inputs."""
+
+
 def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: str,
-                     context: int = WINDOW) -> HessianSums:
-    """Run the dense model over ids in windows of at most `context` tokens; hooks sum
-    X^T X for each planned weight."""
+                     context: int = WINDOW, stop_after: nn.Module | None = None) -> HessianSums:
+    """Run the model over ids in windows of at most `context` tokens; hooks sum X^T X for
+    each planned weight. stop_after: a module after whose forward the rest of the model
+    need not run (its outputs feed no planned weight)."""
     width = min(WINDOW, context)
     sums = HessianSums()
-    with hessian_hooks(model, plan, sums), torch.inference_mode():
-        for s in range(0, len(ids), width):
-            x = torch.tensor(ids[s:s + width], device=device)  # [T]
-            sums.tokens += len(x)
-            model(x, ForwardBatch.build([len(x)], [0], None, None, torch.device(device)))
+    stop = None if stop_after is None else stop_after.register_forward_hook(lambda *_: _raise_stop())
+    try:
+        with hessian_hooks(model, plan, sums), torch.inference_mode():
+            for s in range(0, len(ids), width):
+                x = torch.tensor(ids[s:s + width], device=device)  # [T]
+                sums.tokens += len(x)
+                try:
+                    model(x, ForwardBatch.build([len(x)], [0], None, None, torch.device(device)))
+                except _Stop:
+                    pass
+    finally:
+        if stop is not None:
+            stop.remove()
     return sums
+
+
+def _raise_stop() -> None:
+    raise _Stop
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def sequential_groups(model: nn.Module, names: list[str]) -> list[list[str]]:
+    """The planned weights in the order sequential calibration rounds them: per decoder layer,
+    its attention projections, then the rest (MLP, experts, shared experts); weights outside
+    the decoder layers (lm_head) last. Within a group the Hessians come from one pass."""
+    order = {n: i for i, n in enumerate(swappable(model))}
+    groups: dict[tuple[int, int], list[str]] = {}
+    for n in sorted(names, key=order.__getitem__):
+        m = _LAYER.search(n)
+        key = (int(m.group(1)), 0 if "attn" in n else 1) if m else (1 << 30, 0)
+        groups.setdefault(key, []).append(n)
+    return [groups[k] for k in sorted(groups)]
+
+
+def round_sequentially(model: nn.Module, rounding: dict[str, object], ids: list[int], device: str,
+                       context: int, damp: float, round_fn) -> dict[str, int]:
+    """GPTQ layer by layer (`--sequential`): each group of sequential_groups takes its
+    Hessians from a pass of the model whose earlier groups are already rounded, so that a
+    weight is rounded for the inputs the quantized model will give it, and the pass stops
+    after the group's decoder layer. rounding: weight name -> format; round_fn(fmt, w, h)
+    returns the QuantizedTensor (h None where no token reached the weight). Returns counts."""
+    targets = swappable(model)
+    counts = {"groups": 0, "passes_tokens": 0}
+    groups = sequential_groups(model, list(rounding))
+    for i, names in enumerate(groups):
+        plan = QuantPlan({n: rounding[n] for n in names})
+        m = _LAYER.search(names[-1])  # stop after the group's decoder layer (its modules'
+        # forward order within the layer need not be their names' order)
+        last = model.get_submodule(names[-1][:m.end() - 1]) if m and i + 1 < len(groups) else None
+        sums = collect_hessians(model, plan, ids, device, context, stop_after=last)
+        for n in names:
+            mod, attr = targets[n]
+            w = getattr(mod, attr).data
+            h = sums.mean(n).to(w.device) if sums.seen(n) else None
+            set_quantized(mod, attr, round_fn(rounding[n], w, h))
+        counts["groups"] += 1
+        counts["passes_tokens"] += sums.tokens
+    return counts
 
 
 @contextmanager

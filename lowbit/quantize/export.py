@@ -38,6 +38,7 @@ from lowbit.quantize.calibrate import (
     HessianSums,
     calibrated_quantize,
     collect_hessians,
+    round_sequentially,
 )
 from lowbit.quantize.gptq import DAMP
 from lowbit.quantize.sensitivity import WINDOW, KLProbe
@@ -72,7 +73,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
                    sensitivity: str | None = None, sensitivity_from: str | Path | None = None,
                    tune_steps: int = 0, tune_text: str | Path | None = None,
                    tune_tokens: int = TUNE_TOKENS, tune_norms: bool = False,
-                   tune_topk: int | None = None) -> dict:
+                   tune_topk: int | None = None, sequential: bool = False) -> dict:
     """Write the artifact for `model` in format `fmt` (or, with `bpw`, a format per weight
     from `formats` under that budget) at `out`; return its manifest with the run's wall
     time added under totals.seconds. With `calib` (a text file) every weight is rounded by
@@ -84,7 +85,9 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
     model's next-token distributions on `tune_text` (default: the calibration text) for that
     many steps, on at most `tune_tokens` of its tokens, keeping the teacher's `tune_topk` most
     likely tokens per position (default TOPK; 0: all), with `tune_norms` the RMSNorm weights too
-    (lowbit.quantize.tune)."""
+    (lowbit.quantize.tune). `sequential` (with `calib`) rounds layer by layer, each decoder
+    layer on Hessians from the model whose earlier layers are rounded
+    (lowbit.quantize.calibrate.round_sequentially)."""
     t0 = time.perf_counter()
     candidates = _check_budget_args(fmt, bpw, formats)
     sensitivity = _check_sensitivity(sensitivity, bpw, calib, sensitivity_from)
@@ -94,6 +97,9 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
         raise LowbitError("--tune-norms tunes the norms with the scales: give --tune-scales STEPS too.")
     if tune_norms:
         tuning = tuning._replace(norms=parse_dtype(dtype))
+    if sequential and calibration is None:
+        raise LowbitError("--sequential rounds each layer on the Hessians of the already rounded layers before "
+                          "it: give --calib FILE too.")
     if not 0 <= damp < 1:
         raise LowbitError(f"--damp {damp}: give a fraction of the mean Hessian diagonal in [0, 1), e.g. 0.01.")
     if calibration is not None and fmt is not None and fmt not in SCALAR_FORMATS + VQ_FORMAT_NAMES:
@@ -117,7 +123,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
             table, sensitivity = _earlier_scores(Path(sensitivity_from), provenance["source_digest"], calibration,
                                                  damp, sensitivity)
         loaded, plan, rounding, extra = _budgeted(path, bpw, candidates, calibration, device, dtype,
-                                                  quantize_lm_head, damp, sensitivity, table, tuning)
+                                                  quantize_lm_head, damp, sensitivity, table, tuning, sequential)
         if table is not None:
             extra["allocation"]["sensitivity"]["scores_from"] = str(sensitivity_from)
         fmt = "mixed"
@@ -129,7 +135,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
         plan = loaded.plan or QuantPlan()
     else:
         loaded, plan, provenance["rounding"] = _calibrated(path, fmt, calibration, device, dtype,
-                                                           quantize_lm_head, damp, tuning)
+                                                           quantize_lm_head, damp, tuning, sequential)
     manifest = write_artifact(
         loaded.model, Path(out), source=path, raw_config=loaded.config.raw, fmt=fmt,
         dense_reasons=plan.dense, provenance=provenance,
@@ -238,7 +244,8 @@ def _earlier_scores(src: Path, digest: str, calibration: Calibration | None, dam
 def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibration | None,
               device: str, dtype: str, quantize_lm_head: bool, damp: float,
               sensitivity: str, table: dict | None,
-              tuning: Tuning | None = None) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
+              tuning: Tuning | None = None,
+              sequential: bool = False) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
     """Load the dense model in float32, round every planned weight in every candidate
     format (GPTQ with --calib) and score it (or take the scores of `table`), allocate the
     budget, install the chosen roundings."""
@@ -261,13 +268,19 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
     print(plan_table(choices, chosen, bpw))
     targets = swappable(loaded.model)
     for pname, c in chosen.items():
-        mod, attr = targets[pname]
         if c.format == DENSE:
             dense[pname] = f"kept dense by the --bpw plan ({dtype})"
-            continue
-        w = getattr(mod, attr).data
-        h = sums.mean(pname).to(w.device) if sums is not None and sums.seen(pname) else None
-        set_quantized(mod, attr, round_weight(get_format(c.format), w, h, damp))
+    rounds = {pname: get_format(c.format) for pname, c in chosen.items() if c.format != DENSE}
+    if sequential:  # the scores above stand; the roundings see the rounded layers' outputs
+        rounding["sequential"] = round_sequentially(
+            loaded.model, rounds, ids, device, loaded.config.max_position_embeddings, damp,
+            lambda f, w, h: round_weight(f, w, h, damp))
+    else:
+        for pname, f in rounds.items():
+            mod, attr = targets[pname]
+            w = getattr(mod, attr).data
+            h = sums.mean(pname).to(w.device) if sums is not None and sums.seen(pname) else None
+            set_quantized(mod, attr, round_weight(f, w, h, damp))
     record = _sensitivity_record(sensitivity, sums, probe, chosen, scored)
     if text is not None:
         rounding["tuning"] = _tuned(loaded, text, reference, device, tuning.norms, probe)
@@ -313,26 +326,32 @@ def _hessians(loaded: LoadedModel, path: Path, formats: list[Format], calibratio
 
 def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dtype: str,
                 quantize_lm_head: bool, damp: float,
-                tuning: Tuning | None = None) -> tuple[LoadedModel, QuantPlan, dict]:
+                tuning: Tuning | None = None, sequential: bool = False) -> tuple[LoadedModel, QuantPlan, dict]:
     """Load the dense model in float32, collect Hessians on the calibration tokens, round
-    every planned weight by GPTQ, and cast what stays dense to `dtype`."""
+    every planned weight by GPTQ (with `sequential`, layer by layer), and cast what stays
+    dense to `dtype`."""
     loaded = load_model(path, dtype="float32", device=device)
     plan = plan_quantization(loaded.model, fmt, quantize_lm_head)
     ids = Tokenizer(path).encode(calibration.text)
     if len(ids) < 2:
         raise LowbitError(f"--calib {calibration.path} gives {len(ids)} token(s); give more text.")
     t0 = time.perf_counter()
-    sums = collect_hessians(loaded.model, plan, ids, device, loaded.config.max_position_embeddings)
-    text = _tuning_text(tuning, path, loaded.config.max_position_embeddings)
+    context = loaded.config.max_position_embeddings
+    sums = None if sequential else collect_hessians(loaded.model, plan, ids, device, context)
+    text = _tuning_text(tuning, path, context)
     reference = None if text is None else teacher(loaded.model, text, device, tuning.topk)
     t1 = time.perf_counter()
-    counts = calibrated_quantize(loaded.model, plan, sums, damp)
+    if sequential:
+        counts = round_sequentially(loaded.model, plan.quantized, ids, device, context, damp,
+                                    lambda f, w, h: round_weight(f, w, h, damp))
+    else:
+        counts = calibrated_quantize(loaded.model, plan, sums, damp)
     t2 = time.perf_counter()
     tuned = None if text is None else _tuned(loaded, text, reference, device, tuning.norms)
     target = parse_dtype(dtype)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
-    rounding = {"method": "gptq", "damp": damp,
+    rounding = {"method": "gptq, layer by layer" if sequential else "gptq", "damp": damp,
                 "calibration": {"file": calibration.path.name, "sha256": calibration.sha256,
                                 "tokens": len(ids)},
                 "weights": counts, "hessian_seconds": round(t1 - t0, 2),

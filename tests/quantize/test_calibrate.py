@@ -80,3 +80,58 @@ def test_unreached_weights_keep_nearest_rounding():
     counts = calibrated_quantize(model, QuantPlan({"proj.weight": fmt}), HessianSums())
     assert counts == {"gptq": 0, "nearest": 1, "expert_matrices_pooled": 0}
     assert torch.equal(model.proj.weight.dequantize(), fmt.quantize(w).dequantize())
+
+
+def test_sequential_rounding_calibrates_each_layer_on_the_rounded_layers_before_it(tiny_moe_dir):
+    """--sequential: layer 0's weights get the dense model's Hessians; layer 1's get those of
+    the model whose layer 0 is already rounded (checked against a model rounded by hand),
+    which differ from the dense ones; each group's pass stops after its decoder layer."""
+    from lowbit.checkpoint.loader import load_model
+    from lowbit.checkpoint.quant_plan import QuantPlan, plan_quantization, swappable
+    from lowbit.layers.linear import set_quantized
+    from lowbit.quantize.allocate import round_weight
+    from lowbit.quantize.calibrate import collect_hessians, round_sequentially, sequential_groups
+
+    def fresh():
+        return load_model(tiny_moe_dir, dtype="float32", device="cpu").model
+
+    model = fresh()
+    plan = plan_quantization(model, "nf4", False)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 200, (300,)).tolist()
+    groups = sequential_groups(model, list(plan.quantized))
+    assert [g[0].split(".self_attn")[0].split(".mlp")[0] for g in groups] == [
+        "model.layers.0", "model.layers.0", "model.layers.1", "model.layers.1"]
+    assert all("attn" in n for n in groups[0]) and not any("attn" in n for n in groups[1])
+    seen, calls = {}, []
+    model.model.layers[1].register_forward_hook(lambda *_: calls.append(1))
+
+    def record(f, w, h):
+        seen[pname_of[w.data_ptr()]] = None if h is None else h.clone()
+        return round_weight(f, w, h, 0.01)
+
+    pname_of = {getattr(m, a).data_ptr(): n for n, (m, a) in swappable(model).items()}
+    counts = round_sequentially(model, plan.quantized, ids, "cpu", 256, 0.01, record)
+    assert counts["groups"] == 4 and set(seen) == set(plan.quantized)
+    assert len(calls) == 2 * 2  # windows of at most 256 tokens: 2 passes through layer 1, for its 2 groups
+
+    dense = fresh()
+    sums = collect_hessians(dense, plan, ids, "cpu", 256)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(seen[q], sums.mean(q))  # nothing rounded before layer 0
+    by_hand = fresh()
+    targets = swappable(by_hand)
+    for n in groups[0] + groups[1]:  # layer 0 rounded as the sequential run rounded it
+        m, a = targets[n]
+        set_quantized(m, a, round_weight(plan.quantized[n], getattr(m, a).data, seen[n], 0.01))
+    later = [n for n in groups[2] if n.endswith("q_proj.weight")][0]
+    want = collect_hessians(by_hand, QuantPlan({later: plan.quantized[later]}), ids, "cpu", 256).mean(later)
+    torch.testing.assert_close(seen[later], want)
+    assert not torch.allclose(seen[later], sums.mean(later))  # the rounded layer 0 changed its inputs
+
+
+def test_sequential_needs_calib(tmp_path, capsys):
+    argv = ["quantize", str(tmp_path / "no-model"), "--format", "nf4", "--out", str(tmp_path / "a"), "--sequential"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--sequential" in err and "--calib" in err and "Traceback" not in err, err
