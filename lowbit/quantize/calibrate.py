@@ -114,21 +114,10 @@ def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: 
     """Run the model over ids in windows of at most `context` tokens; hooks sum X^T X for
     each planned weight. stop_after: a module after whose forward the rest of the model
     need not run (its outputs feed no planned weight)."""
-    width = min(WINDOW, context)
     sums = HessianSums()
-    stop = None if stop_after is None else stop_after.register_forward_hook(lambda *_: _raise_stop())
-    try:
-        with hessian_hooks(model, plan, sums), torch.inference_mode():
-            for s in range(0, len(ids), width):
-                x = torch.tensor(ids[s:s + width], device=device)  # [T]
-                sums.tokens += len(x)
-                try:
-                    model(x, ForwardBatch.build([len(x)], [0], None, None, torch.device(device)))
-                except _Stop:
-                    pass
-    finally:
-        if stop is not None:
-            stop.remove()
+    sums.tokens = len(ids)
+    with hessian_hooks(model, plan, sums):
+        _windows(model, ids, device, context, stop_after, lambda i: None)
     return sums
 
 
