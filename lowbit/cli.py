@@ -141,8 +141,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                               sensitivity=args.sensitivity, sensitivity_from=args.sensitivity_from,
                               tune_steps=args.tune_scales, tune_text=args.tune_text,
                               tune_tokens=args.tune_tokens, tune_norms=args.tune_norms,
-                              tune_topk=args.tune_teacher_topk, sequential=args.sequential,
-                              correct_inputs=args.correct_inputs)
+                              tune_topk=args.tune_teacher_topk, sequential=args.sequential)
     print(summary_table(manifest))
     print(f"wrote {args.out}")
     return 0
@@ -234,9 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--sequential", action="store_true",
                    help="with --calib: round layer by layer, each decoder layer on the Hessians of the model "
                         "whose earlier layers are already rounded (default: all from the dense model)")
-    q.add_argument("--correct-inputs", type=float, default=0.0, metavar="A",
-                   help="with --sequential: before rounding a weight, move it a fraction A (0-1) toward the "
-                        "weight that best gives the dense model's outputs on the rounded model's inputs")
     q.add_argument("--tune-scales", type=int, default=0, metavar="STEPS",
                    help="with --calib: after rounding, tune the block scales of nf/lut/vq weights for STEPS "
                         "steps against the unquantized model's next-token distributions (same bytes)")

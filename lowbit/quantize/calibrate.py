@@ -17,7 +17,6 @@ on the per-token scale of a Linear's.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import re
 from collections.abc import Iterator
@@ -117,12 +116,29 @@ def collect_hessians(model: nn.Module, plan: QuantPlan, ids: list[int], device: 
     sums = HessianSums()
     sums.tokens = len(ids)
     with hessian_hooks(model, plan, sums):
-        _windows(model, ids, device, context, stop_after, lambda i: None)
+        _windows(model, ids, device, context, stop_after)
     return sums
 
 
 def _raise_stop() -> None:
     raise _Stop
+
+
+def _windows(model: nn.Module, ids: list[int], device: str, context: int, stop_after) -> None:
+    """Forward `model` over ids in windows, each stopping after `stop_after` when given."""
+    width = min(WINDOW, context)
+    stop = None if stop_after is None else stop_after.register_forward_hook(lambda *_: _raise_stop())
+    try:
+        with torch.inference_mode():
+            for s in range(0, len(ids), width):
+                x = torch.tensor(ids[s:s + width], device=device)
+                try:
+                    model(x, ForwardBatch.build([len(x)], [0], None, None, torch.device(device)))
+                except _Stop:
+                    pass
+    finally:
+        if stop is not None:
+            stop.remove()
 
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -141,145 +157,25 @@ def sequential_groups(model: nn.Module, names: list[str]) -> list[list[str]]:
     return [groups[k] for k in sorted(groups)]
 
 
-@contextmanager
-def _input_hooks(model: nn.Module, names: list[str], record) -> Iterator[None]:
-    """While open, record(name, args) gets the forward inputs of each weight's module (an
-    expert stack's: its layer's x, ids, w) at every forward."""
-    hooks, done = [], set()
-    for pname, (mod, _) in swappable(model).items():
-        if pname in names and id(mod) not in done:
-            done.add(id(mod))
-            hooks.append(mod.register_forward_pre_hook(lambda m, args, pname=pname: record(pname, args)))
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-def _windows(model: nn.Module, ids: list[int], device: str, context: int, stop_after, step) -> None:
-    """Forward `model` over ids in windows (step(i) before window i), stopping after `stop_after`."""
-    width = min(WINDOW, context)
-    stop = None if stop_after is None else stop_after.register_forward_hook(lambda *_: _raise_stop())
-    try:
-        with torch.inference_mode():
-            for i, s in enumerate(range(0, len(ids), width)):
-                step(i)
-                x = torch.tensor(ids[s:s + width], device=device)
-                try:
-                    model(x, ForwardBatch.build([len(x)], [0], None, None, torch.device(device)))
-                except _Stop:
-                    pass
-    finally:
-        if stop is not None:
-            stop.remove()
-
-
-def cross_terms(model: nn.Module, dense: nn.Module, names: list[str], ids: list[int], device: str,
-                context: int, stop_after: tuple[nn.Module, nn.Module] | None) -> tuple[HessianSums, dict]:
-    """The rounded model's Hessians H~ = X~^T X~ of `names` (HessianSums) and the cross terms
-    C = X~^T X with the dense model's inputs X for the same tokens, summed over the windows
-    (an expert's: over the tokens the rounded model routes to it, X~ and X at those tokens;
-    w2's inputs act(x w13^T) with the layer's still unrounded w13 on both sides)."""
-    targets = swappable(model)
-    kept: dict[tuple[str, int], tuple] = {}
-    window = [0]
-    with _input_hooks(dense, names, lambda n, a: kept.__setitem__((n, window[0]), a)):
-        _windows(dense, ids, device, context, stop_after and stop_after[1], lambda i: window.__setitem__(0, i))
-    sums, cross = HessianSums(), {}
-    sums.tokens = len(ids)
-
-    def add(pname: str, args) -> None:
-        mod, attr = targets[pname]
-        xd = kept[(pname, window[0])][0]
-        if isinstance(mod, Experts):
-            x, ids_, w = args[:3]
-            _expert_cross(mod, pname, sums, cross, x, xd, ids_, w)
-            return
-        xq = args[0].reshape(-1, args[0].shape[-1]).float()
-        sums.add(pname, xq)
-        cross[pname] = cross.get(pname, 0) + xq.T @ xd.reshape(-1, xd.shape[-1]).float()
-
-    with _input_hooks(model, names, add):
-        _windows(model, ids, device, context, stop_after and stop_after[0], lambda i: window.__setitem__(0, i))
-    return sums, cross
-
-
-def _expert_cross(mod: Experts, pname: str, sums: HessianSums, cross: dict, x: Tensor, xd: Tensor,
-                  ids: Tensor, w: Tensor) -> None:
-    e_all, k13, k2 = mod.w13.shape[0], mod.w13.shape[2], mod.w2.shape[2]
-    w2name = pname[:-3] + "w2"
-    for name, k in ((pname, k13), (w2name, k2)):
-        if name not in sums.h:
-            sums.h[name] = torch.zeros(e_all, k, k, device=x.device)
-            sums.n[name] = torch.zeros(e_all, dtype=torch.long, device=x.device)
-            cross[name] = torch.zeros(e_all, k, k, device=x.device)
-    for e in torch.unique(ids).tolist():  # host sync: calibration only
-        tok = (ids == e).any(-1).nonzero()[:, 0]
-        xq, xe = x[tok].float(), xd[tok].float()
-        bias = None if mod.b13 is None else mod.b13[e].float()
-        aq = mod.act(nn.functional.linear(xq, mod.w13[e].float(), bias))
-        ad = mod.act(nn.functional.linear(xe, mod.w13[e].float(), bias))
-        sums.add(pname, xq, e)
-        sums.add(w2name, aq, e)
-        cross[pname][e] += xq.T @ xe
-        cross[w2name][e] += aq.T @ ad
-
-
-def corrected_target(w: Tensor, h: Tensor, c: Tensor, n: Tensor, alpha: float, damp: float) -> Tensor:
-    """W moved a fraction alpha toward W C^T H~^{-1}, the least-squares weight on the rounded
-    model's inputs X~ for the dense outputs X W^T (H~ = X~^T X~, C = X~^T X, both summed over
-    n tokens, damped as GPTQ damps H~). w [N, K] or [E, N, K]; an expert with fewer than
-    MIN_TOKENS tokens keeps W."""
-    hd = h.double().clone()
-    keep = torch.as_tensor(n) < MIN_TOKENS  # [E] for a stack (rare experts keep W), 0-dim else
-    if w.dim() == 3:  # a rare expert's H~ may be all zeros: solve with the identity instead
-        hd[keep] = torch.eye(h.shape[-1], dtype=hd.dtype, device=hd.device)
-    diag = hd.diagonal(dim1=-2, dim2=-1)
-    diag += damp * diag.mean(-1, keepdim=True)
-    best = torch.linalg.solve(hd, c.double() @ w.double().transpose(-1, -2)).transpose(-1, -2)  # W C^T H~^-1
-    out = w.double() + alpha * (best - w.double())
-    if w.dim() == 3:
-        out = torch.where(keep[:, None, None], w.double(), out)
-    return out.to(w.dtype)
-
-
 def round_sequentially(model: nn.Module, rounding: dict[str, object], ids: list[int], device: str,
-                       context: int, damp: float, round_fn, correct: float = 0.0,
-                       dense: nn.Module | None = None) -> dict[str, int]:
+                       context: int, round_fn) -> dict[str, int]:
     """GPTQ layer by layer (`--sequential`): each group of sequential_groups takes its
     Hessians from a pass of the model whose earlier groups are already rounded, so that a
     weight is rounded for the inputs the quantized model will give it, and the pass stops
     after the group's decoder layer. rounding: weight name -> format; round_fn(fmt, w, h)
     returns the QuantizedTensor (h None where no token reached the weight). Returns counts."""
     targets = swappable(model)
-    counts = {"groups": 0, "passes_tokens": 0, "corrected": 0}
     groups = sequential_groups(model, list(rounding))
-    if correct:
-        dense = dense if dense is not None else copy.deepcopy(model)
     for i, names in enumerate(groups):
-        plan = QuantPlan({n: rounding[n] for n in names})
         m = _LAYER.search(names[-1])  # stop after the group's decoder layer (its modules'
         # forward order within the layer need not be their names' order)
-        layer = names[-1][:m.end() - 1] if m and i + 1 < len(groups) else None
-        last = None if layer is None else model.get_submodule(layer)
-        if correct:
-            stops = None if layer is None else (last, dense.get_submodule(layer))
-            sums, cross = cross_terms(model, dense, [n for n in names if not n.endswith(".w2")], ids, device,
-                                      context, stops)
-        else:
-            sums, cross = collect_hessians(model, plan, ids, device, context, stop_after=last), {}
+        last = model.get_submodule(names[-1][:m.end() - 1]) if m and i + 1 < len(groups) else None
+        sums = collect_hessians(model, QuantPlan({n: rounding[n] for n in names}), ids, device, context, last)
         for n in names:
             mod, attr = targets[n]
             w = getattr(mod, attr).data
-            h = sums.mean(n).to(w.device) if sums.seen(n) else None
-            if h is not None and n in cross:
-                w = corrected_target(w, sums.h[n], cross[n], sums.n[n], correct, damp)
-                counts["corrected"] += 1
-            set_quantized(mod, attr, round_fn(rounding[n], w, h))
-        counts["groups"] += 1
-        counts["passes_tokens"] += sums.tokens
-    return counts
+            set_quantized(mod, attr, round_fn(rounding[n], w, sums.mean(n).to(w.device) if sums.seen(n) else None))
+    return {"groups": len(groups)}
 
 
 @contextmanager

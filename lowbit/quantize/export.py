@@ -73,8 +73,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
                    sensitivity: str | None = None, sensitivity_from: str | Path | None = None,
                    tune_steps: int = 0, tune_text: str | Path | None = None,
                    tune_tokens: int = TUNE_TOKENS, tune_norms: bool = False,
-                   tune_topk: int | None = None, sequential: bool = False,
-                   correct_inputs: float = 0.0) -> dict:
+                   tune_topk: int | None = None, sequential: bool = False) -> dict:
     """Write the artifact for `model` in format `fmt` (or, with `bpw`, a format per weight
     from `formats` under that budget) at `out`; return its manifest with the run's wall
     time added under totals.seconds. With `calib` (a text file) every weight is rounded by
@@ -88,9 +87,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
     likely tokens per position (default TOPK; 0: all), with `tune_norms` the RMSNorm weights too
     (lowbit.quantize.tune). `sequential` (with `calib`) rounds layer by layer, each decoder
     layer on Hessians from the model whose earlier layers are rounded
-    (lowbit.quantize.calibrate.round_sequentially); `correct_inputs` (with `sequential`) moves
-    each weight that fraction toward the least-squares weight for the dense outputs on the
-    rounded model's inputs before rounding it."""
+    (lowbit.quantize.calibrate.round_sequentially)."""
     t0 = time.perf_counter()
     candidates = _check_budget_args(fmt, bpw, formats)
     sensitivity = _check_sensitivity(sensitivity, bpw, calib, sensitivity_from)
@@ -103,10 +100,6 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
     if sequential and calibration is None:
         raise LowbitError("--sequential rounds each layer on the Hessians of the already rounded layers before "
                           "it: give --calib FILE too.")
-    if correct_inputs and not sequential:
-        raise LowbitError("--correct-inputs corrects for the rounded layers before a weight: give --sequential too.")
-    if not 0 <= correct_inputs <= 1:
-        raise LowbitError(f"--correct-inputs {correct_inputs}: give a fraction in [0, 1], e.g. 0.5.")
     if not 0 <= damp < 1:
         raise LowbitError(f"--damp {damp}: give a fraction of the mean Hessian diagonal in [0, 1), e.g. 0.01.")
     if calibration is not None and fmt is not None and fmt not in SCALAR_FORMATS + VQ_FORMAT_NAMES:
@@ -130,8 +123,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
             table, sensitivity = _earlier_scores(Path(sensitivity_from), provenance["source_digest"], calibration,
                                                  damp, sensitivity)
         loaded, plan, rounding, extra = _budgeted(path, bpw, candidates, calibration, device, dtype,
-                                                  quantize_lm_head, damp, sensitivity, table, tuning, sequential,
-                                                  correct_inputs)
+                                                  quantize_lm_head, damp, sensitivity, table, tuning, sequential)
         if table is not None:
             extra["allocation"]["sensitivity"]["scores_from"] = str(sensitivity_from)
         fmt = "mixed"
@@ -143,8 +135,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
         plan = loaded.plan or QuantPlan()
     else:
         loaded, plan, provenance["rounding"] = _calibrated(path, fmt, calibration, device, dtype,
-                                                           quantize_lm_head, damp, tuning, sequential,
-                                                           correct_inputs)
+                                                           quantize_lm_head, damp, tuning, sequential)
     manifest = write_artifact(
         loaded.model, Path(out), source=path, raw_config=loaded.config.raw, fmt=fmt,
         dense_reasons=plan.dense, provenance=provenance,
@@ -254,7 +245,7 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
               device: str, dtype: str, quantize_lm_head: bool, damp: float,
               sensitivity: str, table: dict | None,
               tuning: Tuning | None = None,
-              sequential: bool = False, correct_inputs: float = 0.0) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
+              sequential: bool = False) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
     """Load the dense model in float32, round every planned weight in every candidate
     format (GPTQ with --calib) and score it (or take the scores of `table`), allocate the
     budget, install the chosen roundings."""
@@ -282,9 +273,8 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
     rounds = {pname: get_format(c.format) for pname, c in chosen.items() if c.format != DENSE}
     if sequential:  # the scores above stand; the roundings see the rounded layers' outputs
         rounding["sequential"] = round_sequentially(
-            loaded.model, rounds, ids, device, loaded.config.max_position_embeddings, damp,
-            lambda f, w, h: round_weight(f, w, h, damp), correct_inputs)
-        rounding["sequential"]["correct_inputs"] = correct_inputs
+            loaded.model, rounds, ids, device, loaded.config.max_position_embeddings,
+            lambda f, w, h: round_weight(f, w, h, damp))
     else:
         for pname, f in rounds.items():
             mod, attr = targets[pname]
@@ -336,8 +326,7 @@ def _hessians(loaded: LoadedModel, path: Path, formats: list[Format], calibratio
 
 def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dtype: str,
                 quantize_lm_head: bool, damp: float,
-                tuning: Tuning | None = None, sequential: bool = False,
-                correct_inputs: float = 0.0) -> tuple[LoadedModel, QuantPlan, dict]:
+                tuning: Tuning | None = None, sequential: bool = False) -> tuple[LoadedModel, QuantPlan, dict]:
     """Load the dense model in float32, collect Hessians on the calibration tokens, round
     every planned weight by GPTQ (with `sequential`, layer by layer), and cast what stays
     dense to `dtype`."""
@@ -353,9 +342,8 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
     reference = None if text is None else teacher(loaded.model, text, device, tuning.topk)
     t1 = time.perf_counter()
     if sequential:
-        counts = round_sequentially(loaded.model, plan.quantized, ids, device, context, damp,
-                                    lambda f, w, h: round_weight(f, w, h, damp), correct_inputs)
-        counts["correct_inputs"] = correct_inputs
+        counts = round_sequentially(loaded.model, plan.quantized, ids, device, context,
+                                    lambda f, w, h: round_weight(f, w, h, damp))
     else:
         counts = calibrated_quantize(loaded.model, plan, sums, damp)
     t2 = time.perf_counter()
