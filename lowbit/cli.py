@@ -24,6 +24,7 @@ from lowbit.kernels.routes import check_env
 from lowbit.models import param_counts
 from lowbit.models.config import load_config
 from lowbit.quantize.export import DEFAULT_FORMATS, quantize_model, summary_table
+from lowbit.quantize.tune import LR_CODES as TUNE_CODES_LR
 from lowbit.quantize.tune import TOPK as TUNE_TOPK
 
 
@@ -141,7 +142,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                               sensitivity=args.sensitivity, sensitivity_from=args.sensitivity_from,
                               tune_steps=args.tune_scales, tune_text=args.tune_text,
                               tune_tokens=args.tune_tokens, tune_norms=args.tune_norms,
-                              tune_topk=args.tune_teacher_topk, sequential=args.sequential)
+                              tune_topk=args.tune_teacher_topk, tune_codes=args.tune_codes,
+                              sequential=args.sequential)
     print(summary_table(manifest))
     print(f"wrote {args.out}")
     return 0
@@ -245,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"the rest's mass (default {TUNE_TOPK}; 0: the whole distribution, 4 * vocab bytes a token)")
     q.add_argument("--tune-norms", action="store_true",
                    help="with --tune-scales: tune the RMSNorm weights (kept dense, not in --bpw) with the scales")
+    q.add_argument("--tune-codes", type=float, nargs="?", const=TUNE_CODES_LR, default=0.0, metavar="RATE",
+                   help="with --tune-scales: move the codes too (latent weights, straight-through; same format "
+                        f"and bytes); RATE is Adam's step on them (default {TUNE_CODES_LR})")
     q.set_defaults(func=cmd_quantize)
 
     e = sub.add_parser("eval", help="quality against a teacher: perplexity, KL, top-1 agreement")

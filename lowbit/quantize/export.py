@@ -50,13 +50,15 @@ from lowbit.quantize.tune import WINDOW as TUNE_WINDOW
 
 class Tuning(NamedTuple):
     """--tune-scales: the text, steps, most tokens, teacher tokens kept per position (0: all),
-    and the norms' dtype with --tune-norms (else None)."""
+    the norms' dtype with --tune-norms (else None), and the latent weights' rate with
+    --tune-codes (0: codes fixed)."""
 
     text: Calibration
     steps: int
     tokens: int
     topk: int
     norms: torch.dtype | None
+    codes: float = 0.0
 
 DEFAULT_FORMATS = "vq2,nf3,vq3,lut3,nf4,vq4,lut4,nvfp4,int4-g32,fp8,dense"  # the --bpw candidates
 
@@ -73,7 +75,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
                    sensitivity: str | None = None, sensitivity_from: str | Path | None = None,
                    tune_steps: int = 0, tune_text: str | Path | None = None,
                    tune_tokens: int = TUNE_TOKENS, tune_norms: bool = False,
-                   tune_topk: int | None = None, sequential: bool = False) -> dict:
+                   tune_topk: int | None = None, tune_codes: float = 0.0, sequential: bool = False) -> dict:
     """Write the artifact for `model` in format `fmt` (or, with `bpw`, a format per weight
     from `formats` under that budget) at `out`; return its manifest with the run's wall
     time added under totals.seconds. With `calib` (a text file) every weight is rounded by
@@ -85,6 +87,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
     model's next-token distributions on `tune_text` (default: the calibration text) for that
     many steps, on at most `tune_tokens` of its tokens, keeping the teacher's `tune_topk` most
     likely tokens per position (default TOPK; 0: all), with `tune_norms` the RMSNorm weights too
+    and with `tune_codes` (a rate) the codes as well
     (lowbit.quantize.tune). `sequential` (with `calib`) rounds layer by layer, each decoder
     layer on Hessians from the model whose earlier layers are rounded
     (lowbit.quantize.calibrate.round_sequentially)."""
@@ -97,6 +100,12 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
         raise LowbitError("--tune-norms tunes the norms with the scales: give --tune-scales STEPS too.")
     if tune_norms:
         tuning = tuning._replace(norms=parse_dtype(dtype))
+    if tune_codes and tuning is None:
+        raise LowbitError("--tune-codes moves the codes with the scales: give --tune-scales STEPS too.")
+    if not 0 <= tune_codes < 1:
+        raise LowbitError(f"--tune-codes {tune_codes}: give Adam's rate on the latent weights, e.g. 0.001.")
+    if tune_codes:
+        tuning = tuning._replace(codes=tune_codes)
     if sequential and calibration is None:
         raise LowbitError("--sequential rounds each layer on the Hessians of the already rounded layers before "
                           "it: give --calib FILE too.")
@@ -283,7 +292,7 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
             set_quantized(mod, attr, round_weight(f, w, h, damp))
     record = _sensitivity_record(sensitivity, sums, probe, chosen, scored)
     if text is not None:
-        rounding["tuning"] = _tuned(loaded, text, reference, device, tuning.norms, probe)
+        rounding["tuning"] = _tuned(loaded, text, reference, device, tuning, probe)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
     if rounding is not None:
@@ -347,7 +356,7 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
     else:
         counts = calibrated_quantize(loaded.model, plan, sums, damp)
     t2 = time.perf_counter()
-    tuned = None if text is None else _tuned(loaded, text, reference, device, tuning.norms)
+    tuned = None if text is None else _tuned(loaded, text, reference, device, tuning)
     target = parse_dtype(dtype)
     for p in loaded.model.parameters():
         p.data = p.data.to(target)
@@ -361,17 +370,18 @@ def _calibrated(path: Path, fmt: str, calibration: Calibration, device: str, dty
     return loaded, plan, rounding
 
 
-def _tuned(loaded: LoadedModel, text: TuneText, target: list, device: str, norms: torch.dtype | None,
+def _tuned(loaded: LoadedModel, text: TuneText, target: list, device: str, tuning: Tuning,
            probe: KLProbe | None = None) -> dict:
     """Tune the installed roundings' scales; print and return the record (with the probe's
     KL after tuning, on the tokens it measured the plan on)."""
-    record = tune_scales(loaded.model, text, target, device, norms=norms)
+    record = tune_scales(loaded.model, text, target, device, norms=tuning.norms, codes=tuning.codes)
     if record["weights"] == 0:
         print("tune-scales: the plan has no weight in a tunable format")
         return record
     print(f"tune-scales: {record['weights']} weights, validation KL {record['validation_kl_before']:.5f} -> "
           f"{record['validation_kl_after']:.5f} (step {record['kept_step']} of {record['steps']}), "
-          f"{record['seconds']:.0f} s; teacher {_kept(record['teacher'])}")
+          f"{record['seconds']:.0f} s; teacher {_kept(record['teacher'])}"
+          + (f"; {record['codes_changed']:,} codes changed" if "codes_changed" in record else ""))
     if probe is not None:
         record["plan_kl_measured_after"] = probe.kl()
     return record

@@ -18,6 +18,16 @@ payload keeps its format, shapes and bytes, so bits per weight, decoding and eve
 route are unchanged. Other formats keep their rounding. With `norms`, each RMSNorm weight g
 (dense, outside the byte budget) is tuned alike as g * exp(t) per entry.
 
+With `codes` (a learning rate), the codes move too: each tunable weight (vq: those whose K is
+a whole number of D-groups) keeps a latent unit-scale weight v [L, N, NB, 64], v = u at the
+start (padding columns 0 there, never moved: their gradient is 0), and
+decodes as w = s * exp(t) * Q(v), Q the nearest entry of the weight's own grid (its row's
+table for nf / lut, the codebook's nearest vector for vq, groups of D along K). The gradient
+reaches v straight through Q (as if Q(v) were v); Adam moves v at the `codes` rate, and a
+code changes when v crosses to another entry's cell. Every stored code is an index into the
+same table or codebook, so the payload keeps its format and bytes; the validation check
+keeps the codes of its best step with the factors.
+
 The teacher is kept as its TOPK most likely tokens per position (ids int32 and
 log-probabilities float32 [S * W, TOPK]) and the mass of the rest (float32 [S * W]):
 8 * TOPK + 4 bytes a token instead of 4 * V (2,052 against 607,744 at V = 151,936). The
@@ -42,11 +52,13 @@ from torch import Tensor, nn
 from lowbit.engine.batch import ForwardBatch
 from lowbit.errors import LowbitError
 from lowbit.formats import QuantizedTensor
+from lowbit.formats.codes import nearest_code, pack_codes
 from lowbit.formats.lut import LutFormat
 from lowbit.formats.nf import NormalFloatFormat
-from lowbit.formats.vq import VqFormat
+from lowbit.formats.vq import VqFormat, pack_indices
 from lowbit.layers.norm import RMSNorm
 from lowbit.quantize.calibrate import Calibration
+from lowbit.quantize.gptq import row_tables
 
 BLOCK = 64  # weights per bfloat16 scale in every tunable format
 WINDOW = 512  # tokens per window of the tuning text
@@ -54,6 +66,7 @@ TOKENS = 65536  # most tokens tuned on
 TOPK = 256  # teacher tokens kept per position (0: all V; docs/BENCHMARKS.md "Tuned block scales")
 BATCH = 4  # windows per step
 LR = 2e-3  # Adam step on t (a factor exp(t) moves by about LR per step)
+LR_CODES = 1e-3  # Adam step on the latent unit-scale weights with `codes` (--tune-codes)
 EVAL_EVERY = 25  # steps between validation checks
 VAL_EVERY = 10  # every 10th window is a validation window
 
@@ -165,9 +178,10 @@ def teacher(model: nn.Module, text: TuneText, device: str, topk: int = TOPK) -> 
 
 
 class _Block:
-    """One tunable weight: its unit-scale decode, scales and factors (see the module docstring)."""
+    """One tunable weight: its unit-scale decode, scales and factors, and with `codes` its latent
+    unit-scale weight and grid (see the module docstring)."""
 
-    def __init__(self, mod: nn.Module, attr: str, qt: QuantizedTensor):
+    def __init__(self, mod: nn.Module, attr: str, qt: QuantizedTensor, codes: bool = False):
         self.mod, self.attr, self.qt = mod, attr, qt
         s = qt.payload["scales"]
         k = qt.shape[-1]
@@ -177,6 +191,15 @@ class _Block:
         self.s = s.float()  # [.., N, NB]
         self.t = torch.zeros_like(self.s, requires_grad=True)
         self.best = torch.zeros_like(self.s)
+        group = qt.format.dim if isinstance(qt.format, VqFormat) else 1
+        self.grid = _Grid.of(qt) if codes and k % group == 0 else None
+        if self.grid is not None:
+            self.v = self.u.clone().requires_grad_(True)
+            self.idx, self.q = self.grid.nearest(self.u)
+            self.idx0 = self.best_idx = self.idx
+
+    def params(self) -> list[Tensor]:
+        return [self.t] if self.grid is None else [self.t, self.v]
 
     def scales(self, stored: bool) -> Tensor:
         f = self.t.detach() if stored else self.t
@@ -184,15 +207,70 @@ class _Block:
         return s.to(torch.bfloat16).float() if stored else s
 
     def install(self, stored: bool) -> None:
-        """Put the dense weight under the current factors in the module (differentiable unless stored)."""
-        w = (self.u * self.scales(stored)[..., None]).flatten(-2)[..., :self.qt.shape[-1]]
+        """Put the dense weight under the current factors (and codes) in the module (differentiable
+        unless stored)."""
+        u = self.u
+        if self.grid is not None:
+            self.idx, self.q = self.grid.nearest(self.v.detach())
+            u = self.q if stored else self.q + (self.v - self.v.detach())
+        w = (u * self.scales(stored)[..., None]).flatten(-2)[..., :self.qt.shape[-1]]
         setattr(self.mod, self.attr, w)
 
+    def keep(self) -> None:
+        """The current factors and codes are the best so far."""
+        self.best = self.t.detach().clone()
+        if self.grid is not None:
+            self.best_idx = self.idx
+
     def finish(self) -> None:
-        """Put the QuantizedTensor with the kept factors back."""
+        """Put the QuantizedTensor with the kept factors (and codes) back."""
         scales = (self.s * self.best.exp()).to(torch.bfloat16)
-        qt = QuantizedTensor(self.qt.format, self.qt.shape, {**self.qt.payload, "scales": scales})
-        setattr(self.mod, self.attr, qt)
+        payload = {**self.qt.payload, "scales": scales}
+        if self.grid is not None:
+            payload["codes"] = self.grid.pack(self.best_idx).reshape(self.qt.payload["codes"].shape)
+        setattr(self.mod, self.attr, QuantizedTensor(self.qt.format, self.qt.shape, payload))
+
+    def changed(self) -> int:
+        """How many codes the kept step changed (0 without `codes`)."""
+        return 0 if self.grid is None else int((self.best_idx != self.idx0).sum())
+
+
+class _Grid:
+    """The values a tunable weight's unit-scale decode can take: each row's table (nf / lut),
+    or the codebook's vectors of D weights along K (vq); nearest() maps a latent v
+    [.., N, NB, 64] to its indices and values, pack() turns indices into the payload's codes."""
+
+    ROWS = 8192  # vq groups per distance matmul
+
+    def __init__(self, fmt, table: Tensor | None, codebook: Tensor | None):
+        self.fmt, self.table, self.codebook = fmt, table, codebook
+
+    @classmethod
+    def of(cls, qt: QuantizedTensor) -> _Grid:
+        fmt = qt.format
+        if isinstance(fmt, VqFormat):
+            return cls(fmt, None, fmt.codebook.float().to(qt.payload["scales"].device))
+        *lead, n, _ = qt.shape
+        lead_n = int(torch.tensor(lead).prod()) if lead else 1
+        return cls(fmt, row_tables(fmt, qt.payload, lead_n, n).reshape(*lead, n, 1, -1), None)
+
+    def nearest(self, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.codebook is None:
+            grid = self.table.expand(*v.shape[:-1], -1)  # [.., N, NB, T]
+            idx = nearest_code(v, grid).long()
+            return idx, grid.gather(-1, idx)
+        cb = self.codebook  # [C, D]
+        x = v.reshape(-1, cb.shape[1])
+        norms = cb.pow(2).sum(-1)
+        idx = torch.cat([torch.addmm(norms, x[r:r + self.ROWS], cb.t(), alpha=-2.0).argmin(-1)
+                         for r in range(0, x.shape[0], self.ROWS)])
+        return idx.reshape(*v.shape[:-1], -1), cb[idx].reshape(v.shape)
+
+    def pack(self, idx: Tensor) -> Tensor:
+        rows = idx.flatten(-2)  # [.., N, Kp] codes or [.., N, G] indices
+        if self.codebook is None:
+            return pack_codes(rows.to(torch.uint8), self.fmt.bits)
+        return pack_indices(rows, self.fmt.index_bits)
 
 
 class _Norm:
@@ -209,6 +287,12 @@ class _Norm:
         g = self.g * (self.t.detach() if stored else self.t).exp()
         self.mod.weight = g.to(self.dtype).float() if stored else g
 
+    def params(self) -> list[Tensor]:
+        return [self.t]
+
+    def keep(self) -> None:
+        self.best = self.t.detach().clone()
+
     def finish(self) -> None:
         del self.mod.weight
         self.param.data = (self.g * self.best.exp()).to(self.param.dtype)
@@ -216,12 +300,13 @@ class _Norm:
 
 
 def tune_scales(model: nn.Module, text: TuneText, target: list[Target], device: str,
-                lr: float = LR, seed: int = 0, norms: torch.dtype | None = None) -> dict:
+                lr: float = LR, seed: int = 0, norms: torch.dtype | None = None, codes: float = 0.0) -> dict:
     """Tune the block scales of every tunable weight installed in `model` (module docstring),
-    and with `norms` (the dtype the artifact stores them in) the RMSNorm weights too;
-    `target` is teacher() of the same text. Returns what lowbit.json records."""
+    with `norms` (the dtype the artifact stores them in) the RMSNorm weights too, and with
+    `codes` > 0 (Adam's rate on the latent weights) the codes; `target` is teacher() of the
+    same text. Returns what lowbit.json records."""
     t0, steps = time.perf_counter(), text.steps
-    blocks = [_Block(mod, attr, getattr(mod, attr)) for mod, attr in installed(model)]
+    blocks = [_Block(mod, attr, getattr(mod, attr), codes > 0) for mod, attr in installed(model)]
     if not blocks:  # a --bpw plan of other formats
         return {"method": "block scales tuned on the teacher's KL", "weights": 0, "steps": 0}
     if norms is not None:
@@ -229,7 +314,11 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Target], device: 
     val = [i for i in range(len(text.windows)) if text.validation(i)]
     train = [i for i in range(len(text.windows)) if not text.validation(i)]
     val_windows, val_target = [text.windows[i] for i in val], Target.cat([target[i] for i in val])
-    opt = torch.optim.Adam([b.t for b in blocks], lr=lr)
+    groups = [{"params": [b.t for b in blocks]}]
+    latent = [b.v for b in blocks if isinstance(b, _Block) and b.grid is not None]
+    if latent:
+        groups.append({"params": latent, "lr": codes})
+    opt = torch.optim.Adam(groups, lr=lr)
     gen = torch.Generator().manual_seed(seed)
 
     def check() -> float:
@@ -259,11 +348,14 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Target], device: 
                 if score < best:
                     best, best_step = score, step
                     for b in blocks:
-                        b.best = b.t.detach().clone()
+                        b.keep()
     finally:
+        changed = sum(b.changed() for b in blocks if isinstance(b, _Block))
         for b in blocks:
             b.finish()
-    return {"method": "block scales tuned on the teacher's KL", "steps": steps, "lr": lr, "batch_windows": BATCH,
+    method = "block scales and codes tuned on the teacher's KL" if latent else "block scales tuned on the teacher's KL"
+    extra = {"codes_lr": codes, "code_weights": len(latent), "codes_changed": changed} if latent else {}
+    return {"method": method, "steps": steps, "lr": lr, **extra, "batch_windows": BATCH,
             "window": len(text.windows[0]),
             "text": {"file": text.path.name, "sha256": text.sha256, "tokens": sum(map(len, text.windows))},
             "teacher": teacher_record(target),

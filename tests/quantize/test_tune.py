@@ -31,6 +31,52 @@ def test_unit_scale_decode_times_scales_is_the_decode(name):
     assert torch.allclose(tuned.dequantize(), qt.dequantize() * torch.exp(torch.tensor(0.1)), rtol=1e-2)
 
 
+@pytest.mark.parametrize("name", ["nf4", "nf3", "lut4", "lut3", "vq4", "vq3", "vq2"])
+def test_latent_codes_start_at_the_rounding_and_store_what_they_decode(name):
+    """With codes: Q(v) at the start is the rounding (same decode); after the latent moves, the
+    stored payload decodes to exactly what the check installed, with the same bytes."""
+    torch.manual_seed(1)
+    w = torch.randn(2, 24, 100) * 0.05  # K = 100: padded, a whole number of vq groups
+    qt = get_format(name).quantize(w)
+    holder = torch.nn.Module()
+    b = _Block(holder, "w", qt, codes=True)
+    assert b.grid is not None
+    b.install(stored=True)
+    assert torch.equal(holder.w, qt.dequantize())
+    with torch.no_grad():
+        b.v += 0.3 * torch.randn_like(b.v)
+        b.t += 0.05
+    b.install(stored=True)
+    seen = holder.w.clone()
+    assert not torch.equal(seen, qt.dequantize())
+    b.keep()
+    assert b.changed() > 0
+    b.finish()
+    tuned = holder.w
+    assert tuned.nbytes == qt.nbytes and tuned.payload["codes"].shape == qt.payload["codes"].shape
+    assert torch.equal(tuned.dequantize(), seen)
+
+
+def test_latent_codes_get_the_straight_through_gradient():
+    torch.manual_seed(2)
+    qt = get_format("vq4").quantize(torch.randn(8, 64))
+    holder = torch.nn.Module()
+    b = _Block(holder, "w", qt, codes=True)
+    b.install(stored=False)
+    x = torch.randn(5, 64)
+    (x @ holder.w.t()).square().sum().backward()
+    g_w = 2 * ((x @ qt.dequantize().t()).t() @ x)  # d/dw of the same loss, [8, 64]
+    assert torch.allclose(b.v.grad.flatten(-2), g_w * b.s.repeat_interleave(64, -1), rtol=1e-4, atol=1e-4)
+    assert b.t.grad is not None and b.t.grad.abs().sum() > 0
+
+
+def test_vq_weights_with_a_split_group_keep_their_codes():
+    qt = get_format("vq2").quantize(torch.randn(4, 30))  # D = 4: the last group straddles the padding
+    b = _Block(torch.nn.Module(), "w", qt, codes=True)
+    assert b.grid is None and b.params() == [b.t]
+    assert _Block(torch.nn.Module(), "w", get_format("nf4").quantize(torch.randn(4, 30)), codes=True).grid is not None
+
+
 def _teacher_student(t: int = 48, v: int = 1000) -> tuple[torch.Tensor, torch.Tensor]:
     """Peaked next-token log-probabilities [t, v] of a teacher, and student logits near it."""
     g = torch.Generator().manual_seed(0)
@@ -85,6 +131,9 @@ def test_tune_scales_needs_calib_and_steps(tiny_moe_dir, tmp_path, capsys):
                        (["--format", "nf4", "--calib", str(calib), "--tune-text", str(calib)], "--tune-scales STEPS"),
                        (["--format", "nvfp4", "--calib", str(calib), "--tune-scales", "10"], "has none"),
                        (["--format", "nf4", "--calib", str(calib), "--tune-norms"], "--tune-scales STEPS too"),
+                       (["--format", "nf4", "--calib", str(calib), "--tune-codes"], "--tune-scales STEPS too"),
+                       (["--format", "nf4", "--calib", str(calib), "--tune-scales", "5", "--tune-codes", "-0.1"],
+                        "Adam's rate"),
                        (["--format", "nf4", "--calib", str(calib), "--tune-teacher-topk", "64"],
                         "--tune-scales STEPS too"),
                        (["--format", "nf4", "--calib", str(calib), "--tune-scales", "10", "--tune-teacher-topk", "-1"],
@@ -106,6 +155,23 @@ def test_tuned_artifact_lowers_validation_kl_keeps_bytes_and_generates(tiny_moe_
     rec = m_tuned["provenance"]["rounding"]["tuning"]
     assert rec["validation_kl_after"] < rec["validation_kl_before"] and rec["kept_step"] > 0
     assert rec["weights"] == m_tuned["totals"]["quantized_tensors"] and rec["validation_windows"] >= 1
+    assert m_tuned["totals"]["bytes_after"] == m_plain["totals"]["bytes_after"]
+    assert main(["generate", str(tuned), "It is a truth", "--max-tokens", "4", "--ignore-eos"]) == 0
+
+
+def test_code_tuning_changes_codes_keeps_bytes_and_generates(tiny_moe_dir, tmp_path, capsys):
+    calib = tmp_path / "calib.txt"
+    calib.write_text(TEXT)
+    plain, tuned = tmp_path / "plain", tmp_path / "tuned"
+    args = ["quantize", str(tiny_moe_dir), "--format", "nf3", "--device", "cpu", "--calib", str(calib)]
+    assert main(args + ["--out", str(plain)]) == 0
+    assert main(args + ["--out", str(tuned), "--tune-scales", "50", "--tune-codes", "0.01"]) == 0
+    assert "codes changed" in capsys.readouterr().out
+    m_plain, m_tuned = (json.loads((p / "lowbit.json").read_text()) for p in (plain, tuned))
+    rec = m_tuned["provenance"]["rounding"]["tuning"]
+    assert rec["method"] == "block scales and codes tuned on the teacher's KL" and rec["codes_lr"] == 0.01
+    assert rec["validation_kl_after"] < rec["validation_kl_before"] and rec["codes_changed"] > 0
+    assert rec["code_weights"] == rec["weights"]
     assert m_tuned["totals"]["bytes_after"] == m_plain["totals"]["bytes_after"]
     assert main(["generate", str(tuned), "It is a truth", "--max-tokens", "4", "--ignore-eos"]) == 0
 
