@@ -91,21 +91,64 @@ def _slot_view(kind, t: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]
     return LutWeight(view, kind.decode, shared.get("alpha_beta"))
 
 
-def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    t = t.detach().to("cpu")
-    return t.pin_memory() if pin and not t.is_pinned() else t
+class PinnedArena:
+    """Pinned host memory for the expert stacks, handed out as views of a few large chunks.
+
+    torch's pinned allocator rounds every allocation up to a power of two (a 604 MB stack takes
+    1 GiB), which at Qwen3-235B-A22B's 92 GB of nf3 experts would ask for about 160 GB. Chunks
+    here are powers of two themselves (at least CHUNK bytes), so the rounding costs nothing, and
+    each tensor goes to the first chunk with room, ALIGN-aligned: the waste is the chunks' unused
+    tails. Chunks live as long as any view of them (torch's refcounting)."""
+
+    CHUNK = 1 << 30
+    ALIGN = 512
+
+    def __init__(self, pin: bool, alloc=None) -> None:
+        self.pin = pin
+        self.alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        self.chunks: list[list] = []  # [uint8 tensor, bytes used]
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of t: in a pinned chunk when pinning, else a plain CPU tensor."""
+        t = t.detach()
+        if not self.pin:
+            return t.to("cpu")
+        if any(t.untyped_storage().data_ptr() == c.untyped_storage().data_ptr() for c, _ in self.chunks):
+            return t
+        nbytes = t.numel() * t.element_size()
+        for entry in self.chunks:
+            start = -(-entry[1] // self.ALIGN) * self.ALIGN
+            if start + nbytes <= entry[0].numel():
+                break
+        else:
+            size = max(self.CHUNK, 1 << max(nbytes - 1, 0).bit_length())
+            entry = [self.alloc(size), 0]
+            self.chunks.append(entry)
+            start = 0
+        entry[1] = start + nbytes
+        out = entry[0][start:start + nbytes].view(t.dtype).view(t.shape)
+        out.copy_(t.contiguous())
+        return out
+
+    @property
+    def reserved(self) -> int:
+        return sum(c.numel() for c, _ in self.chunks)
+
+    @property
+    def used(self) -> int:
+        return sum(u for _, u in self.chunks)
 
 
-def _stacks_to_host(ex, pin: bool) -> None:
+def _stacks_to_host(ex, arena: PinnedArena) -> None:
     """The model's expert stacks move to host memory (pinned on CUDA) once; the cache's host
     pieces are views of them, so host memory holds each expert once."""
     for name in ("w13", "w2", "b13", "b2"):
         w = getattr(ex, name)
         if isinstance(w, QuantizedTensor):
-            payload = {k: _to_host(t, pin) for k, t in w.payload.items()}
+            payload = {k: arena.take(t) for k, t in w.payload.items()}
             setattr(ex, name, QuantizedTensor(w.format, w.shape, payload))
         elif w is not None:
-            setattr(ex, name, torch.nn.Parameter(_to_host(w, pin), requires_grad=False))
+            setattr(ex, name, torch.nn.Parameter(arena.take(w), requires_grad=False))
 
 
 def distinct_slots(sid: torch.Tensor, real: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -133,7 +176,7 @@ class LayerStats:
 class LayerCache:
     """One MoE layer's host stacks, device slots and slot table."""
 
-    def __init__(self, moe: SparseMoE, index: int, device: torch.device) -> None:
+    def __init__(self, moe: SparseMoE, index: int, device: torch.device, arena: PinnedArena | None = None) -> None:
         ex = moe.experts
         if isinstance(ex.w13, HybridTensor):
             raise LowbitError(f"{ex.prefix}: --expert-offload does not take hybrid expert stacks "
@@ -141,16 +184,17 @@ class LayerCache:
         self.moe, self.index, self.device = moe, index, device
         self.num_experts = ex.w13.shape[0]
         self.pin = device.type == "cuda"
-        _stacks_to_host(ex, self.pin)
+        arena = arena or PinnedArena(self.pin)
+        _stacks_to_host(ex, arena)
         self.host: dict[str, torch.Tensor] = {}
         self._kinds: dict[str, tuple] = {}
         for name in ("w13", "w2"):
             pieces, shared, kind = _stack_pieces(getattr(ex, name))
-            self.host |= {f"{name}.{k}": _to_host(t, self.pin) for k, t in pieces.items()}
+            self.host |= {f"{name}.{k}": arena.take(t) for k, t in pieces.items()}
             self._kinds[name] = (kind, list(pieces), {k: t.to(device) for k, t in shared.items()})
         for name in ("b13", "b2"):
             if getattr(ex, name) is not None:
-                self.host[name] = _to_host(getattr(ex, name), self.pin)
+                self.host[name] = arena.take(getattr(ex, name))
         self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host.values())
         self.stream = None
         self.ready = torch.cuda.Event() if self.pin else None
@@ -368,7 +412,11 @@ class ExpertCache:
                               "--record-routing need a mixture-of-experts model")
         self.device, self.prefetch, self.recorder = device, prefetch and offload, recorder
         self.position = {id(m): i for i, m in enumerate(self.moes)}
-        self.layers = [LayerCache(m, i, device) for i, m in enumerate(self.moes)] if offload else []
+        self.arena = PinnedArena(device.type == "cuda")
+        self.layers = [LayerCache(m, i, device, self.arena) for i, m in enumerate(self.moes)] if offload else []
+        if self.arena.chunks:
+            log.info("expert cache: %.2f GiB of pinned host memory in %d chunks for %.2f GiB of experts",
+                     self.arena.reserved / 2**30, len(self.arena.chunks), self.arena.used / 2**30)
         self.force_speculate = False  # tests: the graph path without a graph
         self.graph_steps = self.graph_reruns = 0  # replays accepted / sent back by graph_check
         self.resolve_rows = 0  # set by allocate

@@ -165,9 +165,11 @@ def _resolve_uncached(w, decode: str | None) -> Resolved:
 
 
 def _fingerprint(w) -> tuple:
+    """The payload's tensors and their versions (an inference tensor has no version counter:
+    it counts as 0, so only a new tensor there resolves again)."""
     payload = getattr(w, "payload", None)
     if isinstance(payload, dict):
-        return tuple((k, t.data_ptr(), t._version) for k, t in payload.items())
+        return tuple((k, t.data_ptr(), 0 if t.is_inference() else t._version) for k, t in payload.items())
     return ()
 
 

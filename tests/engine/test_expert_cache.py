@@ -500,3 +500,33 @@ def route_ids(moe, x: torch.Tensor) -> list[int]:
     g = moe.gate
     ids, _ = route(x, g.weight.float(), None, moe.spec, None)
     return ids[0].tolist()
+
+
+def test_pinned_arena_packs_stacks_into_power_of_two_chunks():
+    """The arena copies each tensor into the first chunk with room, aligned; a tensor over the
+    chunk size gets a chunk of the next power of two; a view of a chunk is not copied again."""
+    from lowbit.engine.expert_cache import PinnedArena
+
+    made = []
+
+    def alloc(n):
+        made.append(n)
+        return torch.full((n,), 0xAB, dtype=torch.uint8)
+
+    arena = PinnedArena(True, alloc)
+    arena.CHUNK = 4096
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randint(0, 255, (700,), dtype=torch.uint8, generator=g),
+          torch.randn(3, 50, generator=g).to(torch.bfloat16),
+          torch.randint(-9, 9, (5, 7), dtype=torch.int32, generator=g),
+          torch.randn(3000, generator=g),  # 12,000 bytes: a chunk of 16,384
+          torch.randn(64, 4, generator=g)[:, 1]]  # not contiguous
+    out = [arena.take(t) for t in ts]
+    for t, o in zip(ts, out):
+        assert o.dtype == t.dtype and o.shape == t.shape and torch.equal(o, t)
+        assert (o.data_ptr() - o.untyped_storage().data_ptr()) % arena.ALIGN == 0
+    assert made == [4096, 16384]  # the float32 tensor gets its own chunk; the rest fit the first
+    assert out[2].untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr()
+    assert arena.take(out[1][1]).data_ptr() == out[1][1].data_ptr()  # a view of a chunk stays put
+    assert arena.reserved == sum(made) and arena.used <= arena.reserved
+    assert PinnedArena(False).take(ts[1]).data_ptr() == ts[1].data_ptr()  # no pinning: the CPU tensor itself

@@ -51,6 +51,16 @@ def test_resolve_cache_follows_payload_changes():
     assert resolve(qt) is not first and isinstance(resolve(qt), LutWeight)
 
 
+def test_resolve_takes_inference_tensors():
+    """A payload made under inference mode (no version counter) resolves, and once."""
+    with torch.inference_mode():
+        qt = get_format("nvfp4").quantize(torch.randn(16, 64))
+    assert qt.payload["codes"].is_inference()
+    first = resolve(qt)
+    assert resolve(qt) is first
+    torch.testing.assert_close(first.dense(64), qt.dequantize(), rtol=0, atol=0)
+
+
 def test_config_lookup_buckets_and_device_files(tmp_path, monkeypatch):
     (tmp_path / "default.json").write_text(json.dumps(
         {"gemv": {"default": {"1": {"BN": 1}, "16": {"BN": 16}}}}))
