@@ -353,7 +353,8 @@ def expert_cache_summary(engine) -> dict | None:
     return {"slots": first.num_slots, "num_experts": first.num_experts, "expert_bytes": first.expert_bytes,
             **cache.totals(), "layer_hit_rates": cache.layer_hit_rates(),
             "h2d_bandwidth_Bps": h2d_bandwidth(str(engine.device)),
-            "zero_copy_bandwidth_Bps": zero_copy_bandwidth(str(engine.device), first.expert_bytes)}
+            "zero_copy_bandwidth_Bps": zero_copy_bandwidth(str(engine.device), first.expert_bytes),
+            "host_bytes": cache.arena.used, "host_reserved_bytes": cache.arena.reserved}
 
 
 HEADERS = ["model", "format", "dtype", "device", "test", "t/s", "ms/tok", "GB/s", "MBU"]
@@ -392,6 +393,8 @@ def summary_md(rec: dict) -> str:
                      + (f" (pinned H2D {h2d / 1e9:.1f} GB/s)" if h2d else "")
                      + (f" (zero-copy kernel {ec['zero_copy_bandwidth_Bps'] / 1e9:.1f} GB/s)"
                         if ec.get("zero_copy_bandwidth_Bps") else "")
+                     + (f"; host {ec['host_bytes'] / 2**30:.2f} GiB in {ec['host_reserved_bytes'] / 2**30:.2f} GiB "
+                        "of pinned chunks" if ec.get("host_reserved_bytes") else "")
                      + f"; graph steps {ec['graph_steps']}, reruns {ec['graph_reruns']}, buckets up to "
                      f"{ec['graph_resolve_rows']} rows copy misses in the graph; per-layer hit rates "
                      + " ".join(f"{r:.2f}" for r in ec["layer_hit_rates"]))
