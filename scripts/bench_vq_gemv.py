@@ -104,7 +104,7 @@ def moe_main(tokens: list[int]) -> None:
                 per_expert = (r13.nbytes + r2.nbytes) / e
             else:
                 run = (lambda x=x, ids=ids, w=w, q13=q13, q2=q2: moe_experts(x, ids, w, q13, q2))
-                per_expert = sum(getattr(q, "nbytes", q.numel() * q.element_size()) for q in (q13, q2)) / e
+                per_expert = (q13.nbytes + q2.nbytes) / e  # QuantizedTensor and Tensor both count their bytes
             ref = reference_moe(x, ids, w, resolve(q13), resolve(q2))
             y = run()
             err = float((y.float() - ref.float()).norm() / ref.float().norm())

@@ -12,7 +12,7 @@ runner's persistent buffers (lowbit.engine.staging.StepInputs) and writes tokens
 logits [B', V] into buffers shared by every prefill graph (a graph only lives until the
 next replay reads its outputs, and graphs never replay at once).
 
-Buckets: T pads to the next of 16, 32, ..., 512, then multiples of 512, then
+Buckets: T pads to the next of 2, 4, 8, 16, ..., 512, then multiples of 512, then
 --max-num-batched-tokens; B (plus one when T is padded: the padded tokens are one padded
 prompt, see staging) pads to the next power of two, then --max-num-seqs. Nothing in a
 layer reads a host length on this path: the attention op's prefill route takes the staged
@@ -51,7 +51,9 @@ HIDDEN = "hidden"  # the mode of a verify step's graph: hidden states out, no sa
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    small = [t for t in (16, 32, 64, 128, 256, 512) if t < max_tokens]
+    # 2, 4 and 8 are a speculative verify's sizes (k + 1 tokens a sequence): padded to 16, a
+    # k = 3 verify at batch 1 ran 16 tokens through every MoE layer, reading their experts
+    small = [t for t in (2, 4, 8, 16, 32, 64, 128, 256, 512) if t < max_tokens]
     return small + list(range(1024, max_tokens, 512)) + [max_tokens]
 
 

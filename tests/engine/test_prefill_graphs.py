@@ -20,8 +20,8 @@ PROMPTS = ["Once upon a time there was a river town where the boats", "The river
 
 
 def test_buckets():
-    assert token_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
-    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(2048) == [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    assert token_buckets(100) == [2, 4, 8, 16, 32, 64, 100]
     assert token_buckets(8192)[-3:] == [7168, 7680, 8192]
     assert seq_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert seq_buckets(6) == [1, 2, 4, 6] and seq_buckets(1) == [1]
