@@ -340,6 +340,7 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw),
             "graphs": graph_status(s.llm.engine), "prefill_graphs": prefill_graph_status(s.llm.engine),
             "async": async_status(s.llm.engine), "pdl": pdl_line(s.device),
+            "launch_configs": launch.config_status() if s.device.type == "cuda" else None,
             "routes": route_summary(), "step_profiles": profiles,
             "expert_cache": expert_cache_summary(s.llm.engine)}
 
@@ -380,7 +381,7 @@ def summary_md(rec: dict) -> str:
             f"{rec['copy_bandwidth_Bps'] / 1e9:.1f} GB/s; active weight bytes per token "
             f"{rec['weight_bytes']['active'] / 2**20:.1f} MiB; {rec['repeats']} repeats, mean ± sd")
     lines = [foot, rec.get("graphs", ""), rec.get("prefill_graphs", ""), rec.get("async", ""),
-             rec.get("pdl", "")]
+             rec.get("pdl", ""), rec.get("launch_configs") or ""]
     if rec.get("temperature") or rec.get("router_zipf") is not None:
         lines.append(f"tokens sampled at temperature {rec.get('temperature') or 0:g}"
                      + (f"; SYNTHETIC routing: routers biased toward Zipf({rec['router_zipf']:g}) expert "

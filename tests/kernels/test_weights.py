@@ -81,6 +81,32 @@ def test_config_lookup_buckets_and_device_files(tmp_path, monkeypatch):
         launch.clear_cache()
 
 
+def test_a_device_borrows_an_aliased_file_and_an_untuned_one_warns(tmp_path, monkeypatch, caplog):
+    (tmp_path / "default.json").write_text(json.dumps({"gemv": {"default": {"1": {"BN": 1}}}}))
+    (tmp_path / "big_gpu.json").write_text(json.dumps(
+        {"gemv": {"default": {"1": {"BN": 8}}}, "choice": {"lut4:64x32": {"1": "gemm"}}}))
+    (tmp_path / "aliases.json").write_text(json.dumps({"sibling_gpu": "big_gpu", "lost_gpu": "missing"}))
+    monkeypatch.setattr(launch, "CONFIG_DIR", tmp_path)
+    launch.clear_cache()
+    try:
+        assert launch.lookup("gemv", "lut4", 64, 32, 1, device="Sibling GPU") == {"BN": 8}
+        assert launch.choice("lut4", 64, 32, 1, device="Sibling GPU") == "gemm"
+        assert launch.config_status("Sibling GPU") == ("launch configs: big_gpu.json (borrowed by sibling_gpu: "
+                                                       "same die and SM count)")
+        assert launch.config_status("Big GPU") == "launch configs: big_gpu.json"
+        with caplog.at_level("WARNING", logger="lowbit"):
+            assert launch.lookup("gemv", "lut4", 64, 32, 1, device="Lost GPU") == {"BN": 1}
+        assert "no tuned file for lost_gpu" in caplog.text
+        assert launch.config_status("Lost GPU").startswith("launch configs: NONE tuned for lost_gpu")
+    finally:
+        launch.clear_cache()
+
+
+def test_the_shipped_aliases_point_at_shipped_files():
+    for own, alias in json.loads((launch.CONFIG_DIR / "aliases.json").read_text()).items():
+        assert (launch.CONFIG_DIR / f"{alias}.json").exists() and not (launch.CONFIG_DIR / f"{own}.json").exists()
+
+
 def test_launch_config_keys_tell_formats_apart():
     from lowbit.kernels.dequant_gemm import fmt_key
     from tests.kernels.cases import make_weight
