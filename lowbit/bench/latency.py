@@ -44,6 +44,8 @@ class Cell:
     depth: int
     batch: int = 1  # tg: sequences decoding together (each over its own depth + 1 tokens)
     samples: list[float] = field(default_factory=list)  # seconds per repeat
+    copied: list[int] = field(default_factory=list)  # expert offload: bytes copied per repeat
+    misses: list[int] = field(default_factory=list)  # expert offload: misses per repeat
 
     @property
     def name(self) -> str:
@@ -274,11 +276,22 @@ def run_cells(s: Session, prompt: list[int], gen: list[int], depths: list[int],
         row = [Cell("pp", p, d) for p in prompt] + [Cell("tg", n, d, b) for n in gen for b in bs]
         for r in range(repeats):
             for c in row:
+                before = _cache_totals(s)
                 c.samples.append(s.prefill(c.n) if c.kind == "pp" else s.decode(c.n, c.batch))
+                after = _cache_totals(s)
+                if after is not None:
+                    c.copied.append(after["bytes_copied"] - before["bytes_copied"])
+                    c.misses.append(after["misses"] - before["misses"])
                 progress(f"{c.name} repeat {r + 1}/{repeats}: {c.samples[-1]:.3f} s "
                          f"({c.batch * c.n / c.samples[-1]:.1f} tok/s)")
         cells += row
     return cells
+
+
+def _cache_totals(s: Session) -> dict | None:
+    """The expert cache's counters (a device read, between timed calls), or None without offload."""
+    cache = getattr(getattr(s.llm, "engine", None), "expert_cache", None)
+    return cache.totals() if cache is not None and cache.offload else None
 
 
 def cell_rows(s: Session, cells: list[Cell], bandwidth: float) -> list[dict]:
@@ -290,6 +303,10 @@ def cell_rows(s: Session, cells: list[Cell], bandwidth: float) -> list[dict]:
         row = {"test": c.name, "kind": c.kind, "n": c.n, "depth": c.depth, "batch": c.batch,
                "tok_s_mean": mean, "tok_s_sd": sd, "ms_per_tok": 1e3 * c.batch / mean,
                "samples_s": c.samples}
+        if c.copied:  # per token the cell produced (a tg cell's one-token prefill included)
+            tokens = c.batch * c.n * len(c.copied)
+            row.update(expert_copy_bytes_per_token=sum(c.copied) / tokens,
+                       expert_misses_per_token=sum(c.misses) / tokens)
         if c.kind == "tg":
             per_step = step_bytes(wb, c.batch) + c.batch * s.kv_bytes(c.depth + 1 + (c.n + 1) / 2)
             steps_s = mean / c.batch
@@ -340,7 +357,7 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw),
             "graphs": graph_status(s.llm.engine), "prefill_graphs": prefill_graph_status(s.llm.engine),
             "async": async_status(s.llm.engine), "pdl": pdl_line(s.device),
-            "launch_configs": launch.config_status() if s.device.type == "cuda" else None,
+            "launch_configs": launch.config_status() if str(s.device).startswith("cuda") else None,
             "routes": route_summary(), "step_profiles": profiles,
             "expert_cache": expert_cache_summary(s.llm.engine)}
 
@@ -399,6 +416,13 @@ def summary_md(rec: dict) -> str:
                      + f"; graph steps {ec['graph_steps']}, reruns {ec['graph_reruns']}, buckets up to "
                      f"{ec['graph_resolve_rows']} rows copy misses in the graph; per-layer hit rates "
                      + " ".join(f"{r:.2f}" for r in ec["layer_hit_rates"]))
+        h2d = h2d or ec.get("zero_copy_bandwidth_Bps")
+        for c in rec["cells"]:
+            per = c.get("expert_copy_bytes_per_token")
+            if c["kind"] == "tg" and per:
+                bound = f"; copies alone at {h2d / 1e9:.1f} GB/s allow {h2d / per:,.0f} tok/s" if h2d else ""
+                lines.append(f"{c['test']}: {per / 2**20:.1f} MiB of experts copied a token "
+                             f"({c['expert_misses_per_token']:.1f} misses){bound}")
     lines += [format_profile(p).splitlines()[0] for p in rec.get("step_profiles", [])]
     fallbacks = rec.get("routes", {}).get("fallbacks", [])
     lines += [f"WARNING reference route on CUDA: {f}" for f in fallbacks]

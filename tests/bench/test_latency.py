@@ -66,3 +66,19 @@ def test_weight_bytes_count_active_experts_only(tiny_moe_dir):
     assert wb["experts_all"] == experts
     assert wb["dense"] == total - experts - embed + embed / cfg.vocab_size
     assert wb["active"] == wb["dense"] + experts * 2 / 4  # top-2 of 4 experts
+
+
+def test_offload_cells_count_the_expert_copies_of_their_tokens(tiny_moe_dir, tmp_path, capsys):
+    """With --expert-offload each cell records the bytes copied and misses per token it made,
+    and the footer prints them for the tg cells."""
+    rc = main(["bench", "latency", str(tiny_moe_dir), "-p", "8", "-n", "6", "-d", "0", "-r", "2",
+               "--temperature", "1", "--expert-offload", "--expert-cache-slots", "2", "--records", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    (path,) = tmp_path.glob("*latency*.json")
+    rec = json.loads(path.read_text())
+    tg = next(c for c in rec["cells"] if c["kind"] == "tg")
+    expert = rec["expert_cache"]["expert_bytes"]
+    assert tg["expert_misses_per_token"] > 0
+    assert tg["expert_copy_bytes_per_token"] >= tg["expert_misses_per_token"] * expert * 0.999
+    assert f"tg6: {tg['expert_copy_bytes_per_token'] / 2**20:.1f} MiB of experts copied a token" in out
