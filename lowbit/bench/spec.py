@@ -106,8 +106,21 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
             "speculative_model": cfg.speculative_model, "prompt_tokens": len(prompt),
             "repeats": repeats, "graphs": graph_status(plain.engine),
             "verify_graph_steps": spec.engine.runner.spec_graph_steps,
-            "prefill_graphs": prefill_graph_status(spec.engine), "cells": cells, **_synthetic(synthetic, cfg),
+            "prefill_graphs": prefill_graph_status(spec.engine), "draft_chains": _chain_status(spec),
+            "cells": cells, **_synthetic(synthetic, cfg),
             "adaptive": cfg.speculative_adaptive, **_k_history(spec)}
+
+
+def _chain_status(spec: LLM) -> str | None:
+    """A draft model's chains: graph replays, captured buckets, or why they run eagerly (None: no draft model)."""
+    chain = getattr(spec.engine.spec.drafter, "chain", None)
+    if chain is None:
+        return None
+    if not chain.capture_on:
+        return "draft chains run eagerly (no CUDA graphs here)"
+    eager = "; ".join(f"{b} rows: {why}" for (b, _, _), why in chain.eager.items())
+    return (f"draft chains replayed from CUDA graphs: {chain.replays} (captured rows, forwards: "
+            f"{sorted({k[:2] for k in chain.graphs})})" + (f"; EAGER {eager}" if eager else ""))
 
 
 def _k_history(spec: LLM) -> dict:
@@ -215,6 +228,8 @@ def summary_md(rec: dict) -> str:
     if "verify_graph_steps" in rec:
         foot += (f"  \nverify steps replayed from prefill graphs (mode hidden): {rec['verify_graph_steps']}; "
                  f"{rec['prefill_graphs']}; the verify table times the target's forward eagerly")
+    if rec.get("draft_chains"):
+        foot += f"  \n{rec['draft_chains']}"
     if rec.get("synthetic"):
         foot = (f"{rec['synthetic_note']}; expected accepted length "
                 f"{rec['synthetic_expected_accepted_length']:.2f}  \n" + foot)

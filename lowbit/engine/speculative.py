@@ -9,7 +9,9 @@ A step with speculation, in the engine's three stages:
 2. `propose` (the runner, after scheduling): drafts cut to the scheduled window; a draft
    model catches its own KV cache up with the target's tokens and chains k forwards; the MTP
    head chains from what the last step left (`follow`). A chain feeds each draft to the next
-   forward on the device and reads all of them back once at its end.
+   forward on the device and reads all of them back once at its end. A draft model's chain where every
+   drafting request wants the same k > 1 runs over static buffers, one CUDA graph replay per
+   step on CUDA (lowbit.engine.draft_graphs).
 3. `verify` (the runner, after the target's forward): the target's logits at the last real
    token and at every draft go through the lossless rule (lowbit.engine.acceptance); the
    host reads the accepted tokens once. The engine appends them, and rejected drafts' KV
@@ -41,6 +43,8 @@ import torch
 
 from lowbit.engine.acceptance import accept, draft_tokens
 from lowbit.engine.batch import ForwardBatch
+from lowbit.engine.cuda_graphs import graphs_wanted
+from lowbit.engine.draft_graphs import DraftChainGraphs
 from lowbit.engine.draft_length import DraftLength
 from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
 from lowbit.engine.request import Request
@@ -177,12 +181,19 @@ class ModelDrafter:
 
     needs_hidden = False
 
-    def __init__(self, model: torch.nn.Module, target_cache: PagedKVCache, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, target_cache: PagedKVCache, device: torch.device,
+                 max_num_seqs: int = 0, max_model_len: int = 0, graphs: bool = False) -> None:
         self.model, self.device = model, device
         dtype = next(model.parameters()).dtype
         self.kv_cache = PagedKVCache(model.num_cache_layers, target_cache.num_blocks, target_cache.block_size,
                                      dtype, device)
         self.done: dict[str, int] = {}  # request id -> positions this pool holds
+        # chains where every drafting request wants the same k > 1 run over static buffers,
+        # captured as CUDA graphs with `graphs` (lowbit.engine.draft_graphs); others chain eagerly
+        self.chain = None
+        if max_num_seqs and max_model_len:
+            self.chain = DraftChainGraphs(model, self.kv_cache, max_num_seqs,
+                                          -(-max_model_len // target_cache.block_size), device, graphs)
 
     def available(self, req: Request) -> bool:
         return True
@@ -214,6 +225,9 @@ class ModelDrafter:
         return self._chain(work, picks, self.model.compute_logits(hidden[[last[i] for i in picks]]))
 
     def _chain(self, work: Drafting, picks: list[int], logits: torch.Tensor | None) -> dict[int, torch.Tensor]:
+        wanted = {work.num_drafts[i] for i in picks}
+        if self.chain is not None and len(wanted) == 1 and min(wanted) > 1:
+            return self._static_chain(work, picks, logits, min(wanted))
         qs: dict[int, list[torch.Tensor]] = {}
         drafted = []
         for j in range(max((work.num_drafts[i] for i in picks), default=0)):
@@ -233,6 +247,21 @@ class ModelDrafter:
             logits, picks = self.model.compute_logits(hidden), nxt
         work.write(drafted)
         return {i: torch.stack(q) for i, q in qs.items()}
+
+
+    def _static_chain(self, work: Drafting, picks: list[int], logits: torch.Tensor, k: int) -> dict[int, torch.Tensor]:
+        """Draft 0 from the catch-up logits, drafts 1..k-1 from the static chain (one replay on CUDA)."""
+        tokens, q = work.sample(logits, picks, 0)
+        reqs = [work.reqs[i] for i in picks]
+        sel = torch.as_tensor(picks, device=work.rows.device)
+        b = self.chain.stage(tokens, [r.num_tokens for r in reqs], [r.block_table for r in reqs], work.rows[sel],
+                             [r.num_tokens + 1 for r in reqs], work.sampling)
+        toks, qs = self.chain.run(b, k - 1, work.mode, work.sampling)
+        n = len(picks)
+        work.write([(picks, tokens)] + [(picks, toks[j, :n]) for j in range(k - 1)])
+        if q is None:
+            return {}
+        return {i: torch.cat([q[r:r + 1], qs[:, r]]) for r, i in enumerate(picks)}
 
 
 class MTPDrafter:
@@ -464,7 +493,10 @@ def make_spec_decoder(config, model: torch.nn.Module, kv_cache: PagedKVCache, de
                               f"from the target's ({model.config.vocab_size}); give a draft with the "
                               "same tokenizer")
         draft.prepare_for_serving()
-        drafter = ModelDrafter(draft, kv_cache, device)
+        wanted = graphs_wanted(draft, device, config.enforce_eager)
+        if wanted is not None and device.type == "cuda":
+            log.warning("draft chains run eagerly (slow): %s", wanted)
+        drafter = ModelDrafter(draft, kv_cache, device, config.max_num_seqs, config.max_model_len, wanted is None)
     if config.speculative_synthetic_accept is not None:
         log.warning("synthetic acceptance: each draft is accepted with probability %g whatever the model "
                     "says; the emitted tokens are not the model's output (a benchmark of verify cost only)",

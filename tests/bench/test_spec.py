@@ -31,6 +31,7 @@ def test_latency_spec_table_and_record(tiny_moe_dir, tmp_path, capsys):
     model = cell["cost_model"]
     assert len(model["expected_tok_s"]) == 3 and model["k"] in (0, 1, 2) and model["draft_s_per_token"] >= 0
     assert "cost model's choice" in out
+    assert rec["draft_chains"] == "draft chains run eagerly (no CUDA graphs here)" and rec["draft_chains"] in out
     csv = csv_text(HEADERS, table_rows(rec)).splitlines()
     assert csv[1].split(",")[1:4] == ["draft", "2", "tg8"]
 

@@ -402,3 +402,36 @@ def test_v3_mtp_sampled_drafts_are_seeded(v3):
     assert alone == batched == outputs(llm, prompts[2], sp)[0]
     assert llm.engine.spec.stats.num_drafts > 0
     assert_idle(llm)
+
+
+@needs_demo
+def test_draft_chains_run_over_static_buffers_whose_device_metadata_is_the_eager_chains(demo):
+    """A self-drafting demo at k = 3 takes the static chain (every request wants 3 drafts);
+    for each staged chain, the metadata a graph would read (static_batch: positions, slot
+    mapping, block tables, lengths computed on the device) equals the eager chain's."""
+    from lowbit.engine.speculative import flat_batch
+
+    llm = spec_llm(demo, "draft", speculative_model="demo")
+    chain = llm.engine.spec.drafter.chain
+    assert chain is not None and not chain.capture_on  # the CPU: eager, no graphs
+    seen = []
+    original = chain._step
+
+    def spy(b, n, mode, sampling, graph):
+        for j in range(n):
+            want = flat_batch([(t, p + j, 1) for t, p in chain.host], chain.kv_cache, chain.device)
+            got = chain.static_batch(b, j)
+            assert torch.equal(got.positions, want.positions) and torch.equal(got.slot_mapping, want.slot_mapping)
+            assert torch.equal(got.seq_lens, want.seq_lens)
+            width = want.block_tables.shape[1]
+            assert torch.equal(got.block_tables[:, :width], want.block_tables)
+            assert bool((got.block_tables[:, width:] == chain.kv_cache.scratch_block).all())
+        seen.append((b, n))
+        return original(b, n, mode, sampling, graph)
+
+    chain._step = spy
+    assert outputs(llm, PROMPTS, GREEDY) == plain_outputs(demo, PROMPTS, GREEDY)
+    stats = llm.engine.spec.stats
+    # k - 1 = 2 forwards a chain, fewer where max_tokens leaves room for fewer drafts
+    assert seen and {n for _, n in seen} <= {1, 2} and seen[0][1] == 2 and stats.num_accepted == stats.num_drafts
+    assert_idle(llm)

@@ -1,0 +1,145 @@
+"""A draft model's chained forwards as one step over static device buffers, captured as a
+CUDA graph per (rows bucket, chained forwards, sampler mode).
+
+Shape legend: R rows of the bucket (drafting sequences, padded), N chained forwards (k - 1:
+draft 0 comes from the catch-up forward before the chain), W block-table width, V vocabulary.
+
+The chain of lowbit.engine.speculative.ModelDrafter, eagerly, runs N single-token forwards
+of the draft model, each with its metadata built on the host (positions, slot mapping,
+block tables, sequence lengths: a few small host-to-device copies) and a few hundred kernel
+launches: on an H100 the demo-draft chain made speculation 0.09x of plain decoding. Here
+the chain reads five static buffers, filled once per step:
+  ids     [R] int64  draft 0's tokens (a device copy of what the catch-up sampled)
+  pos     [R] int64  the position draft 0 is written at
+  tables  [R, W]     int32 block tables (the draft pool shares the target's block ids)
+  rows    [R] int64  sampler rows;  steps [R] int64 the sampling step of draft 1
+and step j computes its metadata on the device: position pos + j, slot
+tables[r, pos // bs] * bs + pos % bs, sequence length pos + j + 1; draft j + 1 comes from
+lowbit.engine.acceptance.draft_tokens at step steps + j and feeds step j + 1. The outputs:
+tokens [N, R] and, for a random sampler mode, the draft distributions q [N, R, V].
+
+Padded rows (bucket > drafting rows): token 0 at position 0 over the pool's scratch block,
+sampling in the sampler's scratch row; their drafts are dropped. Drafts are proposals, so a
+chain that drafted badly costs acceptance, never output: the verify step decides.
+
+A bucket is captured at its first chain, after a warm-up under torch's sync debug mode
+"error" (lowbit.engine.cuda_graphs.sync_free_warm_up): a draft model whose forward reads
+device values on the host keeps the eager chain, with a WARNING. On the CPU `run` is the
+same chain eagerly with the host-built metadata the torch routes read (host lengths, cache
+slots); `static_batch` is what a graph reads, equal to it on the device (tests).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lowbit.engine.acceptance import draft_tokens
+from lowbit.engine.batch import ForwardBatch
+from lowbit.engine.cuda_graphs import graph_buckets, sync_free_warm_up
+
+log = logging.getLogger("lowbit")
+
+
+class DraftChainGraphs:
+    def __init__(self, model: torch.nn.Module, kv_cache, max_rows: int, max_blocks: int,
+                 device: torch.device, capture: bool) -> None:
+        self.model, self.kv_cache, self.device, self.capture_on = model, kv_cache, device, capture
+        self.buckets = graph_buckets(max_rows)
+        r = self.buckets[-1]
+        self.ids = torch.zeros(r, dtype=torch.long, device=device)
+        self.pos = torch.zeros(r, dtype=torch.long, device=device)
+        self.rows = torch.zeros(r, dtype=torch.long, device=device)
+        self.steps = torch.zeros(r, dtype=torch.long, device=device)
+        self.tables = torch.full((r, max_blocks), kv_cache.scratch_block, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.eager: dict[tuple, str] = {}
+        self.pool = None
+        self.replays = 0
+
+    def bucket_for(self, rows: int) -> int | None:
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def stage(self, tokens: torch.Tensor, pos: list[int], tables: list[list[int]], rows: torch.Tensor,
+              steps: list[int], sampling) -> int:
+        """Fill the static buffers for len(pos) drafting rows (padded to their bucket when
+        chains are captured); returns the rows the chain runs."""
+        n = len(pos)
+        b = self.bucket_for(n) if self.capture_on else n
+        self.host = list(zip(tables, pos))
+        width = self.tables.shape[1]
+        if any(len(t) > width for t in tables):
+            raise AssertionError("a block table is wider than the draft chain's buffers")
+        host = torch.full((b, width), self.kv_cache.scratch_block, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            host[i, :len(t)] = torch.as_tensor(t, dtype=torch.int32)
+        pad = b - n
+        self.tables[:b].copy_(host, non_blocking=True)
+        self.pos[:b].copy_(torch.as_tensor(pos + [0] * pad, dtype=torch.long), non_blocking=True)
+        self.steps[:b].copy_(torch.as_tensor(steps + [0] * pad, dtype=torch.long), non_blocking=True)
+        self.ids[:n].copy_(tokens)
+        self.ids[n:b].zero_()
+        self.rows[:n].copy_(rows)
+        self.rows[n:b].fill_(sampling.scratch_row)
+        return b
+
+    def static_batch(self, b: int, j: int) -> ForwardBatch:
+        """Chain step j's metadata, computed on the device from the static buffers (what a
+        graph replays; the graph-safe routes read only these tensors)."""
+        bs = self.kv_cache.block_size
+        tables = self.tables[:b]
+        pos = self.pos[:b] + j
+        slots = tables.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs
+        return ForwardBatch(pos, list(range(b + 1)), [1] * b, [None] * b, self.kv_cache, slots, tables,
+                            (pos + 1).to(torch.int32))
+
+    def _step(self, b: int, n: int, mode, sampling, graph: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chain: n forwards of the draft model over the staged rows; (tokens [n, b], q [n, b, V]
+        or None). `graph`: the static batch; else (eager) the host-built one of the eager chain,
+        which the torch routes need (host lengths, cache slots)."""
+        from lowbit.engine.speculative import flat_batch  # (speculative imports this module)
+
+        ids, rows = self.ids[:b], self.rows[:b]
+        toks, qs = [], []
+        for j in range(n):
+            batch = (self.static_batch(b, j) if graph else
+                     flat_batch([(t, p + j, 1) for t, p in self.host], self.kv_cache, self.device))
+            logits = self.model.compute_logits(self.model(ids, batch))
+            ids, q = draft_tokens(logits, sampling, rows, self.steps[:b] + j, mode)
+            toks.append(ids)
+            if q is not None:
+                qs.append(q)
+        return torch.stack(toks), (torch.stack(qs) if qs else None)
+
+    def run(self, b: int, n: int, mode, sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The staged chain: a graph replay where one is (or can now be) captured, else eagerly."""
+        key = (b, n, mode)
+        if self.capture_on and key not in self.graphs and key not in self.eager:
+            reason = self._capture(key, sampling)
+            if reason is not None:
+                self.eager[key] = reason
+                log.warning("draft chains of %d rows run eagerly (slow): %s", b, reason)
+        if key in self.graphs:
+            self.graphs[key].replay()
+            self.replays += 1
+            return self.outputs[key]
+        if b > len(self.host):  # a refused capture: the real rows alone, eagerly
+            b = len(self.host)
+        return self._step(b, n, mode, sampling, graph=False)
+
+    def _capture(self, key: tuple, sampling) -> str | None:
+        b, n, mode = key
+        reason = sync_free_warm_up(self.device, sampling, lambda: self._step(b, n, mode, sampling, graph=True),
+                                   f"a draft chain of {b} rows")
+        if reason is not None:
+            return reason
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[key] = self._step(b, n, mode, sampling, graph=True)
+        self.pool = graph.pool()
+        self.graphs[key] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured the draft chain CUDA graph for %d rows, %d forwards (%s)", b, n, mode)
+        return None
