@@ -143,35 +143,26 @@ def test_tune_scales_needs_calib_and_steps(tiny_moe_dir, tmp_path, capsys):
         assert msg in err and "Traceback" not in err, err
 
 
-def test_tuned_artifact_lowers_validation_kl_keeps_bytes_and_generates(tiny_moe_dir, tmp_path, capsys):
+@pytest.mark.parametrize("codes", [None, "0.01"])
+def test_tuned_artifact_lowers_validation_kl_keeps_bytes_and_generates(tiny_moe_dir, tmp_path, capsys, codes):
+    """Scales alone, and with --tune-codes the codes too: same bytes, a lower validation KL."""
     calib = tmp_path / "calib.txt"
     calib.write_text(TEXT)
     plain, tuned = tmp_path / "plain", tmp_path / "tuned"
     args = ["quantize", str(tiny_moe_dir), "--format", "nf3", "--device", "cpu", "--calib", str(calib)]
     assert main(args + ["--out", str(plain)]) == 0
-    assert main(args + ["--out", str(tuned), "--tune-scales", "50"]) == 0
-    assert "tune-scales" in capsys.readouterr().out
+    assert main(args + ["--out", str(tuned), "--tune-scales", "50"] + (["--tune-codes", codes] if codes else [])) == 0
+    out = capsys.readouterr().out
+    assert "tune-scales" in out and ("codes changed" in out) == bool(codes)
     m_plain, m_tuned = (json.loads((p / "lowbit.json").read_text()) for p in (plain, tuned))
     rec = m_tuned["provenance"]["rounding"]["tuning"]
     assert rec["validation_kl_after"] < rec["validation_kl_before"] and rec["kept_step"] > 0
     assert rec["weights"] == m_tuned["totals"]["quantized_tensors"] and rec["validation_windows"] >= 1
-    assert m_tuned["totals"]["bytes_after"] == m_plain["totals"]["bytes_after"]
-    assert main(["generate", str(tuned), "It is a truth", "--max-tokens", "4", "--ignore-eos"]) == 0
-
-
-def test_code_tuning_changes_codes_keeps_bytes_and_generates(tiny_moe_dir, tmp_path, capsys):
-    calib = tmp_path / "calib.txt"
-    calib.write_text(TEXT)
-    plain, tuned = tmp_path / "plain", tmp_path / "tuned"
-    args = ["quantize", str(tiny_moe_dir), "--format", "nf3", "--device", "cpu", "--calib", str(calib)]
-    assert main(args + ["--out", str(plain)]) == 0
-    assert main(args + ["--out", str(tuned), "--tune-scales", "50", "--tune-codes", "0.01"]) == 0
-    assert "codes changed" in capsys.readouterr().out
-    m_plain, m_tuned = (json.loads((p / "lowbit.json").read_text()) for p in (plain, tuned))
-    rec = m_tuned["provenance"]["rounding"]["tuning"]
-    assert rec["method"] == "block scales and codes tuned on the teacher's KL" and rec["codes_lr"] == 0.01
-    assert rec["validation_kl_after"] < rec["validation_kl_before"] and rec["codes_changed"] > 0
-    assert rec["code_weights"] == rec["weights"]
+    if codes:
+        assert rec["method"] == "block scales and codes tuned on the teacher's KL" and rec["codes_lr"] == 0.01
+        assert rec["codes_changed"] > 0 and rec["code_weights"] == rec["weights"]
+    else:
+        assert rec["method"] == "block scales tuned on the teacher's KL" and "codes_changed" not in rec
     assert m_tuned["totals"]["bytes_after"] == m_plain["totals"]["bytes_after"]
     assert main(["generate", str(tuned), "It is a truth", "--max-tokens", "4", "--ignore-eos"]) == 0
 
