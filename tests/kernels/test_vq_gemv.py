@@ -8,7 +8,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.formats import get_format
-from lowbit.formats.views import VqWeight
+from lowbit.formats.views import VqWeight, pack_codebook
 from lowbit.kernels import routes
 from lowbit.kernels.linear_op import linear
 from lowbit.kernels.vq_gemv import reference_vq_linear, vq_gemv
@@ -21,14 +21,19 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small ops: one threa
 GEOMETRIES = {"d4_ib8": (4, 8), "d4_ib12": (4, 12), "d2_ib8": (2, 8)}
 
 
-def random_vq(n: int, k: int, dim: int, bits: int, seed: int, lead: tuple[int, ...] = ()) -> VqWeight:
-    """Random indices, bf16 scales and float32 codebook, each between poisoned guards."""
+def random_vq(n: int, k: int, dim: int, bits: int, seed: int, lead: tuple[int, ...] = (),
+              packed: bool = False) -> VqWeight:
+    """Random indices, bf16 scales and float32 codebook, each between poisoned guards; with
+    `packed`, a float16-valued codebook and its packed words (the shipped codebooks' case)."""
     g = torch.Generator().manual_seed(seed)
     kp = -(-k // 64) * 64
     groups = kp // dim
     codes = torch.randint(0, 256, (*lead, n, groups * bits // 8), generator=g, dtype=torch.uint8)
     scales = (torch.rand(*lead, n, kp // 64, generator=g) + 0.1).to(torch.bfloat16)
     book = torch.randn(1 << bits, dim, generator=g)
+    if packed:
+        book = book.half().float()
+        return VqWeight(guarded(codes), guarded(scales), guarded(book), bits, "random", guarded(pack_codebook(book)))
     return VqWeight(guarded(codes), guarded(scales), guarded(book), bits, "random")
 
 
@@ -43,6 +48,31 @@ def test_gemv_matches_twin(geo, m, n, k):
     y = vq_gemv(x, w, bias, out=out)
     assert y.data_ptr() == out.data_ptr()
     assert rel_err(y, reference_vq_linear(x, w, bias)) < 1e-5
+
+
+@pytest.mark.parametrize("geo", list(GEOMETRIES))
+@pytest.mark.parametrize("m,n,k", [(1, 17, 64), (2, 33, 100), (5, 70, 200), (16, 9, 130)])
+def test_packed_gemv_matches_twin_and_the_float32_gathers(geo, m, n, k):
+    dim, bits = GEOMETRIES[geo]
+    w = random_vq(n, k, dim, bits, seed=m * 1000 + n + k + 7, packed=True)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + 1))
+    bias = guarded(torch.randn(n)) if m % 2 else None
+    y = vq_gemv(x, w, bias, out=torch.full((m, n), float("nan")), config={"BN": 16, "BG": 8})
+    assert rel_err(y, reference_vq_linear(x, w, bias)) < 1e-5
+    unpacked = vq_gemv(x, w, bias, config={"BN": 16, "BG": 8, "PACKED": False})
+    assert rel_err(y, unpacked) < 1e-6
+
+
+def test_pack_codebook_lanes_and_refusal():
+    book = torch.tensor([[1.0, -2.0, 0.5, 65504.0], [0.0, -0.0, 3.0, -1.0]])
+    words = pack_codebook(book)
+    assert words.dtype == torch.int64 and words.shape == (2,)
+    assert int(words[0]) & 0xFFFF == 0x3C00 and (int(words[0]) >> 16) & 0xFFFF == 0xC000  # 1.0, -2.0
+    assert (int(words[0]) >> 48) & 0xFFFF == 0x7BFF and (int(words[1]) >> 16) & 0xFFFF == 0x8000
+    assert pack_codebook(book + 1e-4) is None  # not float16 values: no packing
+    assert pack_codebook(torch.zeros(4, 8)) is None  # more than 4 lanes
+    qt = get_format("vq3").quantize(torch.randn(8, 64))
+    assert resolve(qt).packed is not None  # the shipped codebooks pack
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
