@@ -22,6 +22,8 @@ on S, I and H only):
 A slot whose id is outside 0..E-1 (placed nowhere) reads expert 0 and writes zeros, and the
 combine never reads it. Each slot reads its expert's weights once: T tokens routed to one
 expert read it T times (a decode kernel: the route takes T <= VQ_MOE_MAX_TOKENS).
+With a packed codebook (VqWeight.packed) a group is one int64 gather, as in
+lowbit.kernels.vq_gemv (config PACKED: False keeps the float32 gathers).
 Reference twin: lowbit.kernels.moe.reference_moe (vq_decode per expert, float32).
 """
 
@@ -54,10 +56,21 @@ def _vq_groups(row_codes, row_scales, gi, m2, D: tl.constexpr, IB: tl.constexpr)
 
 
 @triton.jit
+def _vq_packed_rows(cbp_ptr, idx, sc, m2, D: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr):
+    """The weights [BN, BG * D] of groups idx [BN, BG] (scales sc) from the packed codebook:
+    one int64 gather a group, its float16 lanes split by shifts (lowbit.kernels.vq_gemv)."""
+    lanes = tl.arange(0, D)
+    word = tl.load(cbp_ptr + idx, mask=m2, other=0)  # int64 [BN, BG]
+    half = ((word[:, :, None] >> (16 * lanes)[None, None, :].to(tl.int64)) & 0xFFFF).to(tl.int16)
+    wv = half.to(tl.float16, bitcast=True).to(tl.float32) * sc[:, :, None]
+    return tl.reshape(wv, [BN, BG * D])
+
+
+@triton.jit
 def _vq_moe_fc1_kernel(
     x_ptr, h_ptr, ids_ptr, codes_ptr, scales_ptr, cb_ptr,
     K, G, NI, E, A, stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_h,
-    D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
+    D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, PACKED: tl.constexpr,
 ):
     s = tl.program_id(1)
     e = tl.load(ids_ptr + s)
@@ -77,13 +90,19 @@ def _vq_moe_fc1_kernel(
         m2 = nmask[:, None] & (gi < G)[None, :]
         ig, sg = _vq_groups(gate_c, gate_s, gi, m2, D, IB)
         iu, su = _vq_groups(up_c, up_s, gi, m2, D, IB)
-        for j in tl.static_range(D):
-            col = gi * D + j
-            xv = tl.load(x_ptr + t * stride_xt + col, mask=col < K, other=0.0).to(tl.float32)  # [BG]
-            wg = tl.load(cb_ptr + ig * D + j, mask=m2, other=0.0) * sg
-            wu = tl.load(cb_ptr + iu * D + j, mask=m2, other=0.0) * su
-            acc_g += tl.sum(wg * xv[None, :], 1)
-            acc_u += tl.sum(wu * xv[None, :], 1)
+        if PACKED:
+            col = tl.reshape(gi[:, None] * D + tl.arange(0, D)[None, :], [BG * D])
+            xv = tl.load(x_ptr + t * stride_xt + col, mask=col < K, other=0.0).to(tl.float32)  # [BG * D]
+            acc_g += tl.sum(_vq_packed_rows(cb_ptr, ig, sg, m2, D, BN, BG) * xv[None, :], 1)
+            acc_u += tl.sum(_vq_packed_rows(cb_ptr, iu, su, m2, D, BN, BG) * xv[None, :], 1)
+        else:
+            for j in tl.static_range(D):
+                col = gi * D + j
+                xv = tl.load(x_ptr + t * stride_xt + col, mask=col < K, other=0.0).to(tl.float32)  # [BG]
+                wg = tl.load(cb_ptr + ig * D + j, mask=m2, other=0.0) * sg
+                wu = tl.load(cb_ptr + iu * D + j, mask=m2, other=0.0) * su
+                acc_g += tl.sum(wg * xv[None, :], 1)
+                acc_u += tl.sum(wu * xv[None, :], 1)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     h = tl.where(valid, h, 0.0)
     tl.store(h_ptr + s.to(tl.int64) * stride_h + n, h, mask=nmask)
@@ -93,7 +112,7 @@ def _vq_moe_fc1_kernel(
 def _vq_moe_fc2_kernel(
     h_ptr, ys_ptr, ids_ptr, w_ptr, codes_ptr, scales_ptr, cb_ptr,
     K, G, N, E, stride_h, stride_ce, stride_cn, stride_se, stride_sn, stride_ys,
-    D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
+    D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, PACKED: tl.constexpr,
 ):
     s = tl.program_id(1)
     e = tl.load(ids_ptr + s)
@@ -108,11 +127,16 @@ def _vq_moe_fc2_kernel(
         gi = g0 + tl.arange(0, BG)
         m2 = nmask[:, None] & (gi < G)[None, :]
         idx, sc = _vq_groups(row_c, row_s, gi, m2, D, IB)
-        for j in tl.static_range(D):
-            col = gi * D + j
-            hv = tl.load(h_ptr + s.to(tl.int64) * stride_h + col, mask=col < K, other=0.0)  # [BG]
-            wv = tl.load(cb_ptr + idx * D + j, mask=m2, other=0.0) * sc
-            acc += tl.sum(wv * hv[None, :], 1)
+        if PACKED:
+            col = tl.reshape(gi[:, None] * D + tl.arange(0, D)[None, :], [BG * D])
+            hv = tl.load(h_ptr + s.to(tl.int64) * stride_h + col, mask=col < K, other=0.0)  # [BG * D]
+            acc += tl.sum(_vq_packed_rows(cb_ptr, idx, sc, m2, D, BN, BG) * hv[None, :], 1)
+        else:
+            for j in tl.static_range(D):
+                col = gi * D + j
+                hv = tl.load(h_ptr + s.to(tl.int64) * stride_h + col, mask=col < K, other=0.0)  # [BG]
+                wv = tl.load(cb_ptr + idx * D + j, mask=m2, other=0.0) * sc
+                acc += tl.sum(wv * hv[None, :], 1)
     acc = tl.where(valid, acc * tl.load(w_ptr + s), 0.0)
     tl.store(ys_ptr + s.to(tl.int64) * stride_ys + n, acc, mask=nmask)
 
@@ -157,14 +181,16 @@ def vq_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: VqWei
     h = torch.empty(s, inter, dtype=torch.float32, device=x.device)
     ys = torch.empty(s, hid, dtype=torch.float32, device=x.device)
     bn, bg, warps = cfg["BN"], cfg["BG"], cfg["num_warps"]
+    p13 = w13.packed is not None and cfg.get("PACKED", True)
+    p2 = w2.packed is not None and cfg.get("PACKED", True)
     _vq_moe_fc1_kernel[(triton.cdiv(inter, bn), s)](
-        x, h, ids_flat, w13.codes, w13.scales.view(torch.int16), w13.codebook,
+        x, h, ids_flat, w13.codes, w13.scales.view(torch.int16), w13.packed if p13 else w13.codebook,
         hid, w13.kp // w13.dim, inter, e, a, x.stride(0), w13.codes.stride(0), w13.codes.stride(1),
         w13.scales.stride(0), w13.scales.stride(1), h.stride(0),
-        D=w13.dim, IB=w13.index_bits, BN=bn, BG=bg, num_warps=warps)
+        D=w13.dim, IB=w13.index_bits, BN=bn, BG=bg, PACKED=p13, num_warps=warps)
     _vq_moe_fc2_kernel[(triton.cdiv(hid, bn), s)](
-        h, ys, ids_flat, tw, w2.codes, w2.scales.view(torch.int16), w2.codebook,
+        h, ys, ids_flat, tw, w2.codes, w2.scales.view(torch.int16), w2.packed if p2 else w2.codebook,
         inter, w2.kp // w2.dim, hid, e, h.stride(0), w2.codes.stride(0), w2.codes.stride(1),
         w2.scales.stride(0), w2.scales.stride(1), ys.stride(0),
-        D=w2.dim, IB=w2.index_bits, BN=bn, BG=bg, num_warps=warps)
+        D=w2.dim, IB=w2.index_bits, BN=bn, BG=bg, PACKED=p2, num_warps=warps)
     return combine_slots(ys, x, a, ids_flat, e, out=y)
