@@ -24,6 +24,7 @@ import triton.testing
 from torch.nn import functional as F
 
 from lowbit.formats import get_format
+from lowbit.formats.views import pack_codebook
 from lowbit.kernels.dequant_gemm import lut_gemv, reference_linear
 from lowbit.kernels.vq_gemv import reference_vq_linear, vq_gemv
 from lowbit.kernels.weights import VqWeight, resolve
@@ -34,7 +35,8 @@ def vq_weight(name: str, n: int, k: int) -> VqWeight:
     spec = fmt.payload_spec((n, k))
     codes = torch.randint(0, 256, spec["codes"][0], dtype=torch.uint8, device="cuda")
     scales = (torch.rand(spec["scales"][0], device="cuda") * 0.02).to(torch.bfloat16)
-    return VqWeight(codes, scales, fmt.codebook.cuda().float(), fmt.index_bits, name)
+    cb = fmt.codebook.float()
+    return VqWeight(codes, scales, cb.cuda(), fmt.index_bits, name, pack_codebook(cb).cuda())
 
 
 def timed(fn) -> float:
@@ -56,7 +58,11 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        weights = {name: vq_weight(name, n, k) for name in ("vq2", "vq3", "vq4")}
+        weights = {}
+        for name in ("vq2", "vq3", "vq4"):  # packed codebook at three row tiles, then the float32 gathers
+            w = vq_weight(name, n, k)
+            weights |= {f"{name} BN {bn}": (w, {"BN": bn}) for bn in (8, 16, 32)}
+            weights[f"{name} f32 gathers"] = (w, {"PACKED": False})
         weights["nf4 (lut gemv)"] = resolve(get_format("nf4").quantize(dense))
         weights["bf16 F.linear"] = dense
         for m in (int(v) for v in args.m.split(",")):
@@ -67,9 +73,11 @@ def main() -> None:
 
 
 def measure(x: torch.Tensor, w) -> tuple[float, float, float]:
-    """(median us, weight GB/s, relative error against the twin) of one weight kind."""
-    if isinstance(w, VqWeight):
-        run, ref, nbytes = (lambda: vq_gemv(x, w)), reference_vq_linear(x, w), w.nbytes
+    """(median us, weight GB/s, relative error against the twin) of one weight kind (a vq
+    weight comes with its config)."""
+    if isinstance(w, tuple):
+        w, cfg = w
+        run, ref, nbytes = (lambda: vq_gemv(x, w, config=cfg)), reference_vq_linear(x, w), w.nbytes
     elif isinstance(w, torch.Tensor):
         run, ref, nbytes = (lambda: F.linear(x, w)), F.linear(x.float(), w.float()), w.numel() * 2
     else:
@@ -97,10 +105,12 @@ def moe_main(tokens: list[int]) -> None:
         ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:a] for _ in range(t)]).int()
         w = torch.rand(t, a, device="cuda", generator=g)
         distinct = len(torch.unique(ids))
-        for name, (q13, q2) in stacks.items():
+        rows = [(name, q, None) for name, q in stacks.items()]
+        rows[2:2] = [(f"{f} f32 gathers", stacks[f], {"PACKED": False}) for f in ("vq3", "vq4")]
+        for name, (q13, q2), cfg in rows:
             if name.startswith("vq"):
                 r13, r2 = resolve(q13), resolve(q2)
-                run = (lambda x=x, ids=ids, w=w, r13=r13, r2=r2: vq_moe(x, ids, w, r13, r2))
+                run = (lambda x=x, ids=ids, w=w, r13=r13, r2=r2, cfg=cfg: vq_moe(x, ids, w, r13, r2, config=cfg))
                 per_expert = (r13.nbytes + r2.nbytes) / e
             else:
                 run = (lambda x=x, ids=ids, w=w, q13=q13, q2=q2: moe_experts(x, ids, w, q13, q2))
