@@ -82,6 +82,10 @@ class EngineConfig:
                                     choices=["hot-lru", "lru", "lfu"])
     expert_prefetch: bool = _opt(True, "with --expert-offload: copy the next layer's likely experts early "
                                        "(its router applied to this layer's input)")
+    expert_prefetch_graphs: bool = _opt(False, "with --expert-offload and prefetch: decode graph steps that copy "
+                                               "their own misses also copy the next layer's likely experts, on a "
+                                               "side stream while this layer's experts run (OPT-IN: not yet "
+                                               "measured on a GPU)")
     record_routing: str | None = _opt(None, "write each step's routed expert ids to FILE (JSON lines) for "
                                             "`lowbit bench expert-cache`; steps run eagerly")
     # parallelism across the GPUs of a host (docs/DISTRIBUTED.md); processes = lcm(TP, EP)

@@ -18,7 +18,8 @@
 #              ENGINE_FORMATS="nvfp4 nvfp4+nopdl" adds a run with LOWBIT_PDL=0
 #   offload    expert offload at the Qwen3-30B-A3B shape, $QUANT, C1: resident, then
 #              OFFLOAD_SLOTS slots per layer (default 32 = 25 %, graphs copy their own
-#              misses; OFFLOAD_30B=0 skips both), then Qwen3-235B-A22B in nf3 from a
+#              misses), the same with --expert-prefetch-graphs (OFFLOAD_30B=0 skips the
+#              three), then Qwen3-235B-A22B in nf3 from a
 #              24 GiB slot budget (OFFLOAD_BIG=0 skips it); tokens sampled at temperature 1 (OFFLOAD_ROUTING)
 #   vq         vector codebook kernels: tests/gpu/test_vq_gemv_gpu.py, then the gemv and the MoE
 #              layer timed beside nf4 / nvfp4 / bf16 (scripts/bench_vq_gemv.py [--moe])
@@ -126,7 +127,8 @@ if has offload; then
   # to the same experts every step (docs/SERVING.md "Routing of random weights")
   ROUTING=${OFFLOAD_ROUTING:---temperature 1}
   C1="-p 64 -n 64 -d 0 -r ${OFFLOAD_REPEATS:-3} $ROUTING"
-  OFFLOAD_RUNS=("" "--expert-offload --expert-cache-slots ${OFFLOAD_SLOTS:-32}")
+  OFFLOAD_RUNS=("" "--expert-offload --expert-cache-slots ${OFFLOAD_SLOTS:-32}"
+                "--expert-offload --expert-cache-slots ${OFFLOAD_SLOTS:-32} --expert-prefetch-graphs")
   [ "${OFFLOAD_30B:-1}" = 1 ] || OFFLOAD_RUNS=()
   for args in "${OFFLOAD_RUNS[@]}"; do
     echo "== offload: $QUANT ${args:-resident} ($ROUTING)" | tee -a "$OUT/offload.log"

@@ -181,7 +181,8 @@ class LLMEngine:
         if not (cfg.expert_offload or cfg.record_routing):
             return None
         recorder = RoutingRecorder(cfg.record_routing) if cfg.record_routing else None
-        cache = ExpertCache(self.model, self.device, cfg.expert_offload, cfg.expert_prefetch, recorder)
+        cache = ExpertCache(self.model, self.device, cfg.expert_offload, cfg.expert_prefetch, recorder,
+                            cfg.expert_prefetch_graphs)
         if cache.offload:
             kv_dtype = parse_kv_dtype(cfg.kv_cache_dtype, model_dtype)
             layers = getattr(self.model, "num_cache_layers", self.arch.num_layers)

@@ -198,6 +198,10 @@ class LayerCache:
         self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.host.values())
         self.stream = None
         self.ready = torch.cuda.Event() if self.pin else None
+        # graph-form prefetch (ExpertCache.graph_prefetch): its copies' event, and whether one
+        # is queued that this layer must wait for before it admits
+        self.prefetch_done = torch.cuda.Event() if self.pin else None
+        self.prefetch_queued = False
 
     def allocate(self, num_slots: int, policy: str, stream) -> None:
         """S = min(num_slots, E) empty slots on the device, the slot table all -1."""
@@ -217,6 +221,9 @@ class LayerCache:
         self.misses_dev = torch.zeros((), dtype=torch.int64, device=device)  # views of the
         self.uses_dev = torch.zeros(E, dtype=torch.int64, device=device)  # cache's counters, set by it
         self.stream = stream
+        # the copies a graph-form prefetch makes, in a buffer that outlives the step: the side
+        # stream reads it after the admission that wrote it has returned
+        self.prefetch_pairs = torch.full((S, 2), -1, dtype=torch.int64, device=device)
 
     @property
     def owner(self) -> list[int]:
@@ -327,16 +334,41 @@ class LayerCache:
         self.uses_dev.index_add_(0, ids.reshape(-1).long(), live.expand_as(ids).reshape(-1).long())
         return self.run(x, distinct_slots(sid, hit, self.num_physical), w * hit)
 
-    def resolve_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pairs_out: bool = False):
+    def resolve_forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pairs_out: bool = False,
+                        ahead=None):
         """The graph form of a step whose experts fit the slots (`resolves`): the step
         admits its live rows' experts on the device and copies its misses from pinned host
-        memory itself, on its own stream; no host read, nothing to send back."""
+        memory itself, on its own stream; no host read, nothing to send back. A prefetch
+        queued for this layer is waited for first; `ahead()` (the next layer's graph-form
+        prefetch) runs after this layer's copies and before its experts, so that its copies
+        overlap them."""
+        self.wait_prefetch()
         T, A = ids.shape
         pairs, sid, w = self.map.admit_routed(ids, w, self.live_rows)  # padding rows: weight 0
         pairs = pairs[:min(self.num_slots, T * A)]
         copy_experts(pairs, self.host, self.slots)
+        if ahead is not None:
+            ahead()
         y = self.run(x, sid, w)
         return (y, pairs) if pairs_out else y
+
+    def prefetch_on_device(self, needed: torch.Tensor) -> None:
+        """Graph-form pre-gating: admit the experts of needed [E] bool uncounted (no host read)
+        and copy them on the side stream; this layer waits for them before it admits."""
+        self.prefetch_pairs.copy_(self.map.admit(needed, count=False))
+        if self.stream is None:
+            copy_experts(self.prefetch_pairs, self.host, self.slots)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # evicted slots: reads done
+        with torch.cuda.stream(self.stream):
+            copy_experts(self.prefetch_pairs, self.host, self.slots)
+            self.prefetch_done.record()
+        self.prefetch_queued = True
+
+    def wait_prefetch(self) -> None:
+        if self.prefetch_queued:
+            torch.cuda.current_stream(self.device).wait_event(self.prefetch_done)
+            self.prefetch_queued = False
 
 
 @dataclass
@@ -405,12 +437,15 @@ class ExpertCache:
     the `expert_hook` of each SparseMoE (lowbit.layers.moe)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, offload: bool,
-                 prefetch: bool = True, recorder: RoutingRecorder | None = None) -> None:
+                 prefetch: bool = True, recorder: RoutingRecorder | None = None,
+                 graph_prefetch: bool = False) -> None:
         self.moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
         if not self.moes:
             raise LowbitError(f"{type(model).__name__} has no MoE layer: --expert-offload and "
                               "--record-routing need a mixture-of-experts model")
         self.device, self.prefetch, self.recorder = device, prefetch and offload, recorder
+        # pre-gating inside resolve-form graph steps too (OPT-IN: not yet measured on a GPU)
+        self.graph_prefetch = graph_prefetch and self.prefetch
         self.position = {id(m): i for i, m in enumerate(self.moes)}
         self.arena = PinnedArena(device.type == "cuda")
         self.layers = [LayerCache(m, i, device, self.arena) for i, m in enumerate(self.moes)] if offload else []
@@ -479,14 +514,16 @@ class ExpertCache:
         if layer is not None and self.speculating():
             if not layer.resolves(ids.shape[0]):
                 return layer.speculate_forward(x, ids, w)
+            ahead = self._graph_prefetch(i, x, ids.shape[0])
             if not self.warming_up():
-                return layer.resolve_forward(x, ids, w)
+                return layer.resolve_forward(x, ids, w, ahead=ahead)
             # the eager step before a capture computes the step the replay then runs: its
             # admissions are put back, so that the replay makes them once; the slots it
             # copied into are marked free (their old experts gone), so the map stays true
-            # to the slots' contents even if the capture then fails
+            # to the slots' contents even if the capture then fails (a prefetch it made for
+            # the next layer stays: its map and slots agree)
             state = layer.map.state()
-            y, pairs = layer.resolve_forward(x, ids, w, pairs_out=True)
+            y, pairs = layer.resolve_forward(x, ids, w, pairs_out=True, ahead=ahead)
             layer.map.load(state)
             layer.map.free(pairs[:, 1])
             return y
@@ -502,6 +539,26 @@ class ExpertCache:
             return moe.experts(x, ids, w)
         meanwhile = partial(self.layers[i + 1].prefetch, guess) if self.prefetch and guess is not None else None
         return layer.fetch_forward(x, ids, w, live, meanwhile)
+
+    def _graph_prefetch(self, i: int, x: torch.Tensor, rows: int):
+        """The next layer's graph-form prefetch as a callable, or None: graph prefetch on, a
+        next layer that resolves these rows, and its guesses (rows x top-k) within half its
+        slots, so that a wrong guess cannot flush its cache."""
+        if not self.graph_prefetch or i + 1 >= len(self.layers):
+            return None
+        nxt = self.layers[i + 1]
+        if not nxt.resolves(rows) or rows * nxt.moe.spec.top_k > nxt.num_slots // 2:
+            return None
+        return lambda: nxt.prefetch_on_device(self._pregate_mask(i, x, nxt))
+
+    def _pregate_mask(self, i: int, x: torch.Tensor, nxt: LayerCache) -> torch.Tensor:
+        """[E] bool: the next layer's router top-k of this layer's input, live rows only (on the device)."""
+        g = self.moes[i + 1].gate
+        w32, b32 = getattr(self.moes[i + 1], "_gate32", None) or (g.weight.float(), None if g.bias is None
+                                                                  else g.bias.float())
+        top = torch.topk(gate_logits(x, w32, b32), nxt.moe.spec.top_k, -1).indices  # [T, k]
+        live = torch.arange(x.shape[0], device=x.device)[:, None] < self.live_rows
+        return nxt.map.needed_mask(top, live)
 
     def _pregate(self, i: int, x: torch.Tensor) -> list[int]:
         """The next MoE layer's likely experts, from this layer's input through the next

@@ -530,3 +530,30 @@ def test_pinned_arena_packs_stacks_into_power_of_two_chunks():
     assert arena.take(out[1][1]).data_ptr() == out[1][1].data_ptr()  # a view of a chunk stays put
     assert arena.reserved == sum(made) and arena.used <= arena.reserved
     assert PinnedArena(False).take(ts[1]).data_ptr() == ts[1].data_ptr()  # no pinning: the CPU tensor itself
+
+
+@pytest.mark.parametrize("slots", [4, 6])
+def test_graph_form_prefetch_keeps_the_tokens_and_turns_misses_into_prefetch_hits(slots, device_read_attention):
+    """--expert-prefetch-graphs: each resolve-form decode step also admits the next layer's
+    router top-k (of this layer's input) and copies it before this layer's experts run. One
+    sequence (2 experts a layer, within half of 4 or 6 slots): the tokens are the resident
+    model's, every decode step replays, and the decode steps miss less than without it
+    while the prefetched experts are used."""
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM("demo", device="cpu", kv_cache_tokens=256).generate(PROMPTS[:1], sp)]
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM("demo", device="cpu", kv_cache_tokens=256, expert_offload=True, expert_cache_slots=slots,
+                  expert_prefetch_graphs=graphs, async_scheduling=False)
+        cache = _stand_in(llm)
+        assert cache.graph_prefetch == graphs
+        llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1))  # the prompt's prefill
+        before = cache.totals()
+        outs = llm.generate(PROMPTS[:1], sp)
+        after = cache.totals()
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert cache.graph_reruns == 0 and after["graph_steps"] - before["graph_steps"] == sp.max_tokens - 1
+        runs[graphs] = {k: after[k] - before[k] for k in ("misses", "prefetched", "prefetch_hits")}
+    assert runs[True]["prefetched"] > runs[False]["prefetched"]  # graph steps prefetch only with the flag
+    assert runs[True]["prefetch_hits"] > 0
+    assert runs[True]["misses"] < runs[False]["misses"], runs

@@ -58,6 +58,20 @@ def test_offload_greedy_equals_resident(slots, batch):
     assert t["graph_steps"] + t["graph_reruns"] > 0  # decode steps went through the graph
 
 
+@pytest.mark.parametrize("slots", [4, 6])
+def test_graph_form_prefetch_equals_resident_and_prefetches_in_the_graph(slots):
+    """--expert-prefetch-graphs on real graphs: the next layer's experts copied on the side
+    stream inside the replay, joined before that layer admits; one sequence, the resident
+    tokens, every decode step replayed, prefetched experts used."""
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _tokens(_engine(prefill_graphs=False), PROMPTS[:1], sp)
+    engine = _engine(expert_offload=True, expert_cache_slots=slots, expert_prefetch_graphs=True)
+    assert _tokens(engine, PROMPTS[:1], sp) == want
+    t = engine.expert_cache.totals()
+    assert t["graph_reruns"] == 0 and t["graph_steps"] >= sp.max_tokens - 1
+    assert t["prefetched"] > 0 and t["prefetch_hits"] > 0
+
+
 def test_long_offload_generation_equals_resident_through_reruns():
     """2 slots: most decode steps miss and rerun. A rerun runs with the graph's shapes (the
     bucket of 4 for 3 sequences, the full table width), so its attention splits as the
