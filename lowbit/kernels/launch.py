@@ -49,10 +49,10 @@ def _file(name: str) -> dict:
 @functools.cache
 def _device_file(name: str) -> str | None:
     """The config file (slug) a device reads: its own, an alias's, or None (defaults only)."""
-    if (CONFIG_DIR / f"{name}.json").exists():
+    if _file(name):
         return name
     alias = _file("aliases").get(name)
-    if alias and (CONFIG_DIR / f"{alias}.json").exists():
+    if alias and _file(alias):
         return alias
     if name != "cpu":
         log.warning("launch configs: no tuned file for %s (lowbit/kernels/configs); kernels run their default "

@@ -171,6 +171,7 @@ def test_measured_choice_between_gemv_and_gemm(monkeypatch):
     key = f"{fmt_key(w)}:16x64"
     table = {"choice": {key: {"1": "gemv", "4": "gemm", "16": "gemv"}}}
     monkeypatch.setattr(launch, "_file", lambda name: table if name == "cpu" else {})
+    monkeypatch.setattr(launch, "_device_file", lambda name: name)  # the (cached) file lookup: this table
     assert launch.choice(fmt_key(w), 16, 64, 3) == "gemm" and launch.choice(fmt_key(w), 16, 64, 99) == "gemv"
     assert launch.choice(fmt_key(w), 32, 64, 1) is None
     call = LinearCall(torch.randn(3, 64), w, None, (3, 16), forced=False)
