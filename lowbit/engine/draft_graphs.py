@@ -38,8 +38,31 @@ import torch
 from lowbit.engine.acceptance import draft_tokens
 from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.cuda_graphs import graph_buckets, sync_free_warm_up
+from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
 
 log = logging.getLogger("lowbit")
+
+
+def flat_batch(entries: list[tuple[list[int], int, int]], kv_cache: PagedKVCache,
+               device: torch.device) -> ForwardBatch:
+    """A ForwardBatch over `kv_cache` for (block table, start, new tokens) entries, with the
+    metadata the runner stages for the target (positions, slot mapping, tables, lengths)."""
+    bs = kv_cache.block_size
+    pos: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    for table, start, n in entries:
+        pos += range(start, start + n)
+        slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        starts.append(starts[-1] + n)
+    width = max(len(t) for t, _, _ in entries)
+    tables = torch.full((len(entries), width), kv_cache.scratch_block, dtype=torch.int32)
+    for i, (table, _, _) in enumerate(entries):
+        tables[i, :len(table)] = torch.as_tensor(table, dtype=torch.int32)
+    as_dev = lambda v, dt=torch.long: torch.as_tensor(v, dtype=dt).to(device)
+    return ForwardBatch(as_dev(pos), starts, [s for _, s, _ in entries],
+                        [SeqSlots.build(t, s, n, bs, device) for t, s, n in entries], kv_cache,
+                        as_dev(slots), tables.to(device), as_dev([s + n for _, s, n in entries], torch.int32))
 
 
 class DraftChainGraphs:
@@ -99,8 +122,6 @@ class DraftChainGraphs:
         """The chain: n forwards of the draft model over the staged rows; (tokens [n, b], q [n, b, V]
         or None). `graph`: the static batch; else (eager) the host-built one of the eager chain,
         which the torch routes need (host lengths, cache slots)."""
-        from lowbit.engine.speculative import flat_batch  # (speculative imports this module)
-
         ids, rows = self.ids[:b], self.rows[:b]
         toks, qs = [], []
         for j in range(n):

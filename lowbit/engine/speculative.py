@@ -44,9 +44,9 @@ import torch
 from lowbit.engine.acceptance import accept, draft_tokens
 from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.cuda_graphs import graphs_wanted
-from lowbit.engine.draft_graphs import DraftChainGraphs
+from lowbit.engine.draft_graphs import DraftChainGraphs, flat_batch
 from lowbit.engine.draft_length import DraftLength
-from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
+from lowbit.engine.paged_cache import PagedKVCache
 from lowbit.engine.request import Request
 from lowbit.errors import LowbitError
 
@@ -104,28 +104,6 @@ def ngram_lookup(ids: list[int], k: int) -> list[int]:
             if ids[i + n - 1] == last and ids[i:i + n] == suffix:
                 return ids[i + n:i + n + k]
     return []
-
-
-def flat_batch(entries: list[tuple[list[int], int, int]], kv_cache: PagedKVCache,
-               device: torch.device) -> ForwardBatch:
-    """A ForwardBatch over `kv_cache` for (block table, start, new tokens) entries, with the
-    metadata the runner stages for the target (positions, slot mapping, tables, lengths)."""
-    bs = kv_cache.block_size
-    pos: list[int] = []
-    slots: list[int] = []
-    starts = [0]
-    for table, start, n in entries:
-        pos += range(start, start + n)
-        slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        starts.append(starts[-1] + n)
-    width = max(len(t) for t, _, _ in entries)
-    tables = torch.full((len(entries), width), kv_cache.scratch_block, dtype=torch.int32)
-    for i, (table, _, _) in enumerate(entries):
-        tables[i, :len(table)] = torch.as_tensor(table, dtype=torch.int32)
-    as_dev = lambda v, dt=torch.long: torch.as_tensor(v, dtype=dt).to(device)
-    return ForwardBatch(as_dev(pos), starts, [s for _, s, _ in entries],
-                        [SeqSlots.build(t, s, n, bs, device) for t, s, n in entries], kv_cache,
-                        as_dev(slots), tables.to(device), as_dev([s + n for _, s, n in entries], torch.int32))
 
 
 @dataclass
