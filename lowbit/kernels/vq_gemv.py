@@ -17,7 +17,7 @@ D g + j ([BM, BG]), reducing over the groups into a float32 [BM, BN] accumulator
 Invariant: columns k >= K read x as 0 (padding never reaches y), rows n >= N and groups
 g >= G are masked, so the kernel reads no byte outside the tensors.
 With the packed codebook (VqWeight.packed: float16 entries as one int64 each; every shipped
-codebook) `_vq_gemv_packed_kernel` runs instead: one gather a group, lanes split by shifts,
+codebook) the kernel's PACKED form runs: one gather a group, lanes split by shifts,
 x read as contiguous [BM, BG * D] tiles (config PACKED: False keeps the float32 gathers).
 Reference twin: `reference_vq_linear` (decode with lowbit.formats.vq.vq_decode, float32
 matmul).
@@ -35,12 +35,42 @@ DEFAULT_CONFIG = {"BN": 32, "BG": 32, "num_warps": 4}
 
 
 @triton.jit
+def _vq_groups(row_codes, row_scales, gi, m2, D: tl.constexpr, IB: tl.constexpr):
+    """Indices int32 [BN, BG] and float32 scales [BN, BG] of groups gi of the rows whose code
+    and scale rows start at row_codes / row_scales [BN, 1] (pointers)."""
+    if IB == 12:
+        pb = row_codes + 3 * (gi // 2)[None, :]
+        v = tl.load(pb, mask=m2, other=0).to(tl.int32)
+        v = v | (tl.load(pb + 1, mask=m2, other=0).to(tl.int32) << 8)
+        v = v | (tl.load(pb + 2, mask=m2, other=0).to(tl.int32) << 16)
+        idx = tl.where((gi % 2 == 0)[None, :], v & 0xFFF, v >> 12)
+    else:
+        idx = tl.load(row_codes + gi[None, :], mask=m2, other=0).to(tl.int32)
+    sbits = tl.load(row_scales + (gi * D // 64)[None, :], mask=m2, other=0).to(tl.int32) & 0xFFFF
+    return idx, (sbits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _vq_packed_rows(cbp_ptr, idx, sc, m2, D: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr):
+    """The weights [BN, BG * D] of groups idx [BN, BG] (scales sc) from the packed codebook:
+    one int64 gather a group, its float16 lanes split by shifts (the gemv below, the MoE kernels of lowbit.kernels.vq_moe)."""
+    lanes = tl.arange(0, D)
+    word = tl.load(cbp_ptr + idx, mask=m2, other=0)  # int64 [BN, BG]
+    half = ((word[:, :, None] >> (16 * lanes)[None, None, :].to(tl.int64)) & 0xFFFF).to(tl.int16)
+    wv = half.to(tl.float16, bitcast=True).to(tl.float32) * sc[:, :, None]
+    return tl.reshape(wv, [BN, BG * D])
+
+
+@triton.jit
 def _vq_gemv_kernel(
     x_ptr, y_ptr, bias_ptr, codes_ptr, scales_ptr, cb_ptr,
     M, N, K, G, stride_xm, stride_ym, stride_cn, stride_sn,
     D: tl.constexpr, IB: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, PACKED: tl.constexpr,
 ):
+    """PACKED: cb_ptr is the packed codebook (one int64 gather a group, lanes split by
+    shifts, x read as one contiguous [BM, BG * D] tile); else the float32 codebook, D
+    gathers a group."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)  # [BN]
@@ -51,74 +81,23 @@ def _vq_gemv_kernel(
     for g0 in range(0, G, BG):
         gi = g0 + tl.arange(0, BG)  # [BG]
         m2 = rmask[:, None] & (gi < G)[None, :]  # [BN, BG]
-        crow = codes_ptr + rows[:, None].to(tl.int64) * stride_cn
-        if IB == 12:
-            pb = crow + 3 * (gi // 2)[None, :]
-            v = tl.load(pb, mask=m2, other=0).to(tl.int32)
-            v = v | (tl.load(pb + 1, mask=m2, other=0).to(tl.int32) << 8)
-            v = v | (tl.load(pb + 2, mask=m2, other=0).to(tl.int32) << 16)
-            idx = tl.where((gi % 2 == 0)[None, :], v & 0xFFF, v >> 12)  # [BN, BG]
-        else:
-            idx = tl.load(crow + gi[None, :], mask=m2, other=0).to(tl.int32)
-        sp = scales_ptr + rows[:, None].to(tl.int64) * stride_sn + (gi * D // 64)[None, :]
-        sbits = tl.load(sp, mask=m2, other=0).to(tl.int32) & 0xFFFF
-        s = (sbits << 16).to(tl.float32, bitcast=True)  # [BN, BG]
-        for j in tl.static_range(D):
-            wv = tl.load(cb_ptr + idx * D + j, mask=m2, other=0.0) * s  # [BN, BG]
-            col = gi * D + j  # [BG]
+        idx, s = _vq_groups(codes_ptr + rows[:, None].to(tl.int64) * stride_cn,
+                            scales_ptr + rows[:, None].to(tl.int64) * stride_sn, gi, m2, D, IB)  # [BN, BG]
+        if PACKED:
+            w2 = _vq_packed_rows(cb_ptr, idx, s, m2, D, BN, BG)  # [BN, BG * D]
+            col = tl.reshape(gi[:, None] * D + tl.arange(0, D)[None, :], [BG * D])
             xm = mmask[:, None] & (col < K)[None, :]
-            xv = tl.load(x_ptr + ms[:, None] * stride_xm + col[None, :], mask=xm,
-                         other=0.0).to(tl.float32)  # [BM, BG]
-            acc += tl.sum(wv[None, :, :] * xv[:, None, :], axis=2)  # [BM, BN]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[None, :]
-    yp = y_ptr + ms[:, None] * stride_ym + rows[None, :]
-    tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
-
-
-@triton.jit
-def _vq_gemv_packed_kernel(
-    x_ptr, y_ptr, bias_ptr, codes_ptr, scales_ptr, cbp_ptr,
-    M, N, K, G, stride_xm, stride_ym, stride_cn, stride_sn,
-    D: tl.constexpr, IB: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
-):
-    """The schedule of _vq_gemv_kernel, with one 64-bit gather a group (the packed codebook:
-    D float16 lanes) instead of D float32 gathers, the lanes split by shifts, and the x
-    columns of BG groups read as one contiguous [BM, BG * D] tile."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = pid_n * BN + tl.arange(0, BN)  # [BN]
-    rmask = rows < N
-    ms = pid_m * BM + tl.arange(0, BM)  # [BM]
-    mmask = ms < M
-    lanes = tl.arange(0, D)  # [D]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for g0 in range(0, G, BG):
-        gi = g0 + tl.arange(0, BG)  # [BG]
-        m2 = rmask[:, None] & (gi < G)[None, :]  # [BN, BG]
-        crow = codes_ptr + rows[:, None].to(tl.int64) * stride_cn
-        if IB == 12:
-            pb = crow + 3 * (gi // 2)[None, :]
-            v = tl.load(pb, mask=m2, other=0).to(tl.int32)
-            v = v | (tl.load(pb + 1, mask=m2, other=0).to(tl.int32) << 8)
-            v = v | (tl.load(pb + 2, mask=m2, other=0).to(tl.int32) << 16)
-            idx = tl.where((gi % 2 == 0)[None, :], v & 0xFFF, v >> 12)  # [BN, BG]
+            x2 = tl.load(x_ptr + ms[:, None] * stride_xm + col[None, :], mask=xm,
+                         other=0.0).to(tl.float32)  # [BM, BG * D]
+            acc += tl.sum(w2[None, :, :] * x2[:, None, :], axis=2)  # [BM, BN]
         else:
-            idx = tl.load(crow + gi[None, :], mask=m2, other=0).to(tl.int32)
-        sp = scales_ptr + rows[:, None].to(tl.int64) * stride_sn + (gi * D // 64)[None, :]
-        sbits = tl.load(sp, mask=m2, other=0).to(tl.int32) & 0xFFFF
-        s = (sbits << 16).to(tl.float32, bitcast=True)  # [BN, BG]
-        word = tl.load(cbp_ptr + idx, mask=m2, other=0)  # int64 [BN, BG]
-        half = ((word[:, :, None] >> (16 * lanes)[None, None, :].to(tl.int64)) & 0xFFFF).to(tl.int16)
-        wv = half.to(tl.float16, bitcast=True).to(tl.float32) * s[:, :, None]  # [BN, BG, D]
-        col = gi[:, None] * D + lanes[None, :]  # [BG, D]
-        xm = mmask[:, None, None] & (col < K)[None, :, :]
-        xv = tl.load(x_ptr + ms[:, None, None] * stride_xm + col[None, :, :], mask=xm,
-                     other=0.0).to(tl.float32)  # [BM, BG, D]
-        w2 = tl.reshape(wv, [BN, BG * D])
-        x2 = tl.reshape(xv, [BM, BG * D])
-        acc += tl.sum(w2[None, :, :] * x2[:, None, :], axis=2)  # [BM, BN]
+            for j in tl.static_range(D):
+                wv = tl.load(cb_ptr + idx * D + j, mask=m2, other=0.0) * s  # [BN, BG]
+                col = gi * D + j  # [BG]
+                xm = mmask[:, None] & (col < K)[None, :]
+                xv = tl.load(x_ptr + ms[:, None] * stride_xm + col[None, :], mask=xm,
+                             other=0.0).to(tl.float32)  # [BM, BG]
+                acc += tl.sum(wv[None, :, :] * xv[:, None, :], axis=2)  # [BM, BN]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)[None, :]
     yp = y_ptr + ms[:, None] * stride_ym + rows[None, :]
@@ -166,12 +145,11 @@ def vq_gemv(x: torch.Tensor, w: VqWeight, bias: torch.Tensor | None = None,
     groups = w.kp // w.dim
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, bm))
     packed = w.packed is not None and cfg.get("PACKED", True)
-    kernel = _vq_gemv_packed_kernel if packed else _vq_gemv_kernel
-    kernel[grid](
+    _vq_gemv_kernel[grid](
         x, y, x if bias is None else bias.contiguous(), w.codes, w.scales.view(torch.int16),
         w.packed if packed else w.codebook, m, n, k, groups, x.stride(0), y.stride(0), w.codes.stride(-2),
         w.scales.stride(-2), D=w.dim, IB=w.index_bits, HAS_BIAS=bias is not None, BM=bm,
-        BN=cfg["BN"], BG=cfg["BG"], num_warps=cfg["num_warps"],
+        BN=cfg["BN"], BG=cfg["BG"], PACKED=packed, num_warps=cfg["num_warps"],
     )
     return y
 

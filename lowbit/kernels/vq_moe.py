@@ -34,36 +34,10 @@ import torch
 from lowbit.formats.views import VqWeight
 from lowbit.kernels.moe_slots import combine_slots, flat_slots, moe_output
 from lowbit.kernels.runtime import tl, triton
+from lowbit.kernels.vq_gemv import _vq_groups, _vq_packed_rows
 
 VQ_MOE_MAX_TOKENS = 64  # per-slot reads: prefill would read each expert once per routed token
 DEFAULT_CONFIG = {"BN": 32, "BG": 32, "num_warps": 4}
-
-
-@triton.jit
-def _vq_groups(row_codes, row_scales, gi, m2, D: tl.constexpr, IB: tl.constexpr):
-    """Indices int32 [BN, BG] and float32 scales [BN, BG] of groups gi of the rows whose code
-    and scale rows start at row_codes / row_scales [BN, 1] (pointers)."""
-    if IB == 12:
-        pb = row_codes + 3 * (gi // 2)[None, :]
-        v = tl.load(pb, mask=m2, other=0).to(tl.int32)
-        v = v | (tl.load(pb + 1, mask=m2, other=0).to(tl.int32) << 8)
-        v = v | (tl.load(pb + 2, mask=m2, other=0).to(tl.int32) << 16)
-        idx = tl.where((gi % 2 == 0)[None, :], v & 0xFFF, v >> 12)
-    else:
-        idx = tl.load(row_codes + gi[None, :], mask=m2, other=0).to(tl.int32)
-    sbits = tl.load(row_scales + (gi * D // 64)[None, :], mask=m2, other=0).to(tl.int32) & 0xFFFF
-    return idx, (sbits << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _vq_packed_rows(cbp_ptr, idx, sc, m2, D: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr):
-    """The weights [BN, BG * D] of groups idx [BN, BG] (scales sc) from the packed codebook:
-    one int64 gather a group, its float16 lanes split by shifts (lowbit.kernels.vq_gemv)."""
-    lanes = tl.arange(0, D)
-    word = tl.load(cbp_ptr + idx, mask=m2, other=0)  # int64 [BN, BG]
-    half = ((word[:, :, None] >> (16 * lanes)[None, None, :].to(tl.int64)) & 0xFFFF).to(tl.int16)
-    wv = half.to(tl.float16, bitcast=True).to(tl.float32) * sc[:, :, None]
-    return tl.reshape(wv, [BN, BG * D])
 
 
 @triton.jit
