@@ -24,7 +24,6 @@ import triton.testing
 from torch.nn import functional as F
 
 from lowbit.formats import get_format
-from lowbit.formats.views import pack_codebook
 from lowbit.kernels.dequant_gemm import lut_gemv, reference_linear
 from lowbit.kernels.vq_gemv import reference_vq_linear, vq_gemv
 from lowbit.kernels.weights import VqWeight, resolve
@@ -35,8 +34,7 @@ def vq_weight(name: str, n: int, k: int) -> VqWeight:
     spec = fmt.payload_spec((n, k))
     codes = torch.randint(0, 256, spec["codes"][0], dtype=torch.uint8, device="cuda")
     scales = (torch.rand(spec["scales"][0], device="cuda") * 0.02).to(torch.bfloat16)
-    cb = fmt.codebook.float()
-    return VqWeight(codes, scales, cb.cuda(), fmt.index_bits, name, pack_codebook(cb).cuda())
+    return VqWeight(codes, scales, fmt.codebook.cuda().float(), fmt.index_bits, name, fmt.packed_codebook.cuda())
 
 
 def timed(fn) -> float:

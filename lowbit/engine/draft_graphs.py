@@ -8,14 +8,15 @@ The chain of lowbit.engine.speculative.ModelDrafter, eagerly, runs N single-toke
 of the draft model, each with its metadata built on the host (positions, slot mapping,
 block tables, sequence lengths: a few small host-to-device copies) and a few hundred kernel
 launches: on an H100 the demo-draft chain made speculation 0.09x of plain decoding. Here
-the chain reads five static buffers, filled once per step:
+the chain reads four static buffers, filled once per step:
   ids     [R] int64  draft 0's tokens (a device copy of what the catch-up sampled)
   pos     [R] int64  the position draft 0 is written at
   tables  [R, W]     int32 block tables (the draft pool shares the target's block ids)
-  rows    [R] int64  sampler rows;  steps [R] int64 the sampling step of draft 1
-and step j computes its metadata on the device: position pos + j, slot
-tables[r, pos // bs] * bs + pos % bs, sequence length pos + j + 1; draft j + 1 comes from
-lowbit.engine.acceptance.draft_tokens at step steps + j and feeds step j + 1. The outputs:
+  rows    [R] int64  sampler rows
+and step j computes its metadata on the device: position p = pos + j, slot
+tables[r, p // bs] * bs + p % bs, sequence length p + 1; draft j + 1 (the sampler's step
+p + 1, the token's index) comes from lowbit.engine.acceptance.draft_tokens and feeds step
+j + 1. The outputs:
 tokens [N, R] and, for a random sampler mode, the draft distributions q [N, R, V].
 
 Padded rows (bucket > drafting rows): token 0 at position 0 over the pool's scratch block,
@@ -74,7 +75,6 @@ class DraftChainGraphs:
         self.ids = torch.zeros(r, dtype=torch.long, device=device)
         self.pos = torch.zeros(r, dtype=torch.long, device=device)
         self.rows = torch.zeros(r, dtype=torch.long, device=device)
-        self.steps = torch.zeros(r, dtype=torch.long, device=device)
         self.tables = torch.full((r, max_blocks), kv_cache.scratch_block, dtype=torch.int32, device=device)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -86,7 +86,7 @@ class DraftChainGraphs:
         return next((b for b in self.buckets if b >= rows), None)
 
     def stage(self, tokens: torch.Tensor, pos: list[int], tables: list[list[int]], rows: torch.Tensor,
-              steps: list[int], sampling) -> int:
+              sampling) -> int:
         """Fill the static buffers for len(pos) drafting rows (padded to their bucket when
         chains are captured); returns the rows the chain runs."""
         n = len(pos)
@@ -101,7 +101,6 @@ class DraftChainGraphs:
         pad = b - n
         self.tables[:b].copy_(host, non_blocking=True)
         self.pos[:b].copy_(torch.as_tensor(pos + [0] * pad, dtype=torch.long), non_blocking=True)
-        self.steps[:b].copy_(torch.as_tensor(steps + [0] * pad, dtype=torch.long), non_blocking=True)
         self.ids[:n].copy_(tokens)
         self.ids[n:b].zero_()
         self.rows[:n].copy_(rows)
@@ -128,7 +127,7 @@ class DraftChainGraphs:
             batch = (self.static_batch(b, j) if graph else
                      flat_batch([(t, p + j, 1) for t, p in self.host], self.kv_cache, self.device))
             logits = self.model.compute_logits(self.model(ids, batch))
-            ids, q = draft_tokens(logits, sampling, rows, self.steps[:b] + j, mode)
+            ids, q = draft_tokens(logits, sampling, rows, self.pos[:b] + (j + 1), mode)
             toks.append(ids)
             if q is not None:
                 qs.append(q)

@@ -551,24 +551,24 @@ class ExpertCache:
             return None
         return lambda: nxt.prefetch_on_device(self._pregate_mask(i, x, nxt))
 
+    def _next_top(self, i: int, x: torch.Tensor):
+        """The next MoE layer's router applied to this layer's input x [T, D]: its top-k
+        (values: gate probabilities [T, k], indices [T, k])."""
+        nxt = self.moes[i + 1]
+        g = nxt.gate
+        w32, b32 = getattr(nxt, "_gate32", None) or (g.weight.float(), None if g.bias is None else g.bias.float())
+        return torch.topk(torch.softmax(gate_logits(x, w32, b32), -1), nxt.spec.top_k, -1)
+
     def _pregate_mask(self, i: int, x: torch.Tensor, nxt: LayerCache) -> torch.Tensor:
         """[E] bool: the next layer's router top-k of this layer's input, live rows only (on the device)."""
-        g = self.moes[i + 1].gate
-        w32, b32 = getattr(self.moes[i + 1], "_gate32", None) or (g.weight.float(), None if g.bias is None
-                                                                  else g.bias.float())
-        top = torch.topk(gate_logits(x, w32, b32), nxt.moe.spec.top_k, -1).indices  # [T, k]
         live = torch.arange(x.shape[0], device=x.device)[:, None] < self.live_rows
-        return nxt.map.needed_mask(top, live)
+        return nxt.map.needed_mask(self._next_top(i, x).indices, live)
 
     def _pregate(self, i: int, x: torch.Tensor) -> list[int]:
         """The next MoE layer's likely experts, from this layer's input through the next
         layer's router (its top-k per token), ranked by summed gate probability."""
-        nxt = self.moes[i + 1]
-        g = nxt.gate
-        w32, b32 = getattr(nxt, "_gate32", None) or (g.weight.float(), None if g.bias is None else g.bias.float())
-        probs = torch.softmax(gate_logits(x, w32, b32), -1)  # [T, E]
-        top = torch.topk(probs, nxt.spec.top_k, -1)
-        mass = torch.zeros(probs.shape[1], device=x.device).index_add_(
+        top = self._next_top(i, x)
+        mass = torch.zeros(self.moes[i + 1].gate.out_features, device=x.device).index_add_(
             0, top.indices.reshape(-1), top.values.reshape(-1))
         order = torch.argsort(mass, descending=True)
         return order[:int((mass > 0).sum())].tolist()  # host read: eager steps only

@@ -9,9 +9,9 @@ A step with speculation, in the engine's three stages:
 2. `propose` (the runner, after scheduling): drafts cut to the scheduled window; a draft
    model catches its own KV cache up with the target's tokens and chains k forwards; the MTP
    head chains from what the last step left (`follow`). A chain feeds each draft to the next
-   forward on the device and reads all of them back once at its end. A draft model's chain where every
-   drafting request wants the same k > 1 runs over static buffers, one CUDA graph replay per
-   step on CUDA (lowbit.engine.draft_graphs).
+   forward on the device and reads all of them back once at its end. A draft model's chain
+   where every drafting request wants the same k > 1 runs over static buffers, one CUDA
+   graph replay per step on CUDA (lowbit.engine.draft_graphs).
 3. `verify` (the runner, after the target's forward): the target's logits at the last real
    token and at every draft go through the lossless rule (lowbit.engine.acceptance); the
    host reads the accepted tokens once. The engine appends them, and rejected drafts' KV
@@ -226,14 +226,13 @@ class ModelDrafter:
         work.write(drafted)
         return {i: torch.stack(q) for i, q in qs.items()}
 
-
     def _static_chain(self, work: Drafting, picks: list[int], logits: torch.Tensor, k: int) -> dict[int, torch.Tensor]:
         """Draft 0 from the catch-up logits, drafts 1..k-1 from the static chain (one replay on CUDA)."""
         tokens, q = work.sample(logits, picks, 0)
         reqs = [work.reqs[i] for i in picks]
         sel = torch.as_tensor(picks, device=work.rows.device)
         b = self.chain.stage(tokens, [r.num_tokens for r in reqs], [r.block_table for r in reqs], work.rows[sel],
-                             [r.num_tokens + 1 for r in reqs], work.sampling)
+                             work.sampling)
         toks, qs = self.chain.run(b, k - 1, work.mode, work.sampling)
         n = len(picks)
         work.write([(picks, tokens)] + [(picks, toks[j, :n]) for j in range(k - 1)])

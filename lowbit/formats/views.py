@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from lowbit.formats.base import LutView, lut_view_decode
@@ -148,13 +147,3 @@ class VqWeight(_Stacked):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales))
 
-
-def pack_codebook(codebook: Tensor) -> Tensor | None:
-    """float32 [C, D <= 4] -> int64 [C] of float16 bit patterns (VqWeight.packed), or None when
-    an entry is not a float16 value (packing would round it)."""
-    half = codebook.to(torch.float16)
-    if codebook.shape[-1] > 4 or not torch.equal(half.float(), codebook):
-        return None
-    bits = half.view(torch.int16).long() & 0xFFFF  # [C, D]
-    shifts = 16 * torch.arange(bits.shape[-1], device=bits.device)
-    return (bits << shifts).sum(-1)

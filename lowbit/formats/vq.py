@@ -104,6 +104,18 @@ def nearest_entries(x: Tensor, codebook: Tensor) -> Tensor:
     return out
 
 
+def pack_codebook(codebook: Tensor) -> Tensor | None:
+    """float32 [C, D <= 4] -> int64 [C] of float16 bit patterns, lane j in bits 16 j .. 16 j + 15
+    (VqWeight.packed: one gather a group), or None when an entry is not a float16 value
+    (packing would round it)."""
+    half = codebook.to(torch.float16)
+    if codebook.shape[-1] > 4 or not torch.equal(half.float(), codebook):
+        return None
+    bits = half.view(torch.int16).long() & 0xFFFF  # [C, D]
+    shifts = 16 * torch.arange(bits.shape[-1], device=bits.device)
+    return (bits << shifts).sum(-1)
+
+
 def vq_decode(codes: Tensor, scales: Tensor, codebook: Tensor, bits: int) -> Tensor:
     """Reference twin of the decode kernels: payload -> float32 [L, N, Kp]."""
     idx = unpack_indices(codes, bits)  # [L, N, G]
@@ -133,6 +145,7 @@ class VqFormat(Format):
         self.bits = index_bits // dim  # code bits per weight
         self.block_size = VQ_BLOCK
         self._codebook: Tensor | None = None
+        self._packed: Tensor | None = None
 
     @property
     def codebook(self) -> Tensor:
@@ -147,6 +160,14 @@ class VqFormat(Format):
                 )
             self._codebook = cb
         return self._codebook
+
+    @property
+    def packed_codebook(self) -> Tensor:
+        """int64 [C]: the codebook packed for the decode kernels (pack_codebook; float16
+        entries always pack), made once on the host."""
+        if self._packed is None:
+            self._packed = pack_codebook(self.codebook.float())
+        return self._packed
 
     def payload_spec(self, shape: tuple[int, ...]) -> PayloadSpec:
         *lead, n, k = shape

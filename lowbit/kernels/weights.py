@@ -31,7 +31,7 @@ from torch import Tensor
 from lowbit.errors import LowbitError
 from lowbit.formats.base import LutView, lut_view_decode
 from lowbit.formats.codes import e2m1_table
-from lowbit.formats.views import DenseWeight, Fp8View, LutWeight, VqWeight, pack_codebook
+from lowbit.formats.views import DenseWeight, Fp8View, LutWeight, VqWeight
 from lowbit.formats.vq import VqFormat, vq_decode
 
 DECODE_GATHER = 0  # value = table[ti[n], code] (any table)
@@ -154,11 +154,9 @@ def _resolve_uncached(w, decode: str | None) -> Resolved:
         return fp8
     fmt = getattr(w, "format", None)
     if isinstance(fmt, VqFormat):
-        cb = fmt.codebook.to(w.payload["codes"].device, torch.float32)
-        packed = pack_codebook(fmt.codebook.float())  # on the host: no device read
         dev = w.payload["codes"].device
-        return VqWeight(w.payload["codes"], w.payload["scales"], cb, fmt.index_bits, fmt.name,
-                        None if packed is None else packed.to(dev))
+        return VqWeight(w.payload["codes"], w.payload["scales"], fmt.codebook.to(dev, torch.float32),
+                        fmt.index_bits, fmt.name, fmt.packed_codebook.to(dev))
     if hasattr(w, "lut_view"):
         return _lut_weight(w.lut_view(), decode)
     raise LowbitError(

@@ -8,7 +8,8 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.formats import get_format
-from lowbit.formats.views import VqWeight, pack_codebook
+from lowbit.formats.views import VqWeight
+from lowbit.formats.vq import pack_codebook
 from lowbit.kernels import routes
 from lowbit.kernels.linear_op import linear
 from lowbit.kernels.vq_gemv import reference_vq_linear, vq_gemv
