@@ -41,6 +41,7 @@ it). With topk 0 (or >= V) the full [S * W, V] log-probabilities are kept.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -195,11 +196,7 @@ class _Block:
         self.grid = _Grid.of(qt) if codes and k % group == 0 else None
         if self.grid is not None:
             self.v = self.u.clone().requires_grad_(True)
-            self.idx, self.q = self.grid.nearest(self.u)
-            self.idx0 = self.best_idx = self.idx
-
-    def params(self) -> list[Tensor]:
-        return [self.t] if self.grid is None else [self.t, self.v]
+            self.idx = self.idx0 = self.best_idx = self.grid.nearest(self.u)[0]
 
     def scales(self, stored: bool) -> Tensor:
         f = self.t.detach() if stored else self.t
@@ -211,8 +208,8 @@ class _Block:
         unless stored)."""
         u = self.u
         if self.grid is not None:
-            self.idx, self.q = self.grid.nearest(self.v.detach())
-            u = self.q if stored else self.q + (self.v - self.v.detach())
+            self.idx, q = self.grid.nearest(self.v.detach())
+            u = q if stored else q + (self.v - self.v.detach())
         w = (u * self.scales(stored)[..., None]).flatten(-2)[..., :self.qt.shape[-1]]
         setattr(self.mod, self.attr, w)
 
@@ -240,7 +237,8 @@ class _Grid:
     or the codebook's vectors of D weights along K (vq); nearest() maps a latent v
     [.., N, NB, 64] to its indices and values, pack() turns indices into the payload's codes."""
 
-    ROWS = 8192  # vq groups per distance matmul
+    ROWS = 8192  # vq groups per distance matmul (every step: not lowbit.formats.vq.nearest_entries,
+    # whose exact tie-break for byte-identical encodes costs far more on the CPU)
 
     def __init__(self, fmt, table: Tensor | None, codebook: Tensor | None):
         self.fmt, self.table, self.codebook = fmt, table, codebook
@@ -251,8 +249,7 @@ class _Grid:
         if isinstance(fmt, VqFormat):
             return cls(fmt, None, fmt.codebook.float().to(qt.payload["scales"].device))
         *lead, n, _ = qt.shape
-        lead_n = int(torch.tensor(lead).prod()) if lead else 1
-        return cls(fmt, row_tables(fmt, qt.payload, lead_n, n).reshape(*lead, n, 1, -1), None)
+        return cls(fmt, row_tables(fmt, qt.payload, math.prod(lead), n).reshape(*lead, n, 1, -1), None)
 
     def nearest(self, v: Tensor) -> tuple[Tensor, Tensor]:
         if self.codebook is None:
@@ -286,9 +283,6 @@ class _Norm:
     def install(self, stored: bool) -> None:
         g = self.g * (self.t.detach() if stored else self.t).exp()
         self.mod.weight = g.to(self.dtype).float() if stored else g
-
-    def params(self) -> list[Tensor]:
-        return [self.t]
 
     def keep(self) -> None:
         self.best = self.t.detach().clone()
