@@ -29,14 +29,18 @@ so a decode step can be captured in a CUDA graph and replayed at other lengths):
       [s * chunk, min((s + 1) * chunk, len)), chunk = ceil(len / S) rounded up to BN, from
       the device length; online softmax in base 2 over float32 scores. S == 1 (DIRECT): the
       program writes the output. Otherwise it writes its partial (acc [BH, C], m, l) to
-      part / ml at row (b * H + h) * S + s; splits past the end write (acc 0, m -inf, l 0).
+      part / ml at row (b * H + h) * S + s; splits past the end write nothing.
       S is a host constant (lowbit.kernels.attention.decode_splits: from B, NH, the SM
       count and W * BS, the table capacity, which is static under a graph) and a run-time
       argument (a wider table changes S without a recompile).
-  _latent_reduce_kernel grid (B, H). Merges the S partials of one head, RS splits a tile.
+  _latent_reduce_kernel grid (B, H, ceil(C / BCR)). Merges the live splits of one head over
+      BCR latent columns, RS splits a tile, with an online max: live = ceil(len / chunk),
+      from the same device length and chunk formula as the split kernel, so a short context
+      under a wide (graph-static) S reads only the partials that hold keys (at B = 1 and
+      S = 128 over 512 keys: 16 of 128), and C is spread over several programs a head.
 Invariants: every key tile a program visits holds at least one visible key (n0 < end), so
-each row's running max is finite after it; split 0 always holds key 0 (seq_lens >= 1), so
-the merged max and denominator are finite and > 0. Masked loads never touch pool rows past
+each row's running max is finite after it; every live split holds a key (split 0 holds
+key 0: seq_lens >= 1), so the merged max and denominator are finite and > 0. Masked loads never touch pool rows past
 a sequence's end (pools are torch.empty: those rows may hold anything, NaN included), and
 head rows >= H load zeros and are never stored.
 Twin: `reference_latent_decode` (gather each sequence's rows, lowbit.kernels.attention
@@ -62,6 +66,7 @@ from lowbit.kernels.runtime import interpreting, tl, triton
 
 LATENT_CFG = dict(BH=16, BN=32, num_warps=8, num_stages=2)  # sm_90: 111 registers, no spill
 REDUCE_SPLITS = 16  # RS: partials merged per tile by the reduce kernel
+REDUCE_COLS = 128  # BCR: latent columns per reduce program (C = 512: 4 programs a head)
 MAX_LATENT = 1024  # C above this would not fit a program's registers (DeepSeek: 512)
 MAX_ROPE_DIM = 256
 
@@ -126,7 +131,7 @@ def _latent_split_kernel(
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + b * stride_ot + h[:, None] * stride_oh + c[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=qmask)
-    else:
+    elif start < seq_len:  # a split past the end writes nothing: the reduce skips it
         row = (b * H + h) * S + sp  # [BH]
         tl.store(part_ptr + row[:, None] * BC + c[None, :], acc, mask=qmask)
         tl.store(ml_ptr + row * 2, m_i, mask=hmask)
@@ -134,27 +139,33 @@ def _latent_split_kernel(
 
 
 @triton.jit
-def _latent_reduce_kernel(part_ptr, ml_ptr, out_ptr, S, stride_ot, stride_oh,
-                          H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr,
-                          RS: tl.constexpr):
+def _latent_reduce_kernel(part_ptr, ml_ptr, lens_ptr, out_ptr, S, stride_ot, stride_oh,
+                          H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BCR: tl.constexpr,
+                          BN: tl.constexpr, RS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    seq_len = tl.load(lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, S), BN) * BN  # the split kernel's
+    live = tl.cdiv(seq_len, chunk)  # splits holding keys, 1..S: the others wrote nothing
     base = (b * H + h) * S
-    s = tl.arange(0, SP)
-    m_s = tl.load(ml_ptr + (base + s) * 2, mask=s < S, other=float("-inf"))
-    l_s = tl.load(ml_ptr + (base + s) * 2 + 1, mask=s < S, other=0.0)
-    m_all = tl.max(m_s, 0)  # finite: split 0 holds key 0
-    den = tl.sum(l_s * tl.math.exp2(m_s - m_all), 0)
-    c = tl.arange(0, BC)
+    c = tl.program_id(2) * BCR + tl.arange(0, BCR)
     cmask = c < C
-    num = tl.zeros([BC], tl.float32)
-    for s0 in range(0, S, RS):
+    m_run = tl.max(tl.full([RS], float("-inf"), tl.float32), 0)
+    den = tl.sum(tl.zeros([RS], tl.float32), 0)
+    num = tl.zeros([BCR], tl.float32)
+    for s0 in range(0, live, RS):
         t = s0 + tl.arange(0, RS)
-        tmask = t < S
-        w = tl.math.exp2(tl.load(ml_ptr + (base + t) * 2, mask=tmask, other=float("-inf")) - m_all)
+        tmask = t < live
+        m_t = tl.load(ml_ptr + (base + t) * 2, mask=tmask, other=float("-inf"))
+        l_t = tl.load(ml_ptr + (base + t) * 2 + 1, mask=tmask, other=0.0)
         acc = tl.load(part_ptr + (base + t)[:, None] * BC + c[None, :], mask=tmask[:, None] & cmask[None, :],
-                      other=0.0)  # [RS, BC]
-        num += tl.sum(acc * w[:, None], 0)  # empty splits: w = 0, acc = 0
+                      other=0.0)  # [RS, BCR]
+        m_new = tl.maximum(m_run, tl.max(m_t, 0))  # finite: every live split holds a key
+        alpha = tl.math.exp2(m_run - m_new)
+        w = tl.math.exp2(m_t - m_new)  # 0 on masked rows
+        den = den * alpha + tl.sum(l_t * w, 0)
+        num = num * alpha + tl.sum(acc * w[:, None], 0)
+        m_run = m_new
     tl.store(out_ptr + b * stride_ot + h * stride_oh + c, (num / den).to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -181,6 +192,11 @@ def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_tables: 
         assert seq_idx.dtype == torch.int32 and seq_idx.shape == (B,) and seq_idx.device == q_lat.device
 
 
+def _workspace(numel: int, device: torch.device) -> torch.Tensor:
+    """The splits' partials (float32, uninitialised: only live splits are written and read)."""
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
 def latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                   num_splits: int | None = None, config: dict | None = None,
@@ -197,8 +213,8 @@ def latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_t
     BH, BC = cfg["BH"], max(16, triton.next_power_of_2(C))
     NH = triton.cdiv(H, BH)
     S = num_splits or decode_splits(B, NH, block_tables.shape[1] * pool.block_size, q_lat.device)
-    part = torch.empty(B * H * S * BC if S > 1 else 1, dtype=torch.float32, device=q_lat.device)
-    ml = torch.empty(B * H * S * 2 if S > 1 else 1, dtype=torch.float32, device=q_lat.device)
+    part = _workspace(B * H * S * BC if S > 1 else 1, q_lat.device)
+    ml = _workspace(B * H * S * 2 if S > 1 else 1, q_lat.device)
     fp8 = pool.is_fp8
     cs, ps = (pool.k_scale, pool.v_scale) if fp8 else (pool.k, pool.v)  # any pointer when unused
     launch.run(
@@ -213,8 +229,10 @@ def latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_t
         HAS_SEQ=seq_idx is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if S > 1:
-        launch.run(_latent_reduce_kernel, (B, H), part, ml, out, S, out.stride(0), out.stride(1),
-                   H=H, C=C, BC=BC, SP=triton.next_power_of_2(S), RS=REDUCE_SPLITS, num_warps=4)
+        BCR = min(BC, REDUCE_COLS)
+        launch.run(_latent_reduce_kernel, (B, H, triton.cdiv(C, BCR)), part, ml, seq_lens, out, S,
+                   out.stride(0), out.stride(1), H=H, C=C, BC=BC, BCR=BCR, BN=cfg["BN"], RS=REDUCE_SPLITS,
+                   num_warps=4)
     return out
 
 

@@ -79,6 +79,30 @@ def test_latent_decode_matches_twin(dtype, kv, heads):
         assert rel_err(out, ref) < TOL[dtype], (lens, splits)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reduce_merges_only_live_splits_over_column_blocks(monkeypatch, dtype):
+    """A wide S (8) over short contexts: most splits hold no key and write nothing (their
+    partial rows stay NaN), the reduce merges the live ones two at a time (RS = 2: several
+    tiles with the online max) over 16-column blocks of a latent of 40 (the last block
+    masked)."""
+    from lowbit.kernels import latent
+
+    monkeypatch.setattr(latent, "REDUCE_SPLITS", 2)
+    monkeypatch.setattr(latent, "REDUCE_COLS", 16)
+    monkeypatch.setattr(latent, "_workspace", lambda n, device: poisoned(n, dtype=torch.float32, device=device))
+    lens = [1, 70, 33]
+    H, C, Dr = 3, 40, 6
+    pool, tables = make_latent_pool(lens, C, Dr, dtype, dtype, seed=5)
+    g = torch.Generator().manual_seed(6)
+    q_lat = torch.randn(3, H, C, generator=g).to(dtype)
+    q_pe = torch.randn(3, H, Dr, generator=g).to(dtype)
+    out = poisoned(3, H, C, dtype=dtype)
+    latent_decode(q_lat, q_pe, pool, tables, torch.tensor(lens, dtype=torch.int32), 0.3, out=out,
+                  num_splits=8, config=dict(BN=16))
+    ref = reference_latent_decode(q_lat, q_pe, pool, tables, lens, 0.3)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
 def test_deepseek_shape_with_strided_queries():
     """C = 512, Dr = 64, H = 16 (DeepSeek-V2-Lite), queries as non-contiguous views, and the
     default split count and tile config."""
