@@ -8,6 +8,8 @@
 #              lowbit/kernels/configs/<device>.json for the stages after it
 #   tunetc     tensor-core nvfp4 gemv / MoE per-slot sweep (scripts/tune_tc_gemv.py), merged
 #              the same way ("tc_gemv", "tc_moe")
+#   prefetchab each shipped tensor-core gemv / per-slot MoE config against the same with
+#              PREFETCH 2 (scripts/tune_tc_gemv.py --prefetch-ab), the faster merged the same way
 #   tunemoe    grouped MoE tile sweep at T = 32, 64, 512, 2048 (scripts/tune_kernels.py
 #              --grouped; TUNEMOE_FORMATS, default dense,nvfp4), merged the same way ("moe_grouped")
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
@@ -67,7 +69,8 @@ import json, sys
 from lowbit.kernels import launch
 tuned = json.load(open(sys.argv[1]))
 path = launch.CONFIG_DIR / f"{launch.slug(tuned['device'])}.json"
-cur = json.loads(path.read_text()) if path.exists() else {"device": tuned["device"]}
+# a device that borrows another's file (configs/aliases.json) starts from that file's tables
+cur = json.loads(path.read_text()) if path.exists() else dict(launch._device(tuned["device"]), device=tuned["device"])
 for table in ("gemv", "gemm", "choice", "moe_gemv", "moe_grouped", "tc_gemv", "tc_moe"):
     cur.setdefault(table, {}).update(tuned.get(table, {}))
 path.write_text(json.dumps(cur, indent=1))
@@ -92,6 +95,12 @@ fi
 if has tunetc; then
   echo "== tensor-core nvfp4 gemv config sweep"
   timeout "${T_TUNETC:-300}" python3 scripts/tune_tc_gemv.py --out "$OUT" 2>&1 | tee "$OUT/tune_tc.log" | grep -v "^  " | tail -30
+  merge_tuned "$OUT/tc_tuned.json"
+fi
+
+if has prefetchab; then
+  echo "== tensor-core gemv: PREFETCH 2 against the shipped configs"
+  timeout "${T_PREFETCHAB:-240}" python3 scripts/tune_tc_gemv.py --out "$OUT" --prefetch-ab 2>&1 | tee "$OUT/prefetch_ab.log" | tail -40
   merge_tuned "$OUT/tc_tuned.json"
 fi
 

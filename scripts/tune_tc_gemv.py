@@ -1,6 +1,11 @@
 """Tune the tensor-core nvfp4 GEMV (lowbit.kernels.tc_gemv) on a GPU.
 
   python scripts/tune_tc_gemv.py --out DIR [--m 1,4,8,16] [--moe-t 1,4,16,32]
+  python scripts/tune_tc_gemv.py --out DIR --prefetch-ab
+      Times each shipped config (the device file's "tc_gemv" / "tc_moe" entries at each M /
+      token count) against the same config with PREFETCH 2 (two K steps in flight) and
+      writes DIR/tc_tuned.json with the faster of the two (PREFETCH 2 only where it wins by
+      more than 2 %).
   python scripts/tune_tc_gemv.py --static
       No GPU needed (run without TRITON_INTERPRET): compiles the linear, per-slot MoE and
       expert-grouped kernels for sm_90 and prints, as one JSON line, each main loop's SASS
@@ -95,20 +100,91 @@ def _static_one(kernel, consts: dict, types: dict) -> dict:
 def static() -> None:
     from lowbit.kernels import tc_gemv, tc_moe
 
-    lin = dict(HAS_TIDX=True, HAS_BIAS=False, BN=64, BK=256, MB=8, W=4, SPLIT=True, PREFETCH=True,
+    lin = dict(HAS_TIDX=True, HAS_BIAS=False, BN=64, BK=256, MB=8, W=4, SPLIT=True, PREFETCH=1,
                PDL=True)
-    grp = dict(EP=128, HAS_TIDX=True, BN=128, BK=256, MB=8, W=4, PREFETCH=True, PDL=True,
+    grp = dict(EP=128, HAS_TIDX=True, BN=128, BK=256, MB=8, W=4, PREFETCH=1, PDL=True,
                FOLD=False)
     out = {"linear": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=0), TYPES),
            "moe_fc1": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=1), TYPES),
            "moe_fc2": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=2),
                                   dict(TYPES, x_ptr="*fp32")),
+           "linear_prefetch2": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=0, PREFETCH=2),
+                                           TYPES),
+           "moe_fc2_prefetch2": _static_one(tc_gemv._tc_gemv_kernel,
+                                            dict(lin, MOE=2, PREFETCH=2), dict(TYPES, x_ptr="*fp32")),
            "grouped_fc1": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=1), TYPES),
            "grouped_fc2": _static_one(tc_moe._tc_moe_grouped_kernel,
                                       dict(grp, FC=2, BN=64, FOLD=True), dict(TYPES, y_ptr="*fp32")),
            "grouped_fc1_mb32": _static_one(tc_moe._tc_moe_grouped_kernel,
                                            dict(grp, FC=1, MB=32, BK=128), TYPES)}
     print(json.dumps(out))
+
+
+def _ab(fns_for, cfg: dict) -> tuple[dict, float, float]:
+    """(the kept config, us with it as shipped, us with PREFETCH 2)."""
+    from lowbit.bench.kernels import timed
+
+    base = timed(fns_for(cfg))["us"]
+    deep = timed(fns_for(dict(cfg, PREFETCH=2)))["us"]
+    return (dict(cfg, PREFETCH=2) if deep < 0.98 * base else cfg), base, deep
+
+
+def shipped_table(kernel: str, key: str) -> dict:
+    """A copy of this device's config entry (its own file, else the one it borrows)."""
+    return json.loads(json.dumps(launch._device(None).get(kernel, {}).get(key, {})))
+
+
+def prefetch_ab(a) -> None:
+    from lowbit.bench.kernels import copies_for, payload_bytes
+    from lowbit.kernels.tc_gemv import DEFAULT, tc_gemv
+    from lowbit.kernels.tc_moe import tc_moe_gemv
+
+    dev = "cuda"
+    kw = BENCH_LUT_FORMATS["nvfp4"]
+    out = {"device": torch.cuda.get_device_name(0), "tc_gemv": {}, "tc_moe": {}, "ab": []}
+    for n, k in SHAPES:
+        w0 = resolve(random_lut_view(n, k, device=dev, **kw))
+        ws = [w0] + [resolve(random_lut_view(n, k, device=dev, seed=i, **kw))
+                     for i in range(1, copies_for(payload_bytes(w0)))]
+        # the shipped entry whole (merge_tuned replaces a shape's entry), then the A/B's picks
+        table = out["tc_gemv"].setdefault(f"nvfp4:{n}x{k}", shipped_table("tc_gemv", f"nvfp4:{n}x{k}"))
+        for m in (int(v) for v in a.m.split(",")):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            cfg0 = dict(DEFAULT, **launch.lookup("tc_gemv", "nvfp4", n, k, m))
+            kept, base, deep = _ab(lambda c, x=x, ws=ws: [functools.partial(tc_gemv, x, w, config=c)
+                                                          for w in ws], cfg0)
+            table[str(m)] = kept
+            out["ab"].append({"kernel": "tc_gemv", "shape": f"{n}x{k}", "m": m, "config": cfg0,
+                              "us": base, "us_prefetch2": deep})
+            print(f"tc_gemv {n}x{k} M={m}: {base:.1f} us shipped, {deep:.1f} us PREFETCH 2", flush=True)
+    e, top, h, inter = 128, 8, 2048, 768
+    w13 = resolve(random_lut_view(2 * inter, h, lead=(e,), device=dev, **kw))
+    w2 = resolve(random_lut_view(h, inter, lead=(e,), device=dev, seed=1, **kw))
+    table = out["tc_moe"].setdefault(f"nvfp4:{e}x{h}", shipped_table("tc_moe", f"nvfp4:{e}x{h}"))
+    for t_ in (int(v) for v in a.moe_t.split(",")):
+        g = torch.Generator(device=dev).manual_seed(t_)
+        batches = [(torch.randn(t_, h, device=dev, dtype=torch.bfloat16),
+                    torch.rand(t_, e, device=dev, generator=g).topk(top, -1).indices.to(torch.int32),
+                    torch.rand(t_, top, device=dev, generator=g)) for _ in range(8)]
+        shipped = launch.lookup("tc_moe", "nvfp4", e, h, t_)
+        if "fc1" not in shipped:  # this token count runs the grouped schedule
+            continue
+        fc1, fc2 = dict(DEFAULT, **shipped["fc1"]), dict(DEFAULT, **shipped["fc2"])
+        res = {}
+        for which in ("fc1", "fc2"):
+            def fns(c, which=which, bs=batches, fc1=fc1, fc2=fc2):
+                pair = dict(fc1=c if which == "fc1" else fc1, fc2=c if which == "fc2" else fc2)
+                return [functools.partial(tc_moe_gemv, *b, w13, w2, config=pair) for b in bs]
+            res[which] = _ab(fns, fc1 if which == "fc1" else fc2)
+        table[str(t_)] = dict(shipped, fc1=res["fc1"][0], fc2=res["fc2"][0])
+        for which, (_, base, deep) in res.items():
+            out["ab"].append({"kernel": f"tc_moe {which}", "shape": f"{e}x{h}", "m": t_,
+                              "us": base, "us_prefetch2": deep})
+            print(f"tc_moe T={t_} {which} changed: {base:.1f} us shipped, {deep:.1f} us PREFETCH 2",
+                  flush=True)
+    path = Path(a.out) / "tc_tuned.json"
+    path.write_text(json.dumps(out, indent=1))
+    print("->", path)
 
 
 def main() -> None:
@@ -121,9 +197,13 @@ def main() -> None:
     ap.add_argument("--m", default="1,4,8,16")
     ap.add_argument("--moe-t", default="1,4,16,32")
     ap.add_argument("--static", action="store_true")
+    ap.add_argument("--prefetch-ab", action="store_true")
     a = ap.parse_args()
     if a.static:
         static()
+        return
+    if a.prefetch_ab:
+        prefetch_ab(a)
         return
     dev = "cuda"
     kw = BENCH_LUT_FORMATS["nvfp4"]

@@ -21,9 +21,10 @@ one by one. Written in Gluon (triton.experimental.gluon) because the layouts are
   per-row alpha * g * 2**-6 multiplies the float32 accumulator once (decode.E2M1_BF16_POST).
 - Split-K when N / BN programs cannot fill the SMs, deterministic as in dequant_gemm: each
   split writes its partial to a workspace, the last to arrive sums them in split order.
-- PREFETCH: the next K step's loads are in flight while this one is decoded. No load is
-  masked: rows past N and activation rows past M read the last valid row, and their products
-  land in accumulator rows / columns that are never stored (K is whole 128-code groups).
+- PREFETCH 1 (2): the next K step's (next two steps') loads are in flight while this one is
+  decoded. No load is masked: rows past N and activation rows past M read the last valid
+  row, and their products land in accumulator rows / columns that are never stored (K is
+  whole 128-code groups).
 The kernel's MOE modes (per-slot expert FC1 / FC2) and the K loop (`_mainloop`) also serve
 lowbit.kernels.tc_moe. Configs: "tc_gemv" in lowbit/kernels/configs/<device>.json
 (scripts/tune_tc_gemv.py).
@@ -149,8 +150,11 @@ if HAS_GLUON:
                   PDL: gl.constexpr):
         """acc [BN, MB] float32 (mma layout) = the decoded weight rows at cptr / sptr times the
         activations at xptr (MOE 2: SiLU(gate) * up of the row at hrow) over k0 <= k < k1.
-        PDL: the first K step's codes and scales are loaded before the wait for the kernel
-        that writes x, so they are in flight while that kernel finishes."""
+        PREFETCH 0: each K step loads after the one before is decoded; 1: the next step's loads
+        are in flight while this one is decoded; 2: the next two steps' loads.
+        PDL: the codes and scales of the first K step (PREFETCH 2: the first two) are loaded
+        before the wait for the kernel that writes x, so they are in flight while that kernel
+        finishes."""
         mma: gl.constexpr = _mma_layout(W)
         LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
@@ -158,19 +162,23 @@ if HAS_GLUON:
         L1: gl.constexpr = gl.BlockedLayout([max(BK // (32 * W), 1)], [32], [W], [0])
         G: gl.constexpr = BK // 128
         acc = gl.zeros([BN, MB], gl.float32, layout=mma)
-        if PDL:
-            codes = gl.load(cptr + gl.multiple_of(k0 // 8, BK // 8))
-            sc = gl.load(sptr + gl.multiple_of(k0 // 16, BK // 16))
-            _pdl_enter(PDL)
-            xa, xb = _x_loads(xptr, hrow, gl.multiple_of(k0, BK), K, BK, MOE, L1)
-        else:
-            codes, sc, xa, xb = _tile_loads(cptr, sptr, xptr, hrow, gl.multiple_of(k0, BK), K,
-                                            BK, MOE, L1)
+        k0 = gl.multiple_of(k0, BK)
+        # the step after k0 (k0 again when the range is one step: in bounds, unused)
+        kn0 = gl.multiple_of(gl.minimum(k0 + BK, k1 - BK), BK)
+        codes = gl.load(cptr + gl.multiple_of(k0 // 8, BK // 8))
+        sc = gl.load(sptr + gl.multiple_of(k0 // 16, BK // 16))
+        if PREFETCH == 2:
+            codes_n = gl.load(cptr + gl.multiple_of(kn0 // 8, BK // 8))
+            sc_n = gl.load(sptr + gl.multiple_of(kn0 // 16, BK // 16))
+        _pdl_enter(PDL)
+        xa, xb = _x_loads(xptr, hrow, k0, K, BK, MOE, L1)
+        if PREFETCH == 2:
+            xa_n, xb_n = _x_loads(xptr, hrow, kn0, K, BK, MOE, L1)
         for kk in range(k0, k1, BK):
-            # the next tile (the last one again at the end: in bounds, unused)
-            kn = gl.multiple_of(gl.minimum(kk + BK, k1 - BK), BK)
-            if PREFETCH:  # its loads are in flight while this tile is decoded
-                codes_n, sc_n, xa_n, xb_n = _tile_loads(cptr, sptr, xptr, hrow, kn, K, BK, MOE, L1)
+            # the step PREFETCH ahead (the last one again at the end: in bounds, unused)
+            kn = gl.multiple_of(gl.minimum(kk + PREFETCH * BK, k1 - BK), BK)
+            if PREFETCH > 0:  # its loads are in flight while this tile is decoded
+                codes_f, sc_f, xa_f, xb_f = _tile_loads(cptr, sptr, xptr, hrow, kn, K, BK, MOE, L1)
             if MOE == 2:  # the activation once per k (not per thread of LX), then broadcast
                 v = _silu_mul(xa.to(gl.float32), xb.to(gl.float32))
                 v = gl.convert_layout(v.to(gl.bfloat16), gl.SliceLayout(1, LX))
@@ -200,8 +208,11 @@ if HAS_GLUON:
             xv = gl.permute(xv, [0, 2, 1, 4, 5, 3, 6])
             b = gl.convert_layout(gl.reshape(xv, [BK, MB]), LB)
             acc = mma_v2(a, b, acc)
-            if PREFETCH:
+            if PREFETCH == 2:
                 codes, sc, xa, xb = codes_n, sc_n, xa_n, xb_n
+                codes_n, sc_n, xa_n, xb_n = codes_f, sc_f, xa_f, xb_f
+            elif PREFETCH == 1:
+                codes, sc, xa, xb = codes_f, sc_f, xa_f, xb_f
             else:
                 codes, sc, xa, xb = _tile_loads(cptr, sptr, xptr, hrow, kn, K, BK, MOE, L1)
         return acc
@@ -381,7 +392,7 @@ def _launch(x, y, bias, w, m, n, k, cfg, slots=1, moe=0, ids=None, tw=None, a_to
                a.g * E2M1_BF16_POST, k_split, split, x if ids is None else ids,
                x if tw is None else tw, a_top, a.stride_ce // 4, a.stride_se, a.tidx, a.stride_te,
                HAS_TIDX=a.has_tidx, HAS_BIAS=bias is not None, BN=bn, BK=bk, MB=mb, W=cfg["num_warps"],
-               SPLIT=split > 1, MOE=moe, PREFETCH=cfg.get("PREFETCH", True),
+               SPLIT=split > 1, MOE=moe, PREFETCH=int(cfg.get("PREFETCH", True)),
                num_warps=cfg["num_warps"], **launch.pdl_args(x))
 
 

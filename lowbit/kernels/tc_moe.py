@@ -276,6 +276,6 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
                    xin.stride(0), yout.stride(0), a.stride_cn // 4, a.stride_sn,
                    a.stride_ce // 4, a.stride_se, a.stride_te, a.g * E2M1_BF16_POST, EP=ep,
                    HAS_TIDX=a.has_tidx, BN=bn, BK=kb, MB=mb, W=nw, FC=fc,
-                   PREFETCH=cfg["PREFETCH"], FOLD=bool(fold) and fc == 2, num_warps=nw,
+                   PREFETCH=int(cfg["PREFETCH"]), FOLD=bool(fold) and fc == 2, num_warps=nw,
                    **launch.pdl_args(x))
     return y if fold else combine_slots(ys, x, a_top, ids_flat, e, y)

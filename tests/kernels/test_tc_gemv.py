@@ -69,7 +69,7 @@ def test_kernels_compile_for_sm90_without_shared_memory_in_the_loop():
     assert out.returncode == 0, out.stderr[-2000:]
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(stats) == {"linear", "moe_fc1", "moe_fc2", "grouped_fc1", "grouped_fc2",
-                          "grouped_fc1_mb32"}
+                          "grouped_fc1_mb32", "linear_prefetch2", "moe_fc2_prefetch2"}
     for name, st in stats.items():
         assert st["loop"] > 100 and st["ops"].get("HMMA", 0) >= 16, (name, st)
         assert st["ldg128"] > 0 and st["ldg_u8"] == 0, (name, st)
@@ -78,6 +78,10 @@ def test_kernels_compile_for_sm90_without_shared_memory_in_the_loop():
         # weight tile before it (FC2 after its expert id, which the router wrote two kernels
         # earlier), FC1 and the grouped kernels first wait for the routing
         assert st["pdl_waits"] == 1, (name, st)
-        assert (st["loads_before_wait"] > 0) == (name in ("linear", "moe_fc2")), (name, st)
-        if name != "moe_fc2":  # FC2 broadcasts its activation through shared memory by design
+        assert (st["loads_before_wait"] > 0) == (name.split("_prefetch")[0] in ("linear", "moe_fc2")), (name, st)
+        if not name.startswith("moe_fc2"):  # FC2 broadcasts its activation through shared memory
             assert st["ops"].get("LDS", 0) == 0 and st["ops"].get("STS", 0) == 0, (name, st)
+    # PREFETCH 2 puts the second K step's codes and scales in flight before the wait too
+    for name in ("linear", "moe_fc2"):
+        one, two = stats[name]["loads_before_wait"], stats[f"{name}_prefetch2"]["loads_before_wait"]
+        assert two >= 2 * one - 1 and two > one, (name, one, two)
