@@ -40,8 +40,8 @@ STATUSES = (DEFAULT, OPT_IN, MEASURED_NEGATIVE)
 ENV_PREFIX = "LOWBIT_ROUTE_"
 # The ops lowbit.kernels registers, known ahead so that a forcing variable for one is not
 # mistaken for a typo before its module is imported.
-KNOWN_OPS = ("linear", "moe", "attention", "latent_attention", "kv_write", "norm", "rope", "router",
-             "sample")
+KNOWN_OPS = ("linear", "moe", "attention", "latent_attention", "kv_write", "norm", "rope", "mla_rope",
+             "router", "sample")
 
 
 @dataclass
