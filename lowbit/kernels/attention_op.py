@@ -16,7 +16,8 @@ Routes of `attention`, in selection order (status and record in docs/ROUTES.md):
 `kv_write` has one route, torch (index_copy_: no host read, graph-safe).
 Routes of `latent_attention` (MLA over the latent cache, lowbit.layers.attention):
   triton_latent_decode   decode steps over a paged pool: the step's latent written by kv_write
-                         (slot mapping), then lowbit.kernels.latent's split-KV kernel and reduce,
+                         (slot mapping) unless the call says the mla_rope op already wrote it
+                         (`written`), then lowbit.kernels.latent's split-KV kernel and reduce,
                          heads of one sequence sharing each latent tile; graph-safe
   triton_latent_prefill  prefill and mixed steps: the same kernel with one query per token over
                          its causal prefix (its sequence's table row and length computed on the
@@ -222,6 +223,7 @@ class LatentCall:
     layer_idx: int
     scale: float
     forced: bool = False
+    written: bool = False  # the paged pool already holds c_kv / k_pe (the mla_rope op wrote them)
 
 
 def _run_latent_torch(call: LatentCall) -> torch.Tensor:
@@ -277,7 +279,8 @@ def _run_latent_decode(call: LatentCall) -> torch.Tensor:
     batch, layer = call.batch, f"layers.{call.layer_idx}.attn"
     c_kv, k_pe = call.c_kv[:, None], call.k_pe[:, None]  # [T, 1, C], [T, 1, Dr]
     pool = KVPool(*batch.kv_cache.layer_pool(call.layer_idx, c_kv, k_pe))
-    kv_write(c_kv, k_pe, pool, batch.slot_mapping, layer=layer)
+    if not call.written:
+        kv_write(c_kv, k_pe, pool, batch.slot_mapping, layer=layer)
     return latent_decode(call.q_lat, call.q_pe, pool, batch.block_tables, batch.seq_lens, call.scale)
 
 
@@ -286,7 +289,8 @@ def _run_latent_prefill(call: LatentCall) -> torch.Tensor:
     batch, layer = call.batch, f"layers.{call.layer_idx}.attn"
     c_kv, k_pe = call.c_kv[:, None], call.k_pe[:, None]
     pool = KVPool(*batch.kv_cache.layer_pool(call.layer_idx, c_kv, k_pe))
-    kv_write(c_kv, k_pe, pool, batch.slot_mapping, layer=layer)
+    if not call.written:
+        kv_write(c_kv, k_pe, pool, batch.slot_mapping, layer=layer)
     starts = batch.query_start_dev
     if starts is None:
         starts = _starts_on_device(batch.query_start, call.q_lat.device)

@@ -58,7 +58,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, spec: At
 
 # -- MLA over the latent cache ------------------------------------------------------------
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                     batch, spec: AttnSpec) -> torch.Tensor:
-    """MLA for a flat batch over the latent cache; returns the latent context [T, H, C]."""
-    call = attention_op.LatentCall(q_lat, q_pe, c_kv, k_pe, batch, spec.layer_idx, spec.scale)
+                     batch, spec: AttnSpec, written: bool = False) -> torch.Tensor:
+    """MLA for a flat batch over the latent cache; returns the latent context [T, H, C].
+    written: the step's c_kv / k_pe are already in the paged pool (the mla_rope op wrote them)."""
+    call = attention_op.LatentCall(q_lat, q_pe, c_kv, k_pe, batch, spec.layer_idx, spec.scale, written=written)
     return attention_op.latent_attention(call, layer=f"layers.{spec.layer_idx}.attn")

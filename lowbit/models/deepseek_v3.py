@@ -55,12 +55,15 @@ from torch import nn
 
 from lowbit.errors import LowbitError
 from lowbit.formats.base import QuantizedTensor
+from lowbit.kernels.mla_rope_op import MlaRopeCall, latent_pool, mla_rope
+from lowbit.kernels.moe_layout import SharedMLP
+from lowbit.kernels.weights import concat_rows
 from lowbit.layers.attention import AttnSpec, latent_attention
 from lowbit.layers.linear import Linear
 from lowbit.layers.mlp import GatedMLP
 from lowbit.layers.moe import RouterSpec, SparseMoE
 from lowbit.layers.norm import RMSNorm
-from lowbit.layers.rope import RotaryEmbedding, apply_rope, yarn_mscale
+from lowbit.layers.rope import RotaryEmbedding, yarn_mscale
 from lowbit.models.base import CausalLM
 from lowbit.models.config import ArchConfig
 from lowbit.models.qwen3 import DecoderLayer
@@ -80,11 +83,52 @@ def mla_softmax_scale(cfg: ArchConfig) -> float:
     return scale
 
 
+def merge_linears(parts: list[Linear], prefix: str) -> Linear | None:
+    """One Linear serving `parts` (same in_features) as consecutive output rows, or None.
+    Plain weights are concatenated; LUT-quantized ones become one kernel-side weight whose rows
+    keep their own tables (lowbit.kernels.weights.concat_rows); a bias missing on some part
+    is zero there. Only exact Linear parts merge (a tensor-parallel shard keeps its own)."""
+    if any(type(p) is not Linear for p in parts):
+        return None
+    weights = [p.weight for p in parts]
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        merged_w = nn.Parameter(torch.cat(weights), requires_grad=False)
+    else:
+        merged_w = concat_rows(weights)
+        if merged_w is None:
+            return None
+    with torch.device("meta"):  # the parameters are replaced below
+        merged = Linear(parts[0].in_features, sum(p.out_features for p in parts),
+                        any(p.bias is not None for p in parts), prefix)
+    if isinstance(merged_w, nn.Parameter):
+        merged.weight = merged_w
+    else:
+        del merged._parameters["weight"]
+        merged.weight = merged_w
+    if merged.bias is not None:
+        ref = next(p.bias for p in parts if p.bias is not None)
+        biases = [p.bias if p.bias is not None else ref.new_zeros(p.out_features) for p in parts]
+        merged.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    return merged
+
+
+def mla_rotary(cfg: ArchConfig) -> RotaryEmbedding:
+    """One cos/sin table [max_position_embeddings, Dr] that every MLA layer reads."""
+    return RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope,
+                           table=True)
+
+
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, i: int, prefix: str) -> None:
+    """The two projections of x (q_proj or q_a_proj, and kv_a_proj_with_mqa) as one merged
+    GEMM once `prepare_for_serving` ran; the mla_rope op (kv_a_layernorm, RoPE of q_pe and
+    k_pe from the shared table, the latent cache write: one kernel); the absorbed q and o
+    products as batched GEMMs over heads reading strided views (no copies); the latent op."""
+
+    def __init__(self, cfg: ArchConfig, i: int, prefix: str, rotary: RotaryEmbedding | None = None) -> None:
         super().__init__()
         H, D, C = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank
         self.H, self.Dn, self.Dr, self.Dv, self.C = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, C
+        self.prefix = prefix
         Dq = self.Dn + self.Dr
         bias = cfg.attention_bias
         self.q_lora = cfg.q_lora_rank is not None
@@ -96,18 +140,42 @@ class MLAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(Q, LORA_NORM_EPS)
             self.q_b_proj = Linear(Q, H * Dq, False, f"{prefix}.q_b_proj")
         self.kv_a_proj_with_mqa = Linear(D, C + self.Dr, bias, f"{prefix}.kv_a_proj_with_mqa")
+        self.qkv_a_proj: Linear | None = None  # [first | kv_a] rows, made by merge_projections
         self.kv_a_layernorm = RMSNorm(C, LORA_NORM_EPS)
         self.kv_b_proj = Linear(C, H * (self.Dn + self.Dv), False, f"{prefix}.kv_b_proj")
         self.o_proj = Linear(H * self.Dv, D, bias, f"{prefix}.o_proj")
-        self.rotary = RotaryEmbedding(self.Dr, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope)
+        self.rotary = mla_rotary(cfg) if rotary is None else rotary
         self.interleaved = cfg.rope_interleave
         self.spec = AttnSpec(layer_idx=i, scale=mla_softmax_scale(cfg))
         self._absorbed: tuple | None = None  # (the weight it came from, dense [H, Dn + Dv, C])
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.interleaved:  # pairs (2i, 2i+1) -> (i, i + Dr/2)
-            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-        return apply_rope(x, cos, sin)
+    def prepare_for_serving(self) -> None:
+        self.merge_projections()
+
+    def merge_projections(self) -> bool:
+        """Serve q_proj (or q_a_proj) and kv_a_proj_with_mqa, which both read x, as one
+        projection (one GEMM or gemv a step). Returns whether it merged."""
+        if self.qkv_a_proj is not None:
+            return False
+        name = "q_a_proj" if self.q_lora else "q_proj"
+        merged = merge_linears([getattr(self, name), self.kv_a_proj_with_mqa], f"{self.prefix}.qkv_a_proj")
+        if merged is None:
+            return False
+        self.qkv_a_proj = merged
+        setattr(self, name, None)
+        self.kv_a_proj_with_mqa = None
+        return True
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H * Dq] and kv_a [T, C + Dr], as row views of the merged output when merged."""
+        if self.qkv_a_proj is not None:
+            y = self.qkv_a_proj(x)  # [T, (Q or H * Dq) + C + Dr]
+            first, kv_a = y.split([y.shape[-1] - self.C - self.Dr, self.C + self.Dr], dim=-1)
+        else:
+            first = (self.q_a_proj if self.q_lora else self.q_proj)(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
+        q = self.q_b_proj(self.q_a_layernorm(first)) if self.q_lora else first
+        return q, kv_a
 
     def absorbed_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """kv_b_proj's weight as dense [H, Dn + Dv, C] in `dtype`, decoded once and kept."""
@@ -118,22 +186,50 @@ class MLAttention(nn.Module):
         return self._absorbed[1]
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
-        T = x.shape[0]
-        if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
-        q = q.view(T, self.H, self.Dn + self.Dr)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.C, self.Dr], dim=-1)  # [T, C], [T, Dr]
-        c_kv = self.kv_a_layernorm(latent)  # [T, C]
-        cos, sin = self.rotary(batch.positions)  # [T, Dr/2]
-        q_pe = self.rope(q[..., self.Dn:], cos, sin)  # [T, H, Dr]
-        k_pe = self.rope(k_pe.view(T, 1, self.Dr), cos, sin).view(T, self.Dr)  # [T, Dr]
-        w = self.absorbed_weight(x.dtype)  # [H, Dn + Dv, C]
-        q_lat = torch.einsum("thd,hdc->thc", q[..., :self.Dn], w[:, :self.Dn])  # [T, H, C]
-        o_lat = latent_attention(q_lat, q_pe, c_kv, k_pe, batch, self.spec)  # [T, H, C]
-        o = torch.einsum("thc,hvc->thv", o_lat, w[:, self.Dn:])  # [T, H, Dv]
-        return self.o_proj(o.reshape(T, self.H * self.Dv))
+        T, H, Dn = x.shape[0], self.H, self.Dn
+        q, kv_a = self._project(x)  # [T, H * Dq], [T, C + Dr]
+        pool = latent_pool(batch, self.spec.layer_idx, self.C, self.Dr, x)
+        call = MlaRopeCall(q, kv_a, H, Dn, self.Dr, batch.positions, self.rotary.cos_sin,
+                           self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, self.interleaved,
+                           pool, None if pool is None else batch.slot_mapping)
+        q_pe, c_kv, k_pe = mla_rope(call, layer=self.prefix)  # [T, H, Dr], [T, C], [T, Dr]
+        w = self.absorbed_weight(x.dtype)  # [H, Dn + Dv, C]: w_uk = w[:, :Dn], w_uv = w[:, Dn:]
+        q_nope = q.view(T, H, Dn + self.Dr)[..., :Dn].transpose(0, 1)  # [H, T, Dn], a strided view
+        q_lat = torch.bmm(q_nope, w[:, :Dn]).transpose(0, 1)  # [T, H, C], stored [H, T, C]
+        o_lat = latent_attention(q_lat, q_pe, c_kv, k_pe, batch, self.spec, written=pool is not None)
+        o = x.new_empty(T, H, self.Dv)
+        torch.bmm(o_lat.transpose(0, 1), w[:, Dn:].transpose(1, 2), out=o.transpose(0, 1))  # [H, T, Dv]
+        return self.o_proj(o.view(T, H * self.Dv))
+
+
+class SharedExperts(GatedMLP):
+    """DeepSeekMoE's shared experts: a GatedMLP whose gate and up rows become one [2S, D]
+    projection at `prepare_for_serving` (one GEMM instead of two) when both are plain
+    tensors; gate_proj / up_proj then hold row views of it (no second copy), so the moe op's
+    shared-slot layout (lowbit.kernels.moe_layout.SharedMLP) still reads them."""
+
+    def __init__(self, hidden: int, inter: int, prefix: str) -> None:
+        super().__init__(hidden, inter, prefix)
+        self.prefix = prefix
+        self.gate_up_proj: Linear | None = None
+
+    def prepare_for_serving(self) -> None:
+        g, u = self.gate_proj, self.up_proj
+        if self.gate_up_proj is not None or not all(isinstance(p.weight, torch.Tensor) for p in (g, u)):
+            return  # quantized: a merged copy would double the payload (both stay in use)
+        merged = merge_linears([g, u], f"{self.prefix}.gate_up_proj")
+        if merged is None or merged.bias is not None:
+            return
+        S = g.out_features
+        g.weight = nn.Parameter(merged.weight[:S], requires_grad=False)
+        u.weight = nn.Parameter(merged.weight[S:], requires_grad=False)
+        self.gate_up_proj = merged
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is None:
+            return super().forward(x)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, S] each
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 def router_spec(cfg: ArchConfig) -> RouterSpec:
@@ -155,14 +251,19 @@ def make_mlp(cfg: ArchConfig, i: int, prefix: str) -> nn.Module:
     if not moe:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, prefix)
     inter = cfg.moe_intermediate_size
-    return SparseMoE(cfg.hidden_size, cfg.num_experts, inter, router_spec(cfg), prefix,
-                     score_bias=cfg.topk_method == "noaux_tc",
-                     shared_inter=inter * cfg.num_shared_experts)
+    block = SparseMoE(cfg.hidden_size, cfg.num_experts, inter, router_spec(cfg), prefix,
+                      score_bias=cfg.topk_method == "noaux_tc",
+                      shared_inter=inter * cfg.num_shared_experts)
+    if block.shared_experts is not None:  # the same weights, served through one gate_up GEMM
+        block.shared_experts = SharedExperts(cfg.hidden_size, inter * cfg.num_shared_experts,
+                                             f"{prefix}.shared_experts")
+        block.shared = SharedMLP(block.shared_experts)
+    return block
 
 
-def decoder_layer(cfg: ArchConfig, i: int) -> DecoderLayer:
+def decoder_layer(cfg: ArchConfig, i: int, rotary: RotaryEmbedding | None = None) -> DecoderLayer:
     p = f"model.layers.{i}"
-    return DecoderLayer(MLAttention(cfg, i, f"{p}.self_attn"), make_mlp(cfg, i, f"{p}.mlp"),
+    return DecoderLayer(MLAttention(cfg, i, f"{p}.self_attn", rotary), make_mlp(cfg, i, f"{p}.mlp"),
                         cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -175,10 +276,10 @@ class SharedHead(nn.Module):
 class MTPLayer(DecoderLayer):
     """A decoder layer (KV-cache slot num_layers) with the MTP input mix and output norm."""
 
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding | None = None) -> None:
         N, D, eps = cfg.num_layers, cfg.hidden_size, cfg.rms_norm_eps
         p = f"model.layers.{N}"
-        super().__init__(MLAttention(cfg, N, f"{p}.self_attn"), make_mlp(cfg, N, f"{p}.mlp"), D, eps)
+        super().__init__(MLAttention(cfg, N, f"{p}.self_attn", rotary), make_mlp(cfg, N, f"{p}.mlp"), D, eps)
         self.enorm = RMSNorm(D, eps)
         self.hnorm = RMSNorm(D, eps)
         self.eh_proj = Linear(2 * D, D, False, f"{p}.eh_proj")
@@ -203,8 +304,9 @@ class DeepseekV3ForCausalLM(CausalLM):
                 f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}: lowbit runs at most one "
                 "MTP layer; set it to 1 (or 0) in config.json"
             )
-        self._finish([decoder_layer(cfg, i) for i in range(cfg.num_layers)])
-        self.mtp = MTPLayer(cfg) if cfg.num_nextn_predict_layers else None
+        self.rotary = mla_rotary(cfg)
+        self._finish([decoder_layer(cfg, i, self.rotary) for i in range(cfg.num_layers)])
+        self.mtp = MTPLayer(cfg, self.rotary) if cfg.num_nextn_predict_layers else None
         self.requires_grad_(False)
 
     @property

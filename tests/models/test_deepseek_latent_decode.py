@@ -98,3 +98,36 @@ def test_graph_decision_follows_the_latent_op(tmp_path, monkeypatch):
     assert lm.supports_cuda_graphs and graphs_wanted(lm, cuda, False) is None
     monkeypatch.setenv(ENV, "torch")
     assert graphs_wanted(lm, cuda, False) == f"{ENV}=torch is not a graph-safe decode route"
+
+
+@pytest.mark.parametrize("name,kv", [("deepseek-ai__DeepSeek-V2-Lite", torch.float32),
+                                     ("deepseek-ai__DeepSeek-V2-Lite", FP8),
+                                     ("deepseek-ai__DeepSeek-V3", torch.float32)])
+def test_fused_layer_matches_the_torch_routes(tmp_path, monkeypatch, name, kv):
+    """The serving layout (merged projections, merged shared gate/up) with the Triton
+    mla_rope route writing the latent (no kv_write call) and the latent kernels, prefill then
+    decode steps on one cache, against the same model on the torch routes on another."""
+    lm = tiny(tmp_path, name)
+    lm.prepare_for_serving()
+    attn = lm.model.layers[0].self_attn
+    assert attn.qkv_a_proj is not None and attn.kv_a_proj_with_mqa is None
+    assert lm.model.layers[-1].mlp.shared_experts.gate_up_proj is not None
+    caches = [PagedKVCache(lm.num_cache_layers, num_blocks=16, block_size=4, dtype=kv, device="cpu")
+              for _ in range(2)]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, lm.config.vocab_size, (sum(PROMPTS),), generator=g)
+    starts, news = [0, 0, 0], PROMPTS
+    for step in range(4):
+        latent = "triton_latent_decode" if step else "triton_latent_prefill"
+        monkeypatch.setenv("LOWBIT_ROUTE_MLA_ROPE", "triton_mla_rope")
+        routes.reset_counters()
+        got = _logits(lm, caches[0], ids, starts, news, latent, monkeypatch)
+        ran = {(c["op"], c["route"]) for c in routes.counters()["route_calls"]
+               if c["op"] in ("mla_rope", "latent_attention", "kv_write")}
+        assert ran == {("mla_rope", "triton_mla_rope"), ("latent_attention", latent)}
+        monkeypatch.setenv("LOWBIT_ROUTE_MLA_ROPE", "torch")
+        want = _logits(lm, caches[1], ids, starts, news, "torch", monkeypatch)
+        assert (got - want).abs().max() < 1e-4 * want.abs().max()
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        starts = [s + n for s, n in zip(starts, news)]
+        news, ids = [1, 1, 1], want.argmax(-1)

@@ -188,3 +188,47 @@ def test_latent_attention_and_router_go_through_the_registry(v3_dir):
     assert {("latent_attention", "torch"), ("router", "torch"), ("norm", "torch")} <= calls
     layers = {c["layer"] for c in routes.counters()["route_calls"] if c["op"] == "latent_attention"}
     assert len(layers) == lm.config.num_layers
+
+
+# -- serving layout ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def v2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dsv2")
+    save_tiny(DeepseekV2ForCausalLM, v2_config(), path)
+    return path
+
+
+@pytest.mark.parametrize("version", ["v2", "v3"])
+@pytest.mark.parametrize("fmt", [None, "int4-g32", "nvfp4", "fp8"])
+def test_serving_layout_gives_the_same_logits(v2_dir, v3_dir, version, fmt):
+    """prepare_for_serving merges q_proj (V2) or q_a_proj (V3) with kv_a_proj_with_mqa into one
+    projection (plain rows, or LUT rows keeping their own tables; fp8 has no LUT view, so
+    those stay two) and the shared experts' gate and up into one: the
+    logits do not move. Prefill, extend and decode steps over a contiguous cache."""
+    from lowbit.formats import get_format
+
+    lm = load_model(v2_dir if version == "v2" else v3_dir, dtype="float32").model
+    first = "q_proj" if version == "v2" else "q_a_proj"
+    if fmt is not None:
+        for layer in lm.model.layers:
+            for name in (first, "kv_a_proj_with_mqa"):
+                lin = getattr(layer.self_attn, name)
+                lin.set_quantized_weight(get_format(fmt).quantize(lin.weight.data))
+    ids = torch.randint(0, lm.config.vocab_size, (11,), generator=torch.Generator().manual_seed(6))
+
+    def logits() -> torch.Tensor:
+        cache = ContiguousKVCache(lm.num_cache_layers, 1, len(ids))
+        with torch.no_grad():
+            return torch.cat([lm.compute_logits(lm(ids[a:b], ForwardBatch.build([b - a], [a], [0], cache)))
+                              for a, b in ((0, 7), (7, 10), (10, 11))])
+
+    before = logits()
+    lm.prepare_for_serving()
+    attn = lm.model.layers[0].self_attn
+    merged = fmt != "fp8"
+    assert (attn.qkv_a_proj is not None) == merged and (getattr(attn, first) is None) == merged
+    shared = lm.model.layers[-1].mlp.shared_experts
+    assert shared.gate_up_proj is not None
+    assert shared.gate_proj.weight.data_ptr() == shared.gate_up_proj.weight.data_ptr()  # a view, no copy
+    torch.testing.assert_close(logits(), before, rtol=1e-5, atol=1e-5)
