@@ -225,12 +225,15 @@ def _admit_triton(call: MlaRopeCall) -> str | None:
     return triton_refusal(call.q, call.forced) or _shape_refusal(call) or _pool_refusal(call)
 
 
+def _empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A fresh output (uninitialised: the kernel writes every element; tests poison it)."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
 def _run_triton(call: MlaRopeCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, kv = call.q, call.kv_a
     T, H, Dn, Dr, C = kv.shape[0], call.num_heads, call.nope_dim, call.rope_dim, call.latent_dim
-    q_pe = torch.empty(T, H, Dr, dtype=q.dtype, device=q.device)
-    c_kv = torch.empty(T, C, dtype=q.dtype, device=q.device)
-    k_pe = torch.empty(T, Dr, dtype=q.dtype, device=q.device)
+    q_pe, c_kv, k_pe = _empty((T, H, Dr), q), _empty((T, C), q), _empty((T, Dr), q)
     if T == 0:
         return q_pe, c_kv, k_pe
     pool = call.pool

@@ -55,6 +55,7 @@ from torch import nn
 
 from lowbit.errors import LowbitError
 from lowbit.formats.base import QuantizedTensor
+from lowbit.kernels.act_op import silu_mul
 from lowbit.kernels.mla_rope_op import MlaRopeCall, latent_pool, mla_rope
 from lowbit.kernels.moe_layout import SharedMLP
 from lowbit.kernels.weights import concat_rows
@@ -202,11 +203,12 @@ class MLAttention(nn.Module):
         return self.o_proj(o.view(T, H * self.Dv))
 
 
-class SharedExperts(GatedMLP):
-    """DeepSeekMoE's shared experts: a GatedMLP whose gate and up rows become one [2S, D]
-    projection at `prepare_for_serving` (one GEMM instead of two) when both are plain
-    tensors; gate_proj / up_proj then hold row views of it (no second copy), so the moe op's
-    shared-slot layout (lowbit.kernels.moe_layout.SharedMLP) still reads them."""
+class GateUpMLP(GatedMLP):
+    """A GatedMLP (the dense layers' MLP, DeepSeekMoE's shared experts) whose gate and up rows
+    become one [2S, D] projection at `prepare_for_serving` (one GEMM instead of two) when both
+    are plain tensors; gate_proj / up_proj then hold row views of it (no second copy), so the
+    moe op's shared-slot layout (lowbit.kernels.moe_layout.SharedMLP) still reads them. The
+    merged form runs SiLU(gate) * up through the `act` op (one kernel)."""
 
     def __init__(self, hidden: int, inter: int, prefix: str) -> None:
         super().__init__(hidden, inter, prefix)
@@ -228,8 +230,7 @@ class SharedExperts(GatedMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return super().forward(x)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, S] each
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x), layer=self.prefix))  # [T, 2S] -> [T, S]
 
 
 def router_spec(cfg: ArchConfig) -> RouterSpec:
@@ -249,14 +250,14 @@ def make_mlp(cfg: ArchConfig, i: int, prefix: str) -> nn.Module:
     """Layer i's feed-forward: DeepSeekMoE (routed + shared experts) or a dense gated MLP."""
     moe = cfg.moe_layers[i] if i < cfg.num_layers else cfg.is_moe  # i == num_layers: the MTP layer
     if not moe:
-        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, prefix)
+        return GateUpMLP(cfg.hidden_size, cfg.intermediate_size, prefix)
     inter = cfg.moe_intermediate_size
     block = SparseMoE(cfg.hidden_size, cfg.num_experts, inter, router_spec(cfg), prefix,
                       score_bias=cfg.topk_method == "noaux_tc",
                       shared_inter=inter * cfg.num_shared_experts)
     if block.shared_experts is not None:  # the same weights, served through one gate_up GEMM
-        block.shared_experts = SharedExperts(cfg.hidden_size, inter * cfg.num_shared_experts,
-                                             f"{prefix}.shared_experts")
+        block.shared_experts = GateUpMLP(cfg.hidden_size, inter * cfg.num_shared_experts,
+                                         f"{prefix}.shared_experts")
         block.shared = SharedMLP(block.shared_experts)
     return block
 

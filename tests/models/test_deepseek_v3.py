@@ -205,7 +205,8 @@ def test_serving_layout_gives_the_same_logits(v2_dir, v3_dir, version, fmt):
     """prepare_for_serving merges q_proj (V2) or q_a_proj (V3) with kv_a_proj_with_mqa into one
     projection (plain rows, or LUT rows keeping their own tables; fp8 has no LUT view, so
     those stay two) and the shared experts' gate and up into one: the
-    logits do not move. Prefill, extend and decode steps over a contiguous cache."""
+    logits do not move (the dense layer's MLP merges its gate and up too). Prefill, extend and
+    decode steps over a contiguous cache."""
     from lowbit.formats import get_format
 
     lm = load_model(v2_dir if version == "v2" else v3_dir, dtype="float32").model
@@ -228,7 +229,7 @@ def test_serving_layout_gives_the_same_logits(v2_dir, v3_dir, version, fmt):
     attn = lm.model.layers[0].self_attn
     merged = fmt != "fp8"
     assert (attn.qkv_a_proj is not None) == merged and (getattr(attn, first) is None) == merged
-    shared = lm.model.layers[-1].mlp.shared_experts
-    assert shared.gate_up_proj is not None
-    assert shared.gate_proj.weight.data_ptr() == shared.gate_up_proj.weight.data_ptr()  # a view, no copy
+    for mlp in (lm.model.layers[0].mlp, lm.model.layers[-1].mlp.shared_experts):  # dense, shared
+        assert mlp.gate_up_proj is not None
+        assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up_proj.weight.data_ptr()  # a view, no copy
     torch.testing.assert_close(logits(), before, rtol=1e-5, atol=1e-5)
