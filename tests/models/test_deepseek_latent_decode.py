@@ -131,3 +131,58 @@ def test_fused_layer_matches_the_torch_routes(tmp_path, monkeypatch, name, kv):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         starts = [s + n for s, n in zip(starts, news)]
         news, ids = [1, 1, 1], want.argmax(-1)
+
+
+def test_decode_layer_launches(tmp_path, monkeypatch):
+    """What one MLA attention block and one gate_up MLP of the serving layout launch in a
+    decode step, Triton routes forced (on the GPU they are the defaults): the merged
+    projection, mla_rope, the absorbed q product, the latent split kernel (S = 1 here: no
+    reduce), the absorbed o product, o_proj; gate_up, silu_mul, down. Views and empty
+    allocations launch nothing and are left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lowbit.kernels import launch
+    from lowbit.models.deepseek_v3 import GateUpMLP, MLAttention
+
+    lm = tiny(tmp_path, "deepseek-ai__DeepSeek-V2-Lite")
+    lm.prepare_for_serving()
+    cache = PagedKVCache(lm.num_cache_layers, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
+    for op, route in (("MLA_ROPE", "triton_mla_rope"), ("ACT", "triton_silu_mul"),
+                      ("LATENT_ATTENTION", "triton_latent_prefill")):
+        monkeypatch.setenv(f"LOWBIT_ROUTE_{op}", route)
+    with torch.inference_mode():
+        lm(torch.tensor([1, 2, 3]), flat_batch([(TABLES[0], 0, 3)], cache, "cpu"))
+    monkeypatch.setenv(ENV, "triton_latent_decode")
+    events, inside = [], [None]
+    free = {"view", "_unsafe_view", "transpose", "split", "split_with_sizes", "slice", "select", "t",
+            "unsqueeze", "squeeze", "as_strided", "permute", "alias", "detach", "detach_", "empty",
+            "empty_like", "new_empty", "empty_strided", "reshape", "to", "promote_types", "lift_fresh"}
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if inside[0] is not None and name not in free:
+                events.append(name)
+            return func(*args, **(kwargs or {}))
+
+    run = launch.run
+
+    def counted(kernel, grid, *args, **kw):
+        if inside[0] is not None:
+            events.append(kernel.fn.__name__)
+        outer, inside[0] = inside[0], None  # the interpreter's own tensor ops are not launches
+        try:
+            return run(kernel, grid, *args, **kw)
+        finally:
+            inside[0] = outer
+
+    monkeypatch.setattr(launch, "run", counted)
+    layer = lm.model.layers[1]
+    for mod in (layer.self_attn, layer.mlp.shared_experts):
+        assert isinstance(mod, (MLAttention, GateUpMLP))
+        mod.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, m))
+        mod.register_forward_hook(lambda m, a, out: inside.__setitem__(0, None))
+    with torch.inference_mode(), Ops():
+        lm(torch.tensor([7]), flat_batch([(TABLES[0], 3, 1)], cache, "cpu"))
+    attn = ["linear", "_mla_rope_kernel", "bmm", "_latent_split_kernel", "bmm", "linear"]
+    assert events == attn + ["linear", "_silu_mul_kernel", "linear"], events
