@@ -19,9 +19,10 @@ Routes of `latent_attention` (MLA over the latent cache, lowbit.layers.attention
                          (slot mapping) unless the call says the mla_rope op already wrote it
                          (`written`), then lowbit.kernels.latent's split-KV kernel and reduce,
                          heads of one sequence sharing each latent tile; graph-safe
-  triton_latent_prefill  prefill and mixed steps: the same kernel with one query per token over
-                         its causal prefix (its sequence's table row and length computed on the
-                         device from the staged query_start); graph-safe
+  triton_latent_prefill  prefill and mixed steps (the latent written as for decode): the same
+                         kernel with one query per token over its causal prefix (its sequence's
+                         table row and length computed on the device from the staged
+                         query_start); graph-safe
   torch                  reference: per sequence, the cache's `update` and float32 attention
                          over the gathered latent; host lengths (on CUDA only when forced, or
                          for a contiguous cache)

@@ -30,7 +30,8 @@ projection output); cos_sin [P, Dr] float32 rows of unit stride; pool.k [R, 1, C
 [R, 1, Dr] of unit stride over the last dim, k_scale / v_scale [R, 1] float32 (fp8).
 Invariants: positions < P; a slot < 0 writes nothing (the torch route's index_copy_ rejects
 it); the norm weight has kv_a's dtype, so every stored value is exact in the pool's dtype
-(or, fp8, an e4m3 code computed with reference_kv_write's roundings: rope_op's helper).
+(or, fp8, an e4m3 code and scale computed with reference_kv_write's roundings, as rope_op's
+kernel does).
 Results equal the torch route's except where the fp32 sum of squares, summed in another
 order, moves a normed value across a rounding boundary.
 """
