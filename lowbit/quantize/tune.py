@@ -28,6 +28,14 @@ code changes when v crosses to another entry's cell. Every stored code is an ind
 same table or codebook, so the payload keeps its format and bytes; the validation check
 keeps the codes of its best step with the factors.
 
+Q for vq searches from each group's entry of the last step: x a group of v, c its entry,
+d = |x - c|, alone(c) the distance from c to the nearest other entry, reach(c) to the nearest
+entry not among c's NEIGHBOURS nearest. If 2d < alone(c), c is the nearest (any other e:
+|x - e| >= |e - c| - d >= alone(c) - d > d). Else the nearest of c's neighbours, at
+distance b, is the nearest of all if d + b <= reach(c) (any e not listed: |x - e| >= reach(c)
+- d >= b). Else the group searches all C entries. Latents move little a step, so almost
+every group stops at the first test. The nf / lut tables (<= 16 values) are searched whole.
+
 The teacher is kept as its TOPK most likely tokens per position (ids int32 and
 log-probabilities float32 [S * W, TOPK]) and the mass of the rest (float32 [S * W]):
 8 * TOPK + 4 bytes a token instead of 4 * V (2,052 against 607,744 at V = 151,936). The
@@ -41,6 +49,7 @@ it). With topk 0 (or >= V) the full [S * W, V] log-probabilities are kept.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -52,7 +61,7 @@ from torch import Tensor, nn
 
 from lowbit.engine.batch import ForwardBatch
 from lowbit.errors import LowbitError
-from lowbit.formats import QuantizedTensor
+from lowbit.formats import QuantizedTensor, get_format
 from lowbit.formats.codes import nearest_code, pack_codes
 from lowbit.formats.lut import LutFormat
 from lowbit.formats.nf import NormalFloatFormat
@@ -208,7 +217,7 @@ class _Block:
         unless stored)."""
         u = self.u
         if self.grid is not None:
-            self.idx, q = self.grid.nearest(self.v.detach())
+            self.idx, q = self.grid.nearest(self.v.detach(), self.idx)
             u = q if stored else q + (self.v - self.v.detach())
         w = (u * self.scales(stored)[..., None]).flatten(-2)[..., :self.qt.shape[-1]]
         setattr(self.mod, self.attr, w)
@@ -235,13 +244,25 @@ class _Block:
 class _Grid:
     """The values a tunable weight's unit-scale decode can take: each row's table (nf / lut),
     or the codebook's vectors of D weights along K (vq); nearest() maps a latent v
-    [.., N, NB, 64] to its indices and values, pack() turns indices into the payload's codes."""
+    [.., N, NB, 64] to its indices and values, pack() turns indices into the payload's codes.
 
-    ROWS = 8192  # vq groups per distance matmul (every step: not lowbit.formats.vq.nearest_entries,
+    vq, given the current indices (every step after the first): a group searches only its
+    current entry c's NEIGHBOURS nearest entries, and only when it may have left c's cell;
+    the bounds of the module docstring say when that is exact, other groups search all C."""
+
+    ROWS = 8192  # vq groups per distance matmul of the full search (not lowbit.formats.vq.nearest_entries,
     # whose exact tie-break for byte-identical encodes costs far more on the CPU)
+    NEIGHBOURS = 32  # entries a group searches around its current one
+    CHUNK = 65536  # groups per [g, NEIGHBOURS, D] gather
+    SLACK = 1e-4  # relative margin on both bounds for float32 rounding of the distances
 
     def __init__(self, fmt, table: Tensor | None, codebook: Tensor | None):
         self.fmt, self.table, self.codebook = fmt, table, codebook
+        self.searched = [0, 0, 0]  # vq groups given a start: all, searched among neighbours, searched whole
+        if codebook is not None:
+            known = codebook_neighbours(fmt.name, self.NEIGHBOURS) if isinstance(fmt, VqFormat) else None
+            near = known or neighbours(codebook.cpu(), self.NEIGHBOURS)
+            self.near, self.alone, self.reach = (x.to(codebook.device) for x in near)
 
     @classmethod
     def of(cls, qt: QuantizedTensor) -> _Grid:
@@ -251,23 +272,69 @@ class _Grid:
         *lead, n, _ = qt.shape
         return cls(fmt, row_tables(fmt, qt.payload, math.prod(lead), n).reshape(*lead, n, 1, -1), None)
 
-    def nearest(self, v: Tensor) -> tuple[Tensor, Tensor]:
+    def nearest(self, v: Tensor, idx: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Indices and values of the grid nearest v; idx: v's indices of the last call (vq: the
+        search starts there)."""
         if self.codebook is None:
             grid = self.table.expand(*v.shape[:-1], -1)  # [.., N, NB, T]
             idx = nearest_code(v, grid).long()
             return idx, grid.gather(-1, idx)
         cb = self.codebook  # [C, D]
-        x = v.reshape(-1, cb.shape[1])
+        x = v.reshape(-1, cb.shape[1])  # [G, D]
+        found = self.full(x) if idx is None else self.local(x, idx.reshape(-1))
+        return found.reshape(*v.shape[:-1], -1), cb[found].reshape(v.shape)
+
+    def full(self, x: Tensor) -> Tensor:
+        """[G] index of the entry nearest each group x [G, D], over all C entries."""
+        cb = self.codebook
         norms = cb.pow(2).sum(-1)
-        idx = torch.cat([torch.addmm(norms, x[r:r + self.ROWS], cb.t(), alpha=-2.0).argmin(-1)
-                         for r in range(0, x.shape[0], self.ROWS)])
-        return idx.reshape(*v.shape[:-1], -1), cb[idx].reshape(v.shape)
+        return torch.cat([torch.addmm(norms, x[r:r + self.ROWS], cb.t(), alpha=-2.0).argmin(-1)
+                          for r in range(0, x.shape[0], self.ROWS)])
+
+    def local(self, x: Tensor, idx: Tensor) -> Tensor:
+        """full(x), found from the current indices idx [G]: a group within alone/2 of its entry
+        keeps it; one that may have left searches its entry's neighbours, and the whole codebook
+        only when the nearest of them is not provably the nearest of all."""
+        cb, out = self.codebook, idx.clone()
+        d = (x - cb[idx]).pow(2).sum(-1).sqrt()  # [G] distance to the current entry
+        moved = (2 * d * (1 + self.SLACK) > self.alone[idx]).nonzero()[:, 0]
+        self.searched[0] += len(idx)
+        self.searched[1] += len(moved)
+        for part in moved.split(self.CHUNK):
+            cur = idx[part]
+            cand = self.near[cur]  # [g, M]
+            dist, j = (x[part, None] - cb[cand]).pow(2).sum(-1).min(-1)  # [g]
+            out[part] = cand.gather(-1, j[:, None])[:, 0]
+            unsure = part[(d[part] + dist.sqrt()) * (1 + self.SLACK) > self.reach[cur]]
+            if len(unsure):
+                out[unsure] = self.full(x[unsure])
+                self.searched[2] += len(unsure)
+        return out
 
     def pack(self, idx: Tensor) -> Tensor:
         rows = idx.flatten(-2)  # [.., N, Kp] codes or [.., N, G] indices
         if self.codebook is None:
             return pack_codes(rows.to(torch.uint8), self.fmt.bits)
         return pack_indices(rows, self.fmt.index_bits)
+
+
+def neighbours(codebook: Tensor, m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For each entry c of codebook [C, D]: near [C, M] its M nearest entries (c first), alone [C]
+    the distance to the nearest other entry, reach [C] the distance to the nearest entry not in
+    near (inf when M = C). Distances in float64, made once per codebook."""
+    c = codebook.shape[0]
+    m = min(m, c)
+    dist = torch.cdist(codebook.double(), codebook.double())  # [C, C]
+    dist.fill_diagonal_(-1.0)  # c ranks first even beside a duplicate of it
+    ranked, order = dist.topk(min(m + 1, c), dim=-1, largest=False)  # [C, M + 1] ascending
+    ranked = torch.cat([ranked, torch.full_like(ranked[:, :1], math.inf)], -1)  # inf: past the last entry
+    return order[:, :m].contiguous(), ranked[:, 1].float(), ranked[:, m].float()
+
+
+@functools.lru_cache
+def codebook_neighbours(name: str, m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """neighbours() of a vq format's codebook, made once per run."""
+    return neighbours(get_format(name).codebook.float(), m)
 
 
 class _Norm:
@@ -348,7 +415,10 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Target], device: 
         for b in blocks:
             b.finish()
     method = "block scales and codes tuned on the teacher's KL" if latent else "block scales tuned on the teacher's KL"
-    extra = {"codes_lr": codes, "code_weights": len(latent), "codes_changed": changed} if latent else {}
+    grids = [b.grid for b in blocks if isinstance(b, _Block) and b.grid is not None]
+    search = dict(zip(("groups", "neighbours", "whole"), map(sum, zip(*(g.searched for g in grids)))))
+    extra = {"codes_lr": codes, "code_weights": len(latent), "codes_changed": changed,
+             "code_search": search} if latent else {}
     return {"method": method, "steps": steps, "lr": lr, **extra, "batch_windows": BATCH,
             "window": len(text.windows[0]),
             "text": {"file": text.path.name, "sha256": text.sha256, "tokens": sum(map(len, text.windows))},

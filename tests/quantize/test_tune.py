@@ -7,7 +7,7 @@ import torch
 
 from lowbit.cli import main
 from lowbit.formats import get_format
-from lowbit.quantize.tune import Target, _Block, tunable
+from lowbit.quantize.tune import Target, _Block, _Grid, tunable
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
         "must be in want of a wife. However little known the feelings or views of such a man may be. ") * 30
@@ -75,6 +75,38 @@ def test_vq_weights_with_a_split_group_keep_their_codes():
     b = _Block(torch.nn.Module(), "w", qt, codes=True)
     assert b.grid is None and not hasattr(b, "v")  # no latent weights: the scales alone are tuned
     assert _Block(torch.nn.Module(), "w", get_format("nf4").quantize(torch.randn(4, 30)), codes=True).grid is not None
+
+
+@pytest.mark.parametrize("m", [4, 32])
+@pytest.mark.parametrize("book", ["vq3", "vq2", "vq4", "random"])
+def test_neighbour_search_finds_what_the_full_search_finds(book, m, monkeypatch):
+    """The warm-started vq search (current entry, its m neighbours, then all C) against the full
+    search and an exact float64 one, latents moved from their entries by small to large steps;
+    a group is counted wrong only if its entry is farther than the exact nearest (a tie)."""
+    gen = torch.Generator().manual_seed(3)
+    cb = get_format(book).codebook.float() if book != "random" else torch.randn(512, 3, generator=gen)
+    monkeypatch.setattr(_Grid, "NEIGHBOURS", m)
+    grid = _Grid(None, None, cb)
+    searched = []
+    full = grid.full
+    monkeypatch.setattr(grid, "full", lambda x: searched.append(len(x)) or full(x))
+    g = 3000
+    idx = torch.randint(len(cb), (g,), generator=gen)
+    for move in (0.0, 0.05, 0.15, 0.3, 0.6, 2.0):  # alone / 2 is about 0.1-0.3, reach 0.4-1.5
+        x = cb[idx] + move * torch.randn(g, cb.shape[1], generator=gen)
+        searched.clear()
+        got = grid.local(x, idx)
+        ref = torch.cdist(x.double(), cb.double()).argmin(-1)
+        err = ((x.double() - cb[got].double()).pow(2).sum(-1) - (x.double() - cb[ref].double()).pow(2).sum(-1))
+        assert err.max() <= 1e-6, (move, int((err > 1e-6).sum()))
+        assert (got == full(x)).float().mean() > 0.999
+        if move == 0.0:
+            assert torch.equal(got, idx) and not searched  # nobody moved: no search at all
+        if move == 0.05:
+            assert sum(searched) < g // 10  # small moves rarely need the full search
+        if move == 2.0:
+            assert sum(searched) > 0  # large ones do
+        idx = got
 
 
 def _teacher_student(t: int = 48, v: int = 1000) -> tuple[torch.Tensor, torch.Tensor]:
