@@ -6,7 +6,8 @@ Shape legend: T tokens, S intermediate width.
     (the two torch ops of F.silu(gate) * up, each rounding once)
 
 Routes, in selection order:
-  triton_silu_mul  one launch (grid T x ceil(S / BS)); graph-safe
+  triton_silu_mul  (OPT_IN until its first GPU record) one launch (grid T x ceil(S / BS));
+                   graph-safe
   torch            reference: F.silu(gate) * up (two kernels; admits every call)
 
 Kernel `_silu_mul_kernel`: program (t, j) reads BS gate and BS up values of row t (h rows
@@ -27,8 +28,9 @@ from lowbit.kernels.norm_op import DTYPE_CODE, FLOAT_DTYPES, round_to
 from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.runtime import tl, triton, triton_refusal
 
-RECORD = ("docs/KERNEL_NOTES.md#mla-decode-layer (one launch instead of two per gated MLP; "
-          "its engine record is still to be taken)")
+# OPT_IN until a GPU record exists: interpreter-tested against its twin, never yet run compiled
+RECORD = ("docs/KERNEL_NOTES.md#mla-decode-layer (OPT_IN: no GPU run yet; one launch instead of two "
+          "per gated MLP; its engine record is still to be taken)")
 BLOCK = 1024  # BS: columns per program
 
 
@@ -84,7 +86,7 @@ def _run_triton(call: ActCall) -> torch.Tensor:
     return y
 
 
-routes.register("act", routes.Route("triton_silu_mul", routes.DEFAULT, RECORD, _admit_triton, _run_triton))
+routes.register("act", routes.Route("triton_silu_mul", routes.OPT_IN, RECORD, _admit_triton, _run_triton))
 routes.register("act", routes.Route("torch", routes.DEFAULT, "reference (admits every call)",
                                     lambda call: None, _run_torch), reference=True)
 

@@ -17,8 +17,9 @@ C kv_lora_rank, P table positions, R pool rows.
            stores them (fp8 pools: codes x / s, s = amax / 448 per token and part)
 
 Routes, in selection order:
-  triton_mla_rope  one launch per step and layer for all of it; graph-safe: positions and
-                   slots are read from device memory, the launch depends on shapes only
+  triton_mla_rope  (OPT_IN until its first GPU record) one launch per step and layer for all
+                   of it; graph-safe: positions and slots are read from device memory, the
+                   launch depends on shapes only
   torch            reference: slices, norm_op's torch math, rope_op.rotate_neox, then the
                    `kv_write` op (admits every call)
 
@@ -50,8 +51,9 @@ from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.rope_op import rotate_neox
 from lowbit.kernels.runtime import capability, tl, triton, triton_refusal
 
-RECORD = ("docs/KERNEL_NOTES.md#mla-decode-layer (expected kernels per layer; the engine record at "
-          "the DeepSeek-V2-Lite shape is still to be taken)")
+# OPT_IN until a GPU record exists: interpreter-tested against its twin, never yet run compiled
+RECORD = ("docs/KERNEL_NOTES.md#mla-decode-layer (OPT_IN: no GPU run yet; expected kernels per layer; "
+          "the engine record at the DeepSeek-V2-Lite shape is still to be taken)")
 TILE_ELEMS = 2048  # elements of one program's [BH, Dr/2] head tile
 
 
@@ -255,7 +257,7 @@ def _run_triton(call: MlaRopeCall) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q_pe, c_kv, k_pe
 
 
-routes.register("mla_rope", routes.Route("triton_mla_rope", routes.DEFAULT, RECORD, _admit_triton,
+routes.register("mla_rope", routes.Route("triton_mla_rope", routes.OPT_IN, RECORD, _admit_triton,
                                          _run_triton))
 routes.register("mla_rope", routes.Route("torch", routes.DEFAULT, "reference (admits every call)",
                                          lambda call: None, _run_torch), reference=True)
