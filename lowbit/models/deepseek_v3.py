@@ -58,7 +58,6 @@ from lowbit.formats.base import QuantizedTensor
 from lowbit.kernels.act_op import silu_mul
 from lowbit.kernels.mla_rope_op import MlaRopeCall, latent_pool, mla_rope
 from lowbit.kernels.moe_layout import SharedMLP
-from lowbit.kernels.weights import concat_rows
 from lowbit.layers.attention import AttnSpec, latent_attention
 from lowbit.layers.linear import Linear
 from lowbit.layers.mlp import GatedMLP
@@ -67,7 +66,7 @@ from lowbit.layers.norm import RMSNorm
 from lowbit.layers.rope import RotaryEmbedding, yarn_mscale
 from lowbit.models.base import CausalLM
 from lowbit.models.config import ArchConfig
-from lowbit.models.qwen3 import DecoderLayer
+from lowbit.models.qwen3 import DecoderLayer, merge_linears
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the default eps, not rms_norm_eps
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -82,35 +81,6 @@ def mla_softmax_scale(cfg: ArchConfig) -> float:
         m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
         scale *= m * m
     return scale
-
-
-def merge_linears(parts: list[Linear], prefix: str) -> Linear | None:
-    """One Linear serving `parts` (same in_features) as consecutive output rows, or None.
-    Plain weights are concatenated; LUT-quantized ones become one kernel-side weight whose rows
-    keep their own tables (lowbit.kernels.weights.concat_rows); a bias missing on some part
-    is zero there. Only exact Linear parts merge (a tensor-parallel shard keeps its own)."""
-    if any(type(p) is not Linear for p in parts):
-        return None
-    weights = [p.weight for p in parts]
-    if all(isinstance(w, torch.Tensor) for w in weights):
-        merged_w = nn.Parameter(torch.cat(weights), requires_grad=False)
-    else:
-        merged_w = concat_rows(weights)
-        if merged_w is None:
-            return None
-    with torch.device("meta"):  # the parameters are replaced below
-        merged = Linear(parts[0].in_features, sum(p.out_features for p in parts),
-                        any(p.bias is not None for p in parts), prefix)
-    if isinstance(merged_w, nn.Parameter):
-        merged.weight = merged_w
-    else:
-        del merged._parameters["weight"]
-        merged.weight = merged_w
-    if merged.bias is not None:
-        ref = next(p.bias for p in parts if p.bias is not None)
-        biases = [p.bias if p.bias is not None else ref.new_zeros(p.out_features) for p in parts]
-        merged.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
-    return merged
 
 
 def mla_rotary(cfg: ArchConfig) -> RotaryEmbedding:

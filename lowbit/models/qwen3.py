@@ -22,6 +22,36 @@ from lowbit.models.base import CausalLM
 from lowbit.models.config import ArchConfig
 
 
+def merge_linears(parts: list[Linear], prefix: str) -> Linear | None:
+    """One Linear serving `parts` (same in_features) as consecutive output rows, or None.
+    Plain weights are concatenated; LUT-quantized ones become one kernel-side weight whose rows
+    keep their own tables (lowbit.kernels.weights.concat_rows); a bias missing on some part
+    is zero there. Parts of different Linear kinds do not merge (a tensor-parallel shard beside a
+    replicated projection keeps its own)."""
+    if len({type(p) for p in parts}) != 1 or not isinstance(parts[0], Linear):
+        return None
+    weights = [p.weight for p in parts]
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        merged_w = nn.Parameter(torch.cat(weights), requires_grad=False)
+    else:
+        merged_w = concat_rows(weights)
+        if merged_w is None:
+            return None
+    with torch.device("meta"):  # the parameters are replaced below
+        merged = Linear(parts[0].in_features, sum(p.out_features for p in parts),
+                        any(p.bias is not None for p in parts), prefix)
+    if isinstance(merged_w, nn.Parameter):
+        merged.weight = merged_w
+    else:
+        del merged._parameters["weight"]
+        merged.weight = merged_w
+    if merged.bias is not None:
+        ref = next(p.bias for p in parts if p.bias is not None)
+        biases = [p.bias if p.bias is not None else ref.new_zeros(p.out_features) for p in parts]
+        merged.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    return merged
+
+
 class GQAttention(nn.Module):
     """q, k, v as one merged projection (or three, until `merge_qkv`), then the rope op
     (q/k-norm, RoPE from the shared table, the KV-cache write: one kernel), attention, o_proj."""
@@ -51,26 +81,12 @@ class GQAttention(nn.Module):
         plain tensors are concatenated; quantized ones with LUT views become one kernel-side
         weight whose rows keep their own tables (lowbit.kernels.weights.concat_rows); other
         formats stay three projections. Returns whether it merged."""
-        parts = (self.q_proj, self.k_proj, self.v_proj)
+        parts = [self.q_proj, self.k_proj, self.v_proj]
         if self.qkv_proj is not None:
             return False
-        weights = [p.weight for p in parts]
-        if all(isinstance(w, torch.Tensor) for w in weights):
-            merged_w = nn.Parameter(torch.cat(weights), requires_grad=False)
-        else:
-            merged_w = concat_rows(weights)
-            if merged_w is None:
-                return False
-        with torch.device("meta"):  # the parameters are replaced below
-            merged = Linear(self.q_proj.in_features, sum(p.out_features for p in parts),
-                            self.q_proj.bias is not None, f"{self.prefix}.qkv_proj")
-        if isinstance(merged_w, nn.Parameter):
-            merged.weight = merged_w
-        else:
-            del merged._parameters["weight"]
-            merged.weight = merged_w
-        if merged.bias is not None:
-            merged.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        merged = merge_linears(parts, f"{self.prefix}.qkv_proj")
+        if merged is None:
+            return False
         self.qkv_proj = merged
         self.q_proj = self.k_proj = self.v_proj = None
         return True
