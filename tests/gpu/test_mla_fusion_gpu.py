@@ -138,37 +138,21 @@ def test_latent_reduce_merges_live_splits_of_a_wide_split_count(lens):
 
 
 @pytest.mark.parametrize("version", ["v2", "v3"])
-def test_captured_fused_decode_step_equals_eager(tmp_path, version):
-    """The engine serves the merged layout; an eager decode step runs the fused routes
-    (triton_mla_rope writes the latent: no kv_write call); one decode step replayed from its
-    graph gives the logits and greedy tokens of the same step run eagerly."""
-    from lowbit import SamplingParams
-    from lowbit.kernels import routes
-    from tests.gpu.test_latent_attention_gpu import _deepseek_dir, _engine
+def test_captured_fused_decode_step_equals_eager(tmp_path, monkeypatch, version):
+    """The engine serves the merged layout; with the fused routes forced (OPT_IN until their
+    GPU record) an eager decode step runs them (triton_mla_rope writes the latent: no
+    kv_write call); one decode step replayed from its graph gives the logits and greedy tokens
+    of the same step run eagerly."""
+    from tests.gpu.test_latent_attention_gpu import _deepseek_dir, _engine, replayed_and_eager_step
 
+    monkeypatch.setenv("LOWBIT_ROUTE_MLA_ROPE", "triton_mla_rope")
+    monkeypatch.setenv("LOWBIT_ROUTE_ACT", "triton_silu_mul")
     engine = _engine(_deepseek_dir(tmp_path / "m", version), max_model_len=2048)
     attn = engine.model.model.layers[0].self_attn
     assert attn.qkv_a_proj is not None, "prepare_for_serving did not merge the projections"
     assert engine.model.model.layers[-1].mlp.shared_experts.gate_up_proj is not None
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    g = torch.Generator().manual_seed(1)
-    reqs = [engine.add_request(torch.randint(0, 256, (n,), generator=g).tolist(), sp) for n in (700, 37, 5)]
-    for _ in range(20):
-        engine.step()
-    assert engine.runner.graphs.graphs, "no decode step replayed a graph"
-    assert all(r.num_computed_tokens > r.num_prompt_tokens for r in reqs)
-    sched = engine.scheduler.schedule()
-    runner = engine.runner
-    with torch.inference_mode():
-        ids, batch = runner.prepare(sched.scheduled)
-        mode = runner.sampling.mode_for([r.params for r, _ in sched.scheduled])
-        assert batch.mode.is_decode and runner.graphs.ready(batch.num_seqs, mode)
-        tokens, logits = runner.graphs.run(batch.num_seqs, mode)
-        tokens, logits = tokens.clone(), logits.clone()
-        routes.reset_counters()
-        eager = engine.model.compute_logits(engine.model(ids, batch))  # rewrites the same latent rows
-    ran = {(c["op"], c["route"]) for c in routes.counters()["route_calls"]
-           if c["op"] in ("mla_rope", "latent_attention", "kv_write")}
+    tokens, logits, eager, ran = replayed_and_eager_step(engine)
+    ran = {pair for pair in ran if pair[0] in ("mla_rope", "latent_attention", "kv_write")}
     assert ran == {("mla_rope", "triton_mla_rope"), ("latent_attention", "triton_latent_decode")}, ran
     assert _rel(logits, eager) < RTOL
     assert torch.equal(tokens, logits.argmax(-1))
