@@ -85,6 +85,19 @@ def unpack_indices(packed: Tensor, bits: int) -> Tensor:
     raise AssertionError(f"no unpacking for {bits}-bit indices")
 
 
+def _two_least(score: Tensor, block: int = 64) -> Tensor:
+    """Indices [r, 2] of the two least of each row of score [r, C]. For C a multiple of block
+    (>= 4 blocks): the two blocks of least minimum hold both, so a min per block and two small
+    top-2s stand in for one top-2 over C (a third of the time on the CPU at C = 4096)."""
+    r, c = score.shape
+    if c % block or c < 4 * block:
+        return score.topk(2, -1, largest=False).indices
+    blocks = score.view(r, c // block, block)
+    bi = blocks.amin(-1).topk(2, -1, largest=False).indices  # [r, 2]
+    j = blocks.gather(1, bi[:, :, None].expand(r, 2, block)).reshape(r, 2 * block).topk(2, -1, largest=False).indices
+    return bi.gather(1, j // block) * block + j % block
+
+
 def nearest_entries(x: Tensor, codebook: Tensor) -> Tensor:
     """x float32 [R, D], codebook float32 [C, D] -> int64 [R]: the entry of least
     ||x - c||^2. The two best by ||c||^2 - 2 <x, c> (a matmul) are compared exactly, the
@@ -95,8 +108,7 @@ def nearest_entries(x: Tensor, codebook: Tensor) -> Tensor:
     step = SEARCH_ROWS.get(x.device.type, SEARCH_ROWS_DEFAULT)
     for r0 in range(0, x.shape[0], step):
         xs = x[r0:r0 + step]
-        two = torch.addmm(norms, xs, codebook.t(), alpha=-2.0).topk(2, -1, largest=False).indices
-        two = two.sort(-1).values  # [r, 2], lower index first
+        two = _two_least(torch.addmm(norms, xs, codebook.t(), alpha=-2.0)).sort(-1).values  # [r, 2]
         dist = torch.zeros(two.shape, device=x.device)
         for j in range(x.shape[1]):
             dist = dist + (xs[:, j, None] - codebook[two, j]).pow(2)
