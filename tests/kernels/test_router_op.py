@@ -210,7 +210,7 @@ def test_fused_gate_topk_admission():
 
 
 @pytest.mark.parametrize("T,E,D,xdtype", [(1, 128, 2048, torch.bfloat16), (5, 60, 200, torch.float32),
-                                          (17, 256, 96, torch.float16), (64, 8, 72, torch.bfloat16)])
+                                          (17, 30, 96, torch.float16), (64, 8, 72, torch.bfloat16)])
 def test_triton_gate_logits_matches_the_float32_gemm(T, E, D, xdtype):
     """_gate_gemv_kernel: fresh random x / weight / bias over odd shapes (T not a multiple of
     the 4-token tile, E odd multiples of the 2-expert block, D not a power of two); the
