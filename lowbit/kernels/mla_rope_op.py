@@ -48,7 +48,7 @@ from lowbit.kernels.attention import FP8, KVPool
 from lowbit.kernels.latent import MAX_LATENT, MAX_ROPE_DIM
 from lowbit.kernels.norm_op import DTYPE_CODE, FLOAT_DTYPES, rms_norm_reference, round_to
 from lowbit.kernels.pdl import pdl_enter
-from lowbit.kernels.rope_op import rotate_neox
+from lowbit.kernels.rope_op import kv_fp8_codes, kv_fp8_scale, rotate_neox
 from lowbit.kernels.runtime import capability, tl, triton, triton_refusal
 
 # OPT_IN until a GPU record exists: interpreter-tested against its twin, never yet run compiled
@@ -124,16 +124,10 @@ def _rotate(src, o1, o2, mask, cos, sin, DT: tl.constexpr):
 @triton.jit
 def _store_row(dst, scale_dst, x1, x2, n1, n2, m1, m2, IS_FP8: tl.constexpr, RECIP: tl.constexpr):
     """One pool row from two float32 pieces x1 (at dst + n1), x2 (at dst + n2): as they are,
-    or fp8 codes x / s with s = max(amax, 1e-12) / 448 stored at scale_dst (RECIP: as torch on
-    CUDA divides by a host scalar, amax * float32(1 / 448); else an IEEE division)."""
+    or fp8 codes with the row's scale (rope_op.kv_fp8_scale, as every pool write) at scale_dst."""
     if IS_FP8:
-        amax = tl.maximum(tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)), 1e-12)
-        if RECIP:
-            s = amax * (1.0 / 448.0)
-        else:
-            s = tl.math.div_rn(amax, amax * 0.0 + 448.0)
-        x1 = round_to(tl.math.div_rn(x1, tl.zeros_like(x1) + s), 3)
-        x2 = round_to(tl.math.div_rn(x2, tl.zeros_like(x2) + s), 3)
+        s = kv_fp8_scale(tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)), RECIP)
+        x1, x2 = kv_fp8_codes(x1, tl.zeros_like(x1) + s), kv_fp8_codes(x2, tl.zeros_like(x2) + s)
         tl.store(scale_dst, s)
     tl.store(dst + n1, x1, mask=m1)
     tl.store(dst + n2, x2, mask=m2)

@@ -116,22 +116,33 @@ def _run_torch(call: RopeCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 # -- Triton --------------------------------------------------------------------------------------
 @triton.jit
+def kv_fp8_scale(amax, RECIP: tl.constexpr):
+    """A pool row's fp8 scale from its |x| max: max(amax, 1e-12) / 448 (reference_kv_write's).
+    RECIP: as torch on CUDA divides by a host scalar, amax * float32(1 / 448); else an IEEE
+    division, as torch on the CPU."""
+    amax = tl.maximum(amax, 1e-12)
+    if RECIP:
+        return amax * (1.0 / 448.0)
+    return tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)
+
+
+@triton.jit
+def kv_fp8_codes(x, s):
+    """x / s (s broadcast to x's shape) rounded to float8_e4m3."""
+    return round_to(tl.math.div_rn(x, s), 3)
+
+
+@triton.jit
 def _store_pool_rows(dst_ptr, scale_ptr, x1, x2, slot, kh, j, rows, col, stride0, stride1,
                      scale_stride, HALF: tl.constexpr, IS_FP8: tl.constexpr, RECIP: tl.constexpr):
     """Pool rows (slot, kh[i]) <- the halves x1, x2 [BH, BHALF] float32 of tile rows i where
-    rows[i]. fp8: codes x / s with s = max(amax, 1e-12) / 448 per row (reference_kv_write's),
-    and s stored at scale_ptr [N, Hkv]. RECIP: s as torch on CUDA computes a division by a
-    host scalar, amax * float32(1 / 448); else an IEEE division, as torch on the CPU."""
+    rows[i]. fp8: codes x / s with s = kv_fp8_scale per row, stored at scale_ptr [N, Hkv]."""
     mask = rows[:, None] & col[None, :]
     if IS_FP8:
-        amax = tl.maximum(tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1)), 1e-12)
-        if RECIP:
-            s = amax * (1.0 / 448.0)  # [BH]
-        else:
-            s = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)
+        amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))  # [BH]
+        s = kv_fp8_scale(amax, RECIP)
         s2 = s[:, None] + tl.zeros_like(x1)
-        x1 = round_to(tl.math.div_rn(x1, s2), 3)
-        x2 = round_to(tl.math.div_rn(x2, s2), 3)
+        x1, x2 = kv_fp8_codes(x1, s2), kv_fp8_codes(x2, s2)
         tl.store(scale_ptr + slot * scale_stride + kh, s, mask=rows)
     dst = dst_ptr + slot * stride0 + kh[:, None] * stride1 + j[None, :]
     tl.store(dst, x1, mask=mask)
