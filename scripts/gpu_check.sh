@@ -25,8 +25,10 @@
 #              24 GiB slot budget (OFFLOAD_BIG=0 skips it); tokens sampled at temperature 1 (OFFLOAD_ROUTING)
 #   vq         vector codebook kernels: tests/gpu/test_vq_gemv_gpu.py, then the gemv and the MoE
 #              layer timed beside nf4 / nvfp4 / bf16 (scripts/bench_vq_gemv.py [--moe])
-#   mla        DeepSeek-V2-Lite bf16, default routes (MLA prefill and decode on the latent
-#              kernels, both captured) then LOWBIT_ROUTE_LATENT_ATTENTION=torch: pp / tg cells
+#   mla        DeepSeek-V2-Lite bf16, pp / tg cells for each of MLA_VARIANTS (default "default
+#              torch"): default routes (MLA prefill and decode on the latent kernels, both
+#              captured), torch (LOWBIT_ROUTE_LATENT_ATTENTION=torch), fused (the OPT_IN
+#              triton_mla_rope and triton_silu_mul routes forced)
 #   spec       speculative decoding: the demo with ngram and its draft (k = 3; SPEC_DEMO=0
 #              skips them), and the synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape,
 #              $QUANT (SPEC_SYN=0 skips it), and DeepSeek-V3 cut to 4 layers with its MTP
@@ -163,9 +165,12 @@ if has vq; then
 fi
 
 if has mla; then
-  for route in "" torch; do
-    echo "== mla: DeepSeek-V2-Lite bf16 ${route:-default routes}" | tee -a "$OUT/mla.log"
-    LOWBIT_ROUTE_LATENT_ATTENTION=$route timeout "${T_MLA:-150}" python3 -m lowbit bench latency x --random-weights \
+  for variant in ${MLA_VARIANTS:-default torch}; do  # fused: the OPT_IN mla_rope and act routes forced
+    latent="" rope="" act=""
+    case $variant in torch) latent=torch ;; fused) rope=triton_mla_rope act=triton_silu_mul ;; esac
+    echo "== mla: DeepSeek-V2-Lite bf16 $variant routes" | tee -a "$OUT/mla.log"
+    LOWBIT_ROUTE_LATENT_ATTENTION=$latent LOWBIT_ROUTE_MLA_ROPE=$rope LOWBIT_ROUTE_ACT=$act \
+      timeout "${T_MLA:-150}" python3 -m lowbit bench latency x --random-weights \
       --config lowbit/model_configs/deepseek-ai__DeepSeek-V2-Lite.json ${MLA_CELLS:--p 512,2048 -n 32 -d 0 -b 1,8 -r 2} \
       --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/mla.log"
   done
