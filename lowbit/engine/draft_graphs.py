@@ -19,7 +19,19 @@ p + 1, the token's index) comes from lowbit.engine.acceptance.draft_tokens and f
 j + 1. The outputs:
 tokens [N, R] and, for a random sampler mode, the draft distributions q [N, R, V].
 
-Padded rows (bucket > drafting rows): token 0 at position 0 over the pool's scratch block,
+The catch-up can be in the graph too (`catch` = k + 1 > 0): in decode state every drafting
+row's catch-up is its last step's accepted tokens plus one, at most k + 1, at the positions
+just before draft 0's. Each row then feeds k + 1 tokens, front-padded:
+  cids    [R, k + 1] int64  the catch-up tokens, right-aligned (padding first)
+  count   [R] int64         real catch-up tokens per row
+and the catch-up forward is one prefill-shaped step of R (k + 1) tokens at positions
+pos - (k + 1) .. pos - 1, sequence length pos: a padding token sits at a position the pool
+already holds, so it attends to real entries and is attended to by none (causal), and its KV
+write goes to the scratch block instead of over the real entry; draft 0 comes from the logits
+at each row's last token, always real. The prefill attention route must be graph-safe
+(lowbit.engine.prefill_graphs), else the catch-up stays eager before the chain.
+
+Padded rows (bucket > drafting rows): token 0 at position 0 (k + 1 with a catch-up) over the pool's scratch block,
 sampling in the sampler's scratch row; their drafts are dropped. Drafts are proposals, so a
 chain that drafted badly costs acceptance, never output: the verify step decides.
 
@@ -32,6 +44,7 @@ slots); `static_batch` is what a graph reads, equal to it on the device (tests).
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -76,6 +89,9 @@ class DraftChainGraphs:
         self.pos = torch.zeros(r, dtype=torch.long, device=device)
         self.rows = torch.zeros(r, dtype=torch.long, device=device)
         self.tables = torch.full((r, max_blocks), kv_cache.scratch_block, dtype=torch.int32, device=device)
+        self.cids = self.count = self.starts = None  # the catch-up's buffers, made at its first stage
+        self.catch_host: list[tuple[list[int], int, int]] = []  # eager catch-up entries (table, start, n)
+        self.catch_ids: list[int] = []
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.eager: dict[tuple, str] = {}
@@ -107,6 +123,40 @@ class DraftChainGraphs:
         self.rows[n:b].fill_(sampling.scratch_row)
         return b
 
+    def stage_catch_up(self, b: int, entries: list[tuple[list[int], int, int]], ids: list[list[int]],
+                       width: int) -> None:
+        """The catch-up of the rows stage() just filled: per row (table, start, n) with n <= width
+        real tokens ids ending at the row's draft-0 position. Padded rows get `width` tokens over
+        the scratch block (position `width`, so that no position is negative)."""
+        n = len(entries)
+        if self.cids is None or self.cids.shape[1] != width:
+            r = self.buckets[-1]
+            self.cids = torch.zeros(r, width, dtype=torch.long, device=self.device)
+            self.count = torch.zeros(r, dtype=torch.long, device=self.device)
+            self.starts = torch.arange(r + 1, dtype=torch.int32, device=self.device) * width
+        host = torch.zeros(b, width, dtype=torch.long)
+        for i, row in enumerate(ids):
+            host[i, width - len(row):] = torch.as_tensor(row, dtype=torch.long)
+        self.cids[:b].copy_(host, non_blocking=True)
+        self.count[:b].copy_(torch.as_tensor([e[2] for e in entries] + [width] * (b - n), dtype=torch.long),
+                             non_blocking=True)
+        self.pos[n:b].fill_(width)
+        self.catch_host, self.catch_ids = entries, [t for row in ids for t in row]
+
+    def catch_up_batch(self, b: int) -> ForwardBatch:
+        """The catch-up's metadata on the device (what a graph replays): row r's k + 1 tokens at
+        pos - (k + 1) .. pos - 1, real from index k + 1 - count on, the padding written to the
+        scratch block. Host lists are the prefill graphs' placeholders (no route reads them)."""
+        bs, width = self.kv_cache.block_size, self.cids.shape[1]
+        pos = self.pos[:b, None] - width + torch.arange(width, device=self.device)  # [b, width]
+        real = torch.arange(width, device=self.device) >= width - self.count[:b, None]
+        tables = self.tables[:b]
+        slots = tables.gather(1, (pos.clamp(min=0) // bs)).long() * bs + pos % bs
+        slots = torch.where(real, slots, self.kv_cache.scratch_block * bs + pos % bs)
+        return ForwardBatch(pos.reshape(-1), [0] + [b * width] * b, [0] * b, [None] * b, self.kv_cache,
+                            slots.reshape(-1), tables, self.pos[:b].to(torch.int32),
+                            query_start_dev=self.starts[:b + 1])
+
     def static_batch(self, b: int, j: int) -> ForwardBatch:
         """Chain step j's metadata, computed on the device from the static buffers (what a
         graph replays; the graph-safe routes read only these tensors)."""
@@ -117,12 +167,25 @@ class DraftChainGraphs:
         return ForwardBatch(pos, list(range(b + 1)), [1] * b, [None] * b, self.kv_cache, slots, tables,
                             (pos + 1).to(torch.int32))
 
-    def _step(self, b: int, n: int, mode, sampling, graph: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step(self, b: int, n: int, mode, sampling, graph: bool,
+              catch: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chain: n forwards of the draft model over the staged rows; (tokens [n, b], q [n, b, V]
         or None). `graph`: the static batch; else (eager) the host-built one of the eager chain,
-        which the torch routes need (host lengths, cache slots)."""
+        which the torch routes need (host lengths, cache slots). `catch` (k + 1): the staged
+        catch-up first, its draft 0 the chain's first token and the outputs' row 0 ([n + 1, b])."""
         ids, rows = self.ids[:b], self.rows[:b]
         toks, qs = [], []
+        if catch:
+            if graph:
+                hidden = self.model(self.cids[:b].reshape(-1), self.catch_up_batch(b))[catch - 1::catch]
+            else:
+                last = torch.as_tensor(self.catch_up_last(), device=self.device)
+                ids0 = torch.as_tensor(self.catch_ids, device=self.device)
+                hidden = self.model(ids0, flat_batch(self.catch_host, self.kv_cache, self.device))[last]
+            ids, q = draft_tokens(self.model.compute_logits(hidden), sampling, rows, self.pos[:b], mode)
+            toks.append(ids)
+            if q is not None:
+                qs.append(q)
         for j in range(n):
             batch = (self.static_batch(b, j) if graph else
                      flat_batch([(t, p + j, 1) for t, p in self.host], self.kv_cache, self.device))
@@ -133,9 +196,14 @@ class DraftChainGraphs:
                 qs.append(q)
         return torch.stack(toks), (torch.stack(qs) if qs else None)
 
-    def run(self, b: int, n: int, mode, sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The staged chain: a graph replay where one is (or can now be) captured, else eagerly."""
-        key = (b, n, mode)
+    def catch_up_last(self) -> list[int]:
+        """Each real row's last catch-up token in the eager catch-up's flat token list."""
+        return [x - 1 for x in itertools.accumulate(n for _, _, n in self.catch_host)]
+
+    def run(self, b: int, n: int, mode, sampling, catch: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The staged chain (after the staged catch-up with `catch`): a graph replay where one is
+        (or can now be) captured, else eagerly."""
+        key = (b, n, mode, catch)
         if self.capture_on and key not in self.graphs and key not in self.eager:
             reason = self._capture(key, sampling)
             if reason is not None:
@@ -147,19 +215,21 @@ class DraftChainGraphs:
             return self.outputs[key]
         if b > len(self.host):  # a refused capture: the real rows alone, eagerly
             b = len(self.host)
-        return self._step(b, n, mode, sampling, graph=False)
+        return self._step(b, n, mode, sampling, graph=False, catch=catch)
 
     def _capture(self, key: tuple, sampling) -> str | None:
-        b, n, mode = key
-        reason = sync_free_warm_up(self.device, sampling, lambda: self._step(b, n, mode, sampling, graph=True),
+        b, n, mode, catch = key
+        reason = sync_free_warm_up(self.device, sampling,
+                                   lambda: self._step(b, n, mode, sampling, graph=True, catch=catch),
                                    f"a draft chain of {b} rows")
         if reason is not None:
             return reason
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[key] = self._step(b, n, mode, sampling, graph=True)
+            self.outputs[key] = self._step(b, n, mode, sampling, graph=True, catch=catch)
         self.pool = graph.pool()
         self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
-        log.info("captured the draft chain CUDA graph for %d rows, %d forwards (%s)", b, n, mode)
+        log.info("captured the draft chain CUDA graph for %d rows, %d forwards%s (%s)", b, n,
+                 f" after a {catch}-token catch-up" if catch else "", mode)
         return None

@@ -47,6 +47,7 @@ from lowbit.engine.cuda_graphs import graphs_wanted
 from lowbit.engine.draft_graphs import DraftChainGraphs, flat_batch
 from lowbit.engine.draft_length import DraftLength
 from lowbit.engine.paged_cache import PagedKVCache
+from lowbit.engine.prefill_graphs import prefill_graphs_wanted
 from lowbit.engine.request import Request
 from lowbit.errors import LowbitError
 
@@ -172,6 +173,10 @@ class ModelDrafter:
         if max_num_seqs and max_model_len:
             self.chain = DraftChainGraphs(model, self.kv_cache, max_num_seqs,
                                           -(-max_model_len // target_cache.block_size), device, graphs)
+        # captured, the catch-up reads no host length only through a graph-safe prefill route
+        self.fused_refusal = prefill_graphs_wanted(model) if graphs else None
+        if self.fused_refusal is not None and device.type == "cuda":
+            log.warning("draft catch-ups run eagerly before each chain (slow): %s", self.fused_refusal)
 
     def available(self, req: Request) -> bool:
         return True
@@ -196,11 +201,50 @@ class ModelDrafter:
             self.done[req.request_id] = max(start, end)
         if not entries:
             return {}
+        k = self._fused_k(work, entries, last)
+        if k:
+            return self._fused_chain(work, entries, ids, k)
         hidden = self.model(torch.as_tensor(ids, device=self.device), flat_batch(entries, self.kv_cache, self.device))
         picks = [i for i in last if work.num_drafts[i]]
         if not picks:
             return {}
         return self._chain(work, picks, self.model.compute_logits(hidden[[last[i] for i in picks]]))
+
+    def _fused_k(self, work: Drafting, entries: list, last: dict[int, int]) -> int:
+        """k when the catch-up can join the static chain (lowbit.engine.draft_graphs): every
+        request with a catch-up drafts, all want the same k, each catch-up is at most k + 1
+        tokens ending at its draft-0 position past the first k + 1 positions, and (capturing)
+        the prefill attention route is graph-safe; else 0."""
+        if self.chain is None or self.fused_refusal is not None:
+            return 0
+        wanted = {work.num_drafts[i] for i in last}
+        k = min(wanted)
+        if len(wanted) != 1 or k < 1 or any(work.num_drafts[i] for i in range(len(work.reqs)) if i not in last):
+            return 0
+        for i, (_, start, n) in zip(last, entries):
+            if n > k + 1 or start + n != work.reqs[i].num_tokens or start + n < k + 1:
+                return 0
+        return k
+
+    def _fused_chain(self, work: Drafting, entries: list, ids: list[int], k: int) -> dict[int, torch.Tensor]:
+        """Catch-up, draft 0 and drafts 1..k-1 as one static step (one replay on CUDA)."""
+        rows, at = [], 0
+        for _, _, n in entries:
+            rows.append(ids[at:at + n])
+            at += n
+        picks = [i for i in range(len(work.reqs)) if work.num_drafts[i]]  # = the rows with a catch-up
+        reqs = [work.reqs[i] for i in picks]
+        sel = torch.as_tensor(picks, device=work.rows.device)
+        first = torch.as_tensor([row[-1] for row in rows], device=self.device)  # placeholder draft-0 feed
+        b = self.chain.stage(first, [r.num_tokens for r in reqs], [r.block_table for r in reqs], work.rows[sel],
+                             work.sampling)
+        self.chain.stage_catch_up(b, entries, rows, k + 1)
+        toks, qs = self.chain.run(b, k - 1, work.mode, work.sampling, catch=k + 1)
+        n = len(picks)
+        work.write([(picks, toks[j, :n]) for j in range(k)])
+        if qs is None:
+            return {}
+        return {i: qs[:, r] for r, i in enumerate(picks)}
 
     def _chain(self, work: Drafting, picks: list[int], logits: torch.Tensor | None) -> dict[int, torch.Tensor]:
         wanted = {work.num_drafts[i] for i in picks}

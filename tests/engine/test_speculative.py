@@ -21,6 +21,7 @@ from lowbit.engine.kv_cache import ContiguousKVCache
 from lowbit.engine.request import Request
 from lowbit.engine.speculative import SpecStats, ngram_lookup
 from lowbit.errors import LowbitError
+from lowbit.kernels import routes
 from lowbit.server.metrics import render
 from tests.engine.helpers import run_all, tokens_of
 from tests.engine.test_acceptance import chi2_sf
@@ -408,7 +409,9 @@ def test_v3_mtp_sampled_drafts_are_seeded(v3):
 def test_draft_chains_run_over_static_buffers_whose_device_metadata_is_the_eager_chains(demo):
     """A self-drafting demo at k = 3 takes the static chain (every request wants 3 drafts);
     for each staged chain, the metadata a graph would read (static_batch: positions, slot
-    mapping, block tables, lengths computed on the device) equals the eager chain's."""
+    mapping, block tables, lengths computed on the device) equals the eager chain's, and so
+    does the catch-up's where it joins the chain (catch_up_batch; its padding writes to the
+    scratch block)."""
     from lowbit.engine.speculative import flat_batch
 
     llm = spec_llm(demo, "draft", speculative_model="demo")
@@ -417,7 +420,20 @@ def test_draft_chains_run_over_static_buffers_whose_device_metadata_is_the_eager
     seen = []
     original = chain._step
 
-    def spy(b, n, mode, sampling, graph):
+    def spy(b, n, mode, sampling, graph, catch=0):
+        if catch:  # the catch-up in the chain: real tokens as the eager catch-up's, padding to scratch
+            want = flat_batch(chain.catch_host, chain.kv_cache, chain.device)
+            got = chain.catch_up_batch(b)
+            counts = [m for _, _, m in chain.catch_host]
+            real = torch.tensor([i >= catch - m for m in counts for i in range(catch)])
+            assert got.positions.shape == (b * catch,) and torch.equal(got.positions[real], want.positions)
+            assert torch.equal(got.slot_mapping[real], want.slot_mapping)
+            bs = chain.kv_cache.block_size
+            assert bool((got.slot_mapping[~real] // bs == chain.kv_cache.scratch_block).all())
+            assert torch.equal(got.seq_lens, want.seq_lens) and bool(real.view(b, catch)[:, -1].all())
+            assert torch.equal(got.query_start_dev, torch.arange(b + 1, dtype=torch.int32) * catch)
+            assert torch.equal(chain.cids[:b].reshape(-1)[real], torch.as_tensor(chain.catch_ids))
+            caught.append(max(counts))
         for j in range(n):
             want = flat_batch([(t, p + j, 1) for t, p in chain.host], chain.kv_cache, chain.device)
             got = chain.static_batch(b, j)
@@ -427,11 +443,43 @@ def test_draft_chains_run_over_static_buffers_whose_device_metadata_is_the_eager
             assert torch.equal(got.block_tables[:, :width], want.block_tables)
             assert bool((got.block_tables[:, width:] == chain.kv_cache.scratch_block).all())
         seen.append((b, n))
-        return original(b, n, mode, sampling, graph)
+        return original(b, n, mode, sampling, graph, catch)
 
+    caught = []
     chain._step = spy
     assert outputs(llm, PROMPTS, GREEDY) == plain_outputs(demo, PROMPTS, GREEDY)
     stats = llm.engine.spec.stats
-    # k - 1 = 2 forwards a chain, fewer where max_tokens leaves room for fewer drafts
-    assert seen and {n for _, n in seen} <= {1, 2} and seen[0][1] == 2 and stats.num_accepted == stats.num_drafts
+    # k - 1 = 2 forwards a chain, fewer where max_tokens leaves room for fewer drafts (none at k = 1);
+    # the first chain follows the prompt's catch-up (eager), later ones their step's k + 1 = 4 tokens
+    assert seen and {n for _, n in seen} <= {0, 1, 2} and seen[0][1] == 2 and stats.num_accepted == stats.num_drafts
+    assert caught and max(caught) == 4  # self-drafting accepts every draft: 3 accepted + 1
     assert_idle(llm)
+
+
+@needs_demo
+def test_the_catch_up_a_graph_would_replay_drafts_what_the_eager_catch_up_drafts(demo, demo_perturbed, monkeypatch):
+    """The fused catch-up as a graph runs it (catch_up_batch's device metadata, front-padded
+    rows, the graph-safe prefill attention route in the interpreter, no host length) gives
+    draft 0 of the eager catch-up (host-built batch, torch route) on the same staged rows."""
+    llm = spec_llm(demo, "draft", speculative_model=demo_perturbed)  # drafts both kept and rejected
+    chain = llm.engine.spec.drafter.chain
+    original, checked = chain.run, []
+
+    def run(b, n, mode, sampling, catch=0):
+        toks, q = original(b, n, mode, sampling, catch)
+        if catch and len(checked) < 2 and max(m for _, _, m in chain.catch_host) < catch:  # padding in a row
+            routes.reset_counters()
+            with monkeypatch.context() as m:
+                m.setenv("LOWBIT_ROUTE_ATTENTION", "triton_paged_prefill")
+                again, _ = chain._step(b, 0, mode, sampling, graph=True, catch=catch)
+            ran = {c["route"] for c in routes.counters()["route_calls"] if c["op"] == "attention"}
+            assert ran == {"triton_paged_prefill"}, ran
+            assert torch.equal(again[0], toks[0]), (again, toks)
+            checked.append(b)
+        return toks, q
+
+    chain.run = run
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:2], sp)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert checked, "no catch-up shorter than k + 1 was staged"
