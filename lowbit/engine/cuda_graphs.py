@@ -61,12 +61,12 @@ def graphs_wanted(model: torch.nn.Module, device: torch.device, enforce_eager: b
 
 def sync_free_warm_up(device: torch.device, sampling, step, what: str) -> str | None:
     """Run step() once eagerly under torch's sync debug mode "error", the sampler's counts
-    restored after it (a warm-up's sampled tokens must not count): None, or why the step
-    cannot be captured (it reads device values on the host)."""
+    restored after it (a warm-up's sampled tokens must not count; None: a step that samples
+    nothing): None, or why the step cannot be captured (it reads device values on the host)."""
     torch.cuda.synchronize(device)
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
-    counts = sampling.snapshot()
+    counts = sampling.snapshot() if sampling is not None else None
     try:
         step()
     except RuntimeError as e:
@@ -75,7 +75,8 @@ def sync_free_warm_up(device: torch.device, sampling, step, what: str) -> str | 
         return f"{what} reads device values on the host ({e})"
     finally:
         torch.cuda.set_sync_debug_mode(previous)
-        sampling.restore(counts)
+        if sampling is not None:
+            sampling.restore(counts)
     return None
 
 class DecodeGraphs:

@@ -233,3 +233,111 @@ class DraftChainGraphs:
         log.info("captured the draft chain CUDA graph for %d rows, %d forwards%s (%s)", b, n,
                  f" after a {catch}-token catch-up" if catch else "", mode)
         return None
+
+
+FOLLOW_WIDTHS = (2, 4, 8)  # tokens a row of a captured MTP follow-up (k + 1 <= 8)
+
+
+class FollowGraphs:
+    """The MTP layer's follow-up of a verify step (lowbit.engine.speculative.MTPDrafter.follow)
+    over static buffers, one CUDA graph per (rows bucket, width W).
+
+    In decode state a request's follow-up is m <= k + 1 positions c .. c + m - 1 (the last real
+    token and the accepted drafts): the target's hidden states there and the tokens after them.
+    Each row feeds W >= m tokens, front-padded as the draft catch-up is (DraftChainGraphs): at
+    positions end - W .. end - 1 (end = c + m, the sequence length), a padding token attends
+    to real entries and writes its KV to the scratch block; the layer's output at each row's
+    last token, always real, gives the request's next draft. Static inputs, filled by `stage`
+    outside the graph: hid [R W, D] (the target's hidden rows, gathered), ids [R W], end [R],
+    count [R], tables [R, width]. Outputs: the layer's output [R, D] and logits [R, V] at
+    each row's last token.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache, max_rows: int, max_blocks: int,
+                 device: torch.device, capture: bool) -> None:
+        self.model, self.kv_cache, self.device, self.capture_on = model, kv_cache, device, capture
+        self.buckets = graph_buckets(max_rows)
+        r, w = self.buckets[-1], FOLLOW_WIDTHS[-1]
+        self.ids = torch.zeros(r * w, dtype=torch.long, device=device)
+        self.end = torch.zeros(r, dtype=torch.long, device=device)
+        self.count = torch.zeros(r, dtype=torch.long, device=device)
+        self.tables = torch.full((r, max_blocks), kv_cache.scratch_block, dtype=torch.int32, device=device)
+        self.starts = {w: torch.arange(r + 1, dtype=torch.int32, device=device) * w for w in FOLLOW_WIDTHS}
+        self.hid = None  # [r * w, D], made at the first stage (the hidden states' dtype and width)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.eager: dict[tuple, str] = {}
+        self.pool = None
+        self.replays = 0
+
+    @staticmethod
+    def width_for(m: int) -> int | None:
+        return next((w for w in FOLLOW_WIDTHS if w >= m), None)
+
+    def stage(self, hidden: torch.Tensor, rows: list[list[int]], ids: list[list[int]],
+              entries: list[tuple[list[int], int, int]], width: int) -> int:
+        """Fill the static inputs for len(entries) rows: entry (table, c, m), rows[i] its m
+        hidden rows, ids[i] its m next tokens; returns the rows the step runs (a bucket when
+        capturing: padded rows at positions 0 .. W - 1 over the scratch block)."""
+        n = len(entries)
+        b = next(x for x in self.buckets if x >= n) if self.capture_on else n
+        if any(len(t) > self.tables.shape[1] for t, _, _ in entries):
+            raise AssertionError("a block table is wider than the follow-up's buffers")
+        if self.hid is None:
+            self.hid = torch.zeros(self.ids.shape[0], hidden.shape[-1], dtype=hidden.dtype, device=self.device)
+        index = torch.zeros(b, width, dtype=torch.long)
+        tok = torch.zeros(b, width, dtype=torch.long)
+        tables = torch.full((b, self.tables.shape[1]), self.kv_cache.scratch_block, dtype=torch.int32)
+        for i, ((table, _, m), rr, tt) in enumerate(zip(entries, rows, ids)):
+            index[i] = torch.as_tensor(rr[:1] * (width - m) + rr)
+            tok[i, width - m:] = torch.as_tensor(tt)
+            tables[i, :len(table)] = torch.as_tensor(table, dtype=torch.int32)
+        self.hid[:b * width].copy_(hidden[index.view(-1).to(hidden.device, non_blocking=True)])
+        self.ids[:b * width].copy_(tok.view(-1), non_blocking=True)
+        self.tables[:b].copy_(tables, non_blocking=True)
+        self.end[:b].copy_(torch.as_tensor([c + m for _, c, m in entries] + [width] * (b - n)), non_blocking=True)
+        self.count[:b].copy_(torch.as_tensor([m for _, _, m in entries] + [width] * (b - n)), non_blocking=True)
+        return b
+
+    def batch(self, b: int, width: int) -> ForwardBatch:
+        """The follow-up's metadata on the device (what a graph replays), as catch_up_batch's."""
+        bs = self.kv_cache.block_size
+        pos = self.end[:b, None] - width + torch.arange(width, device=self.device)  # [b, width]
+        real = torch.arange(width, device=self.device) >= width - self.count[:b, None]
+        tables = self.tables[:b]
+        slots = tables.gather(1, pos.clamp(min=0) // bs).long() * bs + pos % bs
+        slots = torch.where(real, slots, self.kv_cache.scratch_block * bs + pos % bs)
+        return ForwardBatch(pos.reshape(-1), [0] + [b * width] * b, [0] * b, [None] * b, self.kv_cache,
+                            slots.reshape(-1), tables, self.end[:b].to(torch.int32),
+                            query_start_dev=self.starts[width][:b + 1])
+
+    def _step(self, b: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = b * width
+        emb = self.model.model.embed_tokens(self.ids[:n])
+        out = self.model.mtp.predict(self.hid[:n], emb, self.batch(b, width))[width - 1::width]
+        return out, self.model.compute_logits(out)
+
+    def run(self, b: int, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The staged follow-up's (output [b, D], logits [b, V]) from a graph replay, or None
+        where there is no graph (not capturing, or the capture was refused: the caller runs
+        the follow-up eagerly)."""
+        key = (b, width)
+        if not self.capture_on or key in self.eager:
+            return None
+        if key not in self.graphs:
+            reason = sync_free_warm_up(self.device, None, lambda: self._step(b, width),
+                                       f"the MTP follow-up of {b} rows")
+            if reason is not None:
+                self.eager[key] = reason
+                log.warning("MTP follow-ups of %d rows run eagerly (slow): %s", b, reason)
+                return None
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[key] = self._step(b, width)
+            self.pool = graph.pool()
+            self.graphs[key] = graph
+            torch.cuda.synchronize(self.device)
+            log.info("captured the MTP follow-up CUDA graph for %d rows of %d tokens", b, width)
+        self.graphs[key].replay()
+        self.replays += 1
+        return self.outputs[key]

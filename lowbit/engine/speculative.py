@@ -44,7 +44,7 @@ import torch
 from lowbit.engine.acceptance import accept, draft_tokens
 from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.cuda_graphs import graphs_wanted
-from lowbit.engine.draft_graphs import DraftChainGraphs, flat_batch
+from lowbit.engine.draft_graphs import DraftChainGraphs, FollowGraphs, flat_batch
 from lowbit.engine.draft_length import DraftLength
 from lowbit.engine.paged_cache import PagedKVCache
 from lowbit.engine.prefill_graphs import prefill_graphs_wanted
@@ -292,12 +292,22 @@ class MTPDrafter:
 
     needs_hidden = True
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
+                 max_num_seqs: int = 0, max_model_len: int = 0, graphs: bool = False) -> None:
         if getattr(model, "mtp", None) is None:
             raise LowbitError("--speculative-method mtp needs a checkpoint with an MTP layer "
                               "(num_nextn_predict_layers: 1); use ngram or draft for this model")
         self.model, self.kv_cache, self.device = model, kv_cache, device
         self.last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (hidden [D], logits [V])
+        # decode-state follow-ups over static buffers, replayed as CUDA graphs with `graphs`
+        # (lowbit.engine.draft_graphs.FollowGraphs); else eagerly
+        self.graphs = None
+        if max_num_seqs and max_model_len:
+            if graphs and (why := prefill_graphs_wanted(model)) is not None:
+                graphs = False
+                log.warning("MTP follow-ups run eagerly (slow): %s", why)
+            self.graphs = FollowGraphs(model, kv_cache, max_num_seqs, -(-max_model_len // kv_cache.block_size),
+                                       device, graphs)
 
     def available(self, req: Request) -> bool:
         return req.request_id in self.last
@@ -339,6 +349,16 @@ class MTPDrafter:
         work.write(drafted)
         return {i: torch.stack(q) for i, q in qs.items()}
 
+    def _follow_width(self, entries: list, ends: list) -> int | None:
+        """The static follow-up's width W when every row is a decode-state follow-up of at most W
+        positions with W positions before its end (FollowGraphs), else None (eager)."""
+        if self.graphs is None or not self.graphs.capture_on or any(e is None for e in ends):
+            return None
+        width = FollowGraphs.width_for(max(m for _, _, m in entries))
+        if width is None or any(c + m < width for _, c, m in entries):
+            return None
+        return width
+
     def follow(self, scheduled: list[tuple[Request, int]], num_real: list[int], batch: ForwardBatch,
                hidden: torch.Tensor, emitted: dict[str, list[int]]) -> None:
         """Run the MTP layer over the positions this step made real (its KV there, and draft 1
@@ -351,10 +371,21 @@ class MTPDrafter:
             else:
                 m, nxt = num_real[i] + len(new) - 1, req.token_ids[c + 1:c + num_real[i]] + new
             entries.append((req.block_table, c, m))
-            rows += range(batch.query_start[i], batch.query_start[i] + m)
-            next_ids += nxt
-            ends.append(len(next_ids) - 1 if new is not None else None)
-        out = self._predict(hidden[torch.as_tensor(rows, device=self.device)], next_ids, entries)
+            rows.append(list(range(batch.query_start[i], batch.query_start[i] + m)))
+            next_ids.append(nxt)
+            ends.append(sum(map(len, next_ids)) - 1 if new is not None else None)
+        width = self._follow_width(entries, ends)
+        if width:
+            b = self.graphs.stage(hidden, rows, next_ids, entries, width)
+            got = self.graphs.run(b, width)
+            if got is not None:
+                out, logits = got
+                for r, (req, _) in enumerate(scheduled):  # clones: the next replay overwrites them
+                    self.last[req.request_id] = (out[r].clone(), logits[r].clone())
+                return
+        flat_rows = [x for rr in rows for x in rr]
+        out = self._predict(hidden[torch.as_tensor(flat_rows, device=self.device)],
+                            [t for tt in next_ids for t in tt], entries)
         picks = [(req, e) for (req, _), e in zip(scheduled, ends) if e is not None]
         if picks:
             logits = self.model.compute_logits(out[[e for _, e in picks]])
@@ -506,7 +537,9 @@ def make_spec_decoder(config, model: torch.nn.Module, kv_cache: PagedKVCache, de
     if method == "ngram":
         drafter = NgramDrafter()
     elif method == "mtp":
-        drafter = MTPDrafter(model, kv_cache, device)
+        wanted = graphs_wanted(model, device, config.enforce_eager)
+        drafter = MTPDrafter(model, kv_cache, device, config.max_num_seqs, config.max_model_len,
+                             wanted is None and device.type == "cuda")
     else:
         draft = load(config.speculative_model)
         if draft.config.vocab_size != model.config.vocab_size:

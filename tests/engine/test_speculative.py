@@ -483,3 +483,43 @@ def test_the_catch_up_a_graph_would_replay_drafts_what_the_eager_catch_up_drafts
     outs = llm.generate(PROMPTS[:2], sp)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     assert checked, "no catch-up shorter than k + 1 was staged"
+
+
+def test_v3_mtp_follow_ups_over_static_buffers_draft_from_the_true_context(v3, monkeypatch):
+    """The MTP follow-up as its graph runs it (FollowGraphs: rows padded to their bucket,
+    front-padded to the width, the graph-safe latent prefill route in the interpreter, device
+    metadata only): the layer's cache and output stay those of the layer run afresh over the
+    whole sequence, and greedy output is the one without speculation."""
+    llm = spec_llm(v3, "mtp", k=3)
+    eng = llm.engine
+    graphs = eng.spec.drafter.graphs
+    assert graphs is not None and not graphs.capture_on  # the CPU: no graphs
+    graphs.capture_on, ran = True, []  # stage as a capture would; run _step where a graph would replay
+
+    def run(b, width):
+        got = graphs.batch(b, width)
+        bs = graphs.kv_cache.block_size
+        real = torch.arange(width) >= width - graphs.count[:b, None]
+        assert bool((got.slot_mapping.view(b, width)[~real] // bs == graphs.kv_cache.scratch_block).all())
+        with monkeypatch.context() as m:
+            m.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "triton_latent_prefill")
+            routes.reset_counters()
+            out = graphs._step(b, width)
+            used = {c["route"] for c in routes.counters()["route_calls"] if c["op"] == "latent_attention"}
+        assert used == {"triton_latent_prefill"}, used
+        ran.append((b, width, int(real.sum()) < b * width))
+        return out
+
+    graphs.run = run
+    req = eng.add_request(v3_prompts()[2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    other = eng.add_request(v3_prompts()[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for _ in range(5):
+        eng.step()
+    assert ran and {w for _, w, _ in ran} <= {2, 4} and any(pad for _, _, pad in ran)
+    for r in (req, other):
+        want = mtp_reference(eng.model, torch.tensor(r.token_ids))
+        torch.testing.assert_close(eng.spec.drafter.last[r.request_id][0], want, rtol=1e-3, atol=1e-3)
+    run_all(eng)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert outputs(llm, v3_prompts(), sp) == plain_outputs(v3, v3_prompts(), sp)
+    assert_idle(llm)

@@ -39,3 +39,53 @@ def test_demo_draft_chains_replay_what_they_compute_eagerly():
     assert any(catch == 4 for _, catch in checked)  # the catch-up (k + 1 = 4 tokens a row) in the graph
     stats = llm.engine.spec.stats
     assert 0 < stats.num_accepted <= stats.num_drafts
+
+
+def test_v3_mtp_follow_ups_replay_what_they_compute_eagerly(tmp_path):
+    """A small random DeepSeek-V3 (its MTP layer, k = 3) on the GPU: each MTP follow-up graph
+    replay gives the output of the same static step run eagerly, follow-ups replay (no eager
+    fallback), and the MTP layer's output at the last position is that of the layer run
+    afresh over the whole sequence (bf16 tolerance)."""
+    import json
+
+    from lowbit.engine.batch import ForwardBatch
+    from lowbit.engine.kv_cache import ContiguousKVCache
+    from tests.models.test_random_weights import raw_config, shrink
+
+    def mtp_reference(lm, ids):  # the MTP layer's output at the last position, afresh over the sequence
+        with torch.inference_mode():
+            cache = ContiguousKVCache(lm.num_cache_layers, 1, len(ids))
+            batch = ForwardBatch.build([len(ids) - 1], [0], [0], cache, device="cuda")
+            return lm.mtp.predict(lm(ids[:-1], batch), lm.model.embed_tokens(ids[1:]), batch)[-1]
+
+    raw = shrink(raw_config("deepseek-ai__DeepSeek-V3"))
+    raw.update(num_nextn_predict_layers=1, num_hidden_layers=2, max_position_embeddings=1024)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    llm = LLM("v3", random_weights=True, config=str(tmp_path / "config.json"), device="cuda",
+              speculative_method="mtp", num_speculative_tokens=3, max_num_seqs=8, max_model_len=512)
+    eng = llm.engine
+    graphs = eng.spec.drafter.graphs
+    assert graphs is not None and graphs.capture_on
+    checked, original = [], graphs.run
+
+    def run(b, width):
+        got = original(b, width)
+        if got is not None and (b, width) in graphs.graphs:
+            out = got[0].clone()
+            again, _ = graphs._step(b, width)
+            torch.testing.assert_close(again, out, rtol=0, atol=0)
+            checked.append(b)
+        return got
+
+    graphs.run = run
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    reqs = [eng.add_request(torch.randint(0, 256, (n,), generator=g).tolist(), sp) for n in (40, 9, 130)]
+    for _ in range(8):
+        eng.step()
+    assert checked and graphs.replays >= len(checked) and not graphs.eager
+    for r in reqs:
+        if r.request_id in eng.spec.drafter.last:
+            want = mtp_reference(eng.model, torch.tensor(r.token_ids, device="cuda")).float()
+            got = eng.spec.drafter.last[r.request_id][0].float()
+            assert (got - want).norm() / want.norm() < 0.02
