@@ -112,15 +112,24 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
 
 
 def _chain_status(spec: LLM) -> str | None:
-    """A draft model's chains: graph replays, captured buckets, or why they run eagerly (None: no draft model)."""
-    chain = getattr(spec.engine.spec.drafter, "chain", None)
+    """A draft model's chains (and their catch-ups) or the MTP layer's follow-ups: graph
+    replays, captured buckets, or why they run eagerly (None: neither drafter)."""
+    drafter = spec.engine.spec.drafter
+    chain, follow = getattr(drafter, "chain", None), getattr(drafter, "graphs", None)
+    if follow is not None:
+        if not follow.capture_on:
+            return "MTP follow-ups run eagerly (no CUDA graphs here, or the latent prefill route is not graph-safe)"
+        eager = "; ".join(f"{b} rows: {why}" for (b, _), why in follow.eager.items())
+        return (f"MTP follow-ups replayed from CUDA graphs: {follow.replays} (captured rows, width: "
+                f"{sorted(follow.graphs)})" + (f"; EAGER {eager}" if eager else ""))
     if chain is None:
         return None
     if not chain.capture_on:
         return "draft chains run eagerly (no CUDA graphs here)"
-    eager = "; ".join(f"{b} rows: {why}" for (b, _, _), why in chain.eager.items())
-    return (f"draft chains replayed from CUDA graphs: {chain.replays} (captured rows, forwards: "
-            f"{sorted({k[:2] for k in chain.graphs})})" + (f"; EAGER {eager}" if eager else ""))
+    eager = "; ".join(f"{b} rows: {why}" for (b, *_), why in chain.eager.items())
+    catch = ("catch-ups eager: " + drafter.fused_refusal) if drafter.fused_refusal else "catch-ups in the graph"
+    return (f"draft chains replayed from CUDA graphs: {chain.replays} (captured rows, forwards, catch-up width: "
+            f"{sorted({(k[0], k[1], k[3]) for k in chain.graphs})}; {catch})" + (f"; EAGER {eager}" if eager else ""))
 
 
 def _k_history(spec: LLM) -> dict:
