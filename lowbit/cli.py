@@ -25,6 +25,7 @@ from lowbit.models import param_counts
 from lowbit.models.config import load_config
 from lowbit.quantize.export import DEFAULT_FORMATS, quantize_model, summary_table
 from lowbit.quantize.tune import LR_CODES as TUNE_CODES_LR
+from lowbit.quantize.tune import SCHEDULES as TUNE_SCHEDULES
 from lowbit.quantize.tune import TOPK as TUNE_TOPK
 
 
@@ -143,7 +144,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                               tune_steps=args.tune_scales, tune_text=args.tune_text,
                               tune_tokens=args.tune_tokens, tune_norms=args.tune_norms,
                               tune_topk=args.tune_teacher_topk, tune_codes=args.tune_codes,
-                              sequential=args.sequential)
+                              sequential=args.sequential, tune_schedule=args.tune_schedule)
     print(summary_table(manifest))
     print(f"wrote {args.out}")
     return 0
@@ -250,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--tune-codes", type=float, nargs="?", const=TUNE_CODES_LR, default=0.0, metavar="RATE",
                    help="with --tune-scales: move the codes too (latent weights, straight-through; same format "
                         f"and bytes); RATE is Adam's step on them (default {TUNE_CODES_LR})")
+    q.add_argument("--tune-schedule", choices=TUNE_SCHEDULES, default="constant",
+                   help="with --tune-scales: the Adam rates through the steps, fixed (constant) or a half cosine "
+                        "from the rate down to 0 at the last step (cosine)")
     q.set_defaults(func=cmd_quantize)
 
     e = sub.add_parser("eval", help="quality against a teacher: perplexity, KL, top-1 agreement")

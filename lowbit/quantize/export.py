@@ -42,16 +42,16 @@ from lowbit.quantize.calibrate import (
 )
 from lowbit.quantize.gptq import DAMP
 from lowbit.quantize.sensitivity import WINDOW, KLProbe
+from lowbit.quantize.tune import SCHEDULES, TUNABLE, TuneText, teacher, tune_scales
 from lowbit.quantize.tune import TOKENS as TUNE_TOKENS
 from lowbit.quantize.tune import TOPK as TUNE_TOPK
-from lowbit.quantize.tune import TUNABLE, TuneText, teacher, tune_scales
 from lowbit.quantize.tune import WINDOW as TUNE_WINDOW
 
 
 class Tuning(NamedTuple):
     """--tune-scales: the text, steps, most tokens, teacher tokens kept per position (0: all),
-    the norms' dtype with --tune-norms (else None), and the latent weights' rate with
-    --tune-codes (0: codes fixed)."""
+    the norms' dtype with --tune-norms (else None), the latent weights' rate with
+    --tune-codes (0: codes fixed), and the rates' schedule (--tune-schedule)."""
 
     text: Calibration
     steps: int
@@ -59,6 +59,7 @@ class Tuning(NamedTuple):
     topk: int
     norms: torch.dtype | None
     codes: float = 0.0
+    schedule: str = "constant"
 
 DEFAULT_FORMATS = "vq2,nf3,vq3,lut3,nf4,vq4,lut4,nvfp4,int4-g32,fp8,dense"  # the --bpw candidates
 
@@ -75,7 +76,8 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
                    sensitivity: str | None = None, sensitivity_from: str | Path | None = None,
                    tune_steps: int = 0, tune_text: str | Path | None = None,
                    tune_tokens: int = TUNE_TOKENS, tune_norms: bool = False,
-                   tune_topk: int | None = None, tune_codes: float = 0.0, sequential: bool = False) -> dict:
+                   tune_topk: int | None = None, tune_codes: float = 0.0, sequential: bool = False,
+                   tune_schedule: str = "constant") -> dict:
     """Write the artifact for `model` in format `fmt` (or, with `bpw`, a format per weight
     from `formats` under that budget) at `out`; return its manifest with the run's wall
     time added under totals.seconds. With `calib` (a text file) every weight is rounded by
@@ -106,6 +108,12 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
         raise LowbitError(f"--tune-codes {tune_codes}: give Adam's rate on the latent weights, e.g. 0.001.")
     if tune_codes:
         tuning = tuning._replace(codes=tune_codes)
+    if tune_schedule not in SCHEDULES:
+        raise LowbitError(f"--tune-schedule {tune_schedule!r}: use one of {', '.join(SCHEDULES)}.")
+    if tune_schedule != "constant":
+        if tuning is None:
+            raise LowbitError("--tune-schedule sets the rates of --tune-scales: give --tune-scales STEPS too.")
+        tuning = tuning._replace(schedule=tune_schedule)
     if sequential and calibration is None:
         raise LowbitError("--sequential rounds each layer on the Hessians of the already rounded layers before "
                           "it: give --calib FILE too.")
@@ -374,7 +382,8 @@ def _tuned(loaded: LoadedModel, text: TuneText, target: list, device: str, tunin
            probe: KLProbe | None = None) -> dict:
     """Tune the installed roundings' scales; print and return the record (with the probe's
     KL after tuning, on the tokens it measured the plan on)."""
-    record = tune_scales(loaded.model, text, target, device, norms=tuning.norms, codes=tuning.codes)
+    record = tune_scales(loaded.model, text, target, device, norms=tuning.norms, codes=tuning.codes,
+                         schedule=tuning.schedule)
     if record["weights"] == 0:
         print("tune-scales: the plan has no weight in a tunable format")
         return record

@@ -78,6 +78,7 @@ BATCH = 4  # windows per step
 LR = 2e-3  # Adam step on t (a factor exp(t) moves by about LR per step)
 LR_CODES = 1e-3  # Adam step on the latent unit-scale weights with `codes` (--tune-codes)
 EVAL_EVERY = 25  # steps between validation checks
+SCHEDULES = ("constant", "cosine")  # the rates over the steps: fixed, or a half cosine from the rate to 0
 VAL_EVERY = 10  # every 10th window is a validation window
 
 
@@ -361,11 +362,13 @@ class _Norm:
 
 
 def tune_scales(model: nn.Module, text: TuneText, target: list[Target], device: str,
-                lr: float = LR, seed: int = 0, norms: torch.dtype | None = None, codes: float = 0.0) -> dict:
+                lr: float = LR, seed: int = 0, norms: torch.dtype | None = None, codes: float = 0.0,
+                schedule: str = "constant") -> dict:
     """Tune the block scales of every tunable weight installed in `model` (module docstring),
     with `norms` (the dtype the artifact stores them in) the RMSNorm weights too, and with
     `codes` > 0 (Adam's rate on the latent weights) the codes; `target` is teacher() of the
-    same text. Returns what lowbit.json records."""
+    same text. `schedule` (SCHEDULES): every group's rate through the steps. Returns what
+    lowbit.json records."""
     t0, steps = time.perf_counter(), text.steps
     blocks = [_Block(mod, attr, getattr(mod, attr), codes > 0) for mod, attr in installed(model)]
     if not blocks:  # a --bpw plan of other formats
@@ -380,6 +383,7 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Target], device: 
     if latent:
         groups.append({"params": latent, "lr": codes})
     opt = torch.optim.Adam(groups, lr=lr)
+    rates = [g["lr"] for g in opt.param_groups]
     gen = torch.Generator().manual_seed(seed)
 
     def check() -> float:
@@ -400,6 +404,9 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Target], device: 
             loss = Target.cat([target[i] for i in pick]).kl(logq)
             opt.zero_grad()
             loss.backward()
+            if schedule == "cosine":  # step 1 at the full rate, the last at 0
+                for g, r in zip(opt.param_groups, rates):
+                    g["lr"] = r * 0.5 * (1 + math.cos(math.pi * (step - 1) / max(steps - 1, 1)))
             opt.step()
             if step % EVAL_EVERY == 0 or step == steps:
                 score = check()
@@ -419,7 +426,7 @@ def tune_scales(model: nn.Module, text: TuneText, target: list[Target], device: 
     search = dict(zip(("groups", "neighbours", "whole"), map(sum, zip(*(g.searched for g in grids)))))
     extra = {"codes_lr": codes, "code_weights": len(latent), "codes_changed": changed,
              "code_search": search} if latent else {}
-    return {"method": method, "steps": steps, "lr": lr, **extra, "batch_windows": BATCH,
+    return {"method": method, "steps": steps, "lr": lr, "schedule": schedule, **extra, "batch_windows": BATCH,
             "window": len(text.windows[0]),
             "text": {"file": text.path.name, "sha256": text.sha256, "tokens": sum(map(len, text.windows))},
             "teacher": teacher_record(target),

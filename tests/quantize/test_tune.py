@@ -166,6 +166,8 @@ def test_tune_scales_needs_calib_and_steps(tiny_moe_dir, tmp_path, capsys):
                        (["--format", "nf4", "--calib", str(calib), "--tune-codes"], "--tune-scales STEPS too"),
                        (["--format", "nf4", "--calib", str(calib), "--tune-scales", "5", "--tune-codes", "-0.1"],
                         "Adam's rate"),
+                       (["--format", "nf4", "--calib", str(calib), "--tune-schedule", "cosine"],
+                        "--tune-scales STEPS too"),
                        (["--format", "nf4", "--calib", str(calib), "--tune-teacher-topk", "64"],
                         "--tune-scales STEPS too"),
                        (["--format", "nf4", "--calib", str(calib), "--tune-scales", "10", "--tune-teacher-topk", "-1"],
@@ -199,15 +201,28 @@ def test_tuned_artifact_lowers_validation_kl_keeps_bytes_and_generates(tiny_moe_
     assert main(["generate", str(tuned), "It is a truth", "--max-tokens", "4", "--ignore-eos"]) == 0
 
 
-def test_bpw_plan_is_tuned_after_allocation_within_its_bytes(tiny_moe_dir, tmp_path):
+def test_bpw_plan_is_tuned_after_allocation_within_its_bytes(tiny_moe_dir, tmp_path, monkeypatch):
+    """A --bpw plan tuned with norms and a cosine schedule (the rate of step s of S is
+    LR (1 + cos(pi (s - 1) / (S - 1))) / 2: the full rate first, 0 last)."""
     calib = tmp_path / "calib.txt"
     calib.write_text(TEXT)
     art = tmp_path / "art"
+    rates, step = [], torch.optim.Adam.step
+
+    def spy(self, *a, **kw):
+        rates.append(self.param_groups[0]["lr"])
+        return step(self, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", spy)
     argv = ["quantize", str(tiny_moe_dir), "--bpw", "7.6", "--formats", "nf3,nf4,fp8", "--out", str(art),
-            "--device", "cpu", "--calib", str(calib), "--tune-scales", "25", "--tune-norms", "--tune-teacher-topk", "8"]
+            "--device", "cpu", "--calib", str(calib), "--tune-scales", "25", "--tune-norms", "--tune-teacher-topk", "8",
+            "--tune-schedule", "cosine"]
     assert main(argv) == 0
+    assert len(rates) == 25 and rates[0] == pytest.approx(2e-3) and rates[12] == pytest.approx(1e-3)
+    assert rates[-1] == pytest.approx(0.0, abs=1e-12) and rates == sorted(rates, reverse=True)
     manifest = json.loads((art / "lowbit.json").read_text())
     plan, rec = manifest["allocation"], manifest["provenance"]["rounding"]["tuning"]
+    assert rec["schedule"] == "cosine"
     assert 8 * plan["bytes"] <= 7.6 * plan["weights"]
     assert rec["weights"] == sum(e["format"] in ("nf3", "nf4") for e in plan["tensors"].values()) > 0
     assert rec["validation_kl_after"] <= rec["validation_kl_before"]
