@@ -79,6 +79,21 @@ def flat_batch(entries: list[tuple[list[int], int, int]], kv_cache: PagedKVCache
                         as_dev(slots), tables.to(device), as_dev([s + n for _, s, n in entries], torch.int32))
 
 
+def front_padded_batch(end: torch.Tensor, count: torch.Tensor, tables: torch.Tensor, width: int,
+                       starts: torch.Tensor, kv_cache: PagedKVCache) -> ForwardBatch:
+    """A prefill-shaped batch of `width` tokens a row, computed on the device: row r's tokens at
+    positions end[r] - width .. end[r] - 1, of which the last count[r] are real; the padding's
+    KV writes go to the scratch block (it sits at positions the pool already holds). Host lists
+    are the prefill graphs' placeholders: the graph-safe routes read the device tensors only."""
+    b, bs = len(end), kv_cache.block_size
+    pos = end[:, None] - width + torch.arange(width, device=end.device)  # [b, width]
+    real = torch.arange(width, device=end.device) >= width - count[:, None]
+    slots = tables.gather(1, pos.clamp(min=0) // bs).long() * bs + pos % bs
+    slots = torch.where(real, slots, kv_cache.scratch_block * bs + pos % bs)
+    return ForwardBatch(pos.reshape(-1), [0] + [b * width] * b, [0] * b, [None] * b, kv_cache,
+                        slots.reshape(-1), tables, end.to(torch.int32), query_start_dev=starts)
+
+
 class DraftChainGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache, max_rows: int, max_blocks: int,
                  device: torch.device, capture: bool) -> None:
@@ -147,15 +162,8 @@ class DraftChainGraphs:
         """The catch-up's metadata on the device (what a graph replays): row r's k + 1 tokens at
         pos - (k + 1) .. pos - 1, real from index k + 1 - count on, the padding written to the
         scratch block. Host lists are the prefill graphs' placeholders (no route reads them)."""
-        bs, width = self.kv_cache.block_size, self.cids.shape[1]
-        pos = self.pos[:b, None] - width + torch.arange(width, device=self.device)  # [b, width]
-        real = torch.arange(width, device=self.device) >= width - self.count[:b, None]
-        tables = self.tables[:b]
-        slots = tables.gather(1, (pos.clamp(min=0) // bs)).long() * bs + pos % bs
-        slots = torch.where(real, slots, self.kv_cache.scratch_block * bs + pos % bs)
-        return ForwardBatch(pos.reshape(-1), [0] + [b * width] * b, [0] * b, [None] * b, self.kv_cache,
-                            slots.reshape(-1), tables, self.pos[:b].to(torch.int32),
-                            query_start_dev=self.starts[:b + 1])
+        return front_padded_batch(self.pos[:b], self.count[:b], self.tables[:b], self.cids.shape[1],
+                                  self.starts[:b + 1], self.kv_cache)
 
     def static_batch(self, b: int, j: int) -> ForwardBatch:
         """Chain step j's metadata, computed on the device from the static buffers (what a
@@ -301,15 +309,8 @@ class FollowGraphs:
 
     def batch(self, b: int, width: int) -> ForwardBatch:
         """The follow-up's metadata on the device (what a graph replays), as catch_up_batch's."""
-        bs = self.kv_cache.block_size
-        pos = self.end[:b, None] - width + torch.arange(width, device=self.device)  # [b, width]
-        real = torch.arange(width, device=self.device) >= width - self.count[:b, None]
-        tables = self.tables[:b]
-        slots = tables.gather(1, pos.clamp(min=0) // bs).long() * bs + pos % bs
-        slots = torch.where(real, slots, self.kv_cache.scratch_block * bs + pos % bs)
-        return ForwardBatch(pos.reshape(-1), [0] + [b * width] * b, [0] * b, [None] * b, self.kv_cache,
-                            slots.reshape(-1), tables, self.end[:b].to(torch.int32),
-                            query_start_dev=self.starts[width][:b + 1])
+        return front_padded_batch(self.end[:b], self.count[:b], self.tables[:b], width,
+                                  self.starts[width][:b + 1], self.kv_cache)
 
     def _step(self, b: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = b * width
