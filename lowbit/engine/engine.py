@@ -123,6 +123,11 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len
         self.eos_ids = self._eos_ids()
         self.expert_cache = self._attach_expert_cache(next(self.model.parameters()).dtype)
+        # a draft model loads before the KV pool is sized: its weights and its own pool (as many
+        # blocks as the target's) come out of the same memory
+        self.draft = None
+        if self.config.speculative_method == "draft" and self.config.speculative_model:
+            self.draft = load_model(self.config.speculative_model, dtype=dtype, device=str(self.device)).model
         self._build_cache(next(self.model.parameters()).dtype)
         if self.expert_cache is not None:
             self.expert_cache.reset_stats()
@@ -143,7 +148,8 @@ class LLMEngine:
                             self.runner.prefill_graphs_off)
         self.spec: SpecDecoder | None = make_spec_decoder(
             self.config, self.model, self.kv_cache, self.device,
-            lambda path: load_model(path, dtype=dtype, device=str(self.device)).model)
+            lambda path: self.draft if self.draft is not None else load_model(path, dtype=dtype,
+                                                                              device=str(self.device)).model)
         self.runner.spec = self.spec
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -203,8 +209,12 @@ class LLMEngine:
         cfg = self.config
         kv_dtype = parse_kv_dtype(cfg.kv_cache_dtype, model_dtype)
         layers = getattr(self.model, "num_cache_layers", self.arch.num_layers)
+        extra = 0  # a draft model's pool bytes per token
+        if self.draft is not None:
+            extra = kv_bytes_per_token(self.draft.config, next(self.draft.parameters()).dtype,
+                                       self.draft.num_cache_layers)
         num_blocks = pool_tokens(cfg, self.arch, kv_dtype, self.device, layers,
-                                 self._profile_activation_bytes()) // cfg.block_size
+                                 self._profile_activation_bytes(), extra) // cfg.block_size
         if num_blocks < 1:
             raise LowbitError("the KV cache would hold no block; give it more memory or tokens")
         self.kv_cache = PagedKVCache(layers, num_blocks, cfg.block_size, kv_dtype, self.device)

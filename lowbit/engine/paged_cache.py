@@ -176,13 +176,14 @@ def available_ram_bytes() -> int:
 
 
 def pool_tokens(cfg, arch, dtype: torch.dtype, device: torch.device, num_layers: int,
-                activation_bytes: int = 0) -> int:
-    """How many tokens the KV pool holds: an explicit knob first, else memory-derived."""
+                activation_bytes: int = 0, extra_per_token: int = 0) -> int:
+    """How many tokens the KV pool holds: an explicit knob first, else memory-derived, each
+    token costing its KV bytes plus `extra_per_token` (a draft model's pool, as many tokens)."""
     if cfg.num_gpu_blocks_override:
         return cfg.num_gpu_blocks_override * cfg.block_size
     if cfg.kv_cache_tokens:
         return cfg.kv_cache_tokens
-    per_token = kv_bytes_per_token(arch, dtype, num_layers, cfg.tensor_parallel_size)
+    per_token = kv_bytes_per_token(arch, dtype, num_layers, cfg.tensor_parallel_size) + extra_per_token
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = total * cfg.gpu_memory_utilization - (total - free) - activation_bytes

@@ -523,3 +523,28 @@ def test_v3_mtp_follow_ups_over_static_buffers_draft_from_the_true_context(v3, m
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     assert outputs(llm, v3_prompts(), sp) == plain_outputs(v3, v3_prompts(), sp)
     assert_idle(llm)
+
+
+@needs_demo
+def test_a_draft_models_pool_is_sized_with_the_targets(monkeypatch):
+    """The KV pool, sized from memory, counts the draft model's pool (as many tokens as the
+    target's, in the draft's layers and dtype) in each token's bytes: on CUDA the draft's
+    pool took the memory the target's had claimed (an OOM at its first write). The draft is
+    loaded once, before the sizing, and is the drafter's model."""
+    from lowbit.engine import paged_cache
+
+    monkeypatch.setattr(paged_cache, "available_ram_bytes", lambda: 4 << 30)
+    plain = LLM("demo", max_num_seqs=64, max_model_len=4096)
+    spec = LLM("demo", max_num_seqs=64, max_model_len=4096, speculative_method="draft",
+               speculative_model="demo-draft", num_speculative_tokens=2)
+    eng = spec.engine
+    assert eng.spec.drafter.model is eng.draft
+    arch, dtype = plain.engine.arch, plain.engine.kv_cache.dtype
+    target = paged_cache.kv_bytes_per_token(arch, dtype, plain.engine.model.num_cache_layers)
+    draft = paged_cache.kv_bytes_per_token(eng.draft.config, next(eng.draft.parameters()).dtype,
+                                           eng.draft.num_cache_layers)
+    bs = eng.kv_cache.block_size
+    budget = 4 << 30
+    assert abs(plain.engine.kv_cache.num_tokens - budget * paged_cache.CPU_POOL_FRACTION // target) < bs
+    assert abs(eng.kv_cache.num_tokens - budget * paged_cache.CPU_POOL_FRACTION // (target + draft)) < bs
+    assert eng.spec.drafter.kv_cache.num_blocks == eng.kv_cache.num_blocks

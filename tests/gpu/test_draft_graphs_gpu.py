@@ -62,7 +62,8 @@ def test_v3_mtp_follow_ups_replay_what_they_compute_eagerly(tmp_path):
     raw.update(num_nextn_predict_layers=1, num_hidden_layers=2, max_position_embeddings=1024)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     llm = LLM("v3", random_weights=True, config=str(tmp_path / "config.json"), device="cuda",
-              speculative_method="mtp", num_speculative_tokens=3, max_num_seqs=8, max_model_len=512)
+              speculative_method="mtp", num_speculative_tokens=3, max_num_seqs=8, max_model_len=512,
+              kv_cache_tokens=16384)
     eng = llm.engine
     graphs = eng.spec.drafter.graphs
     assert graphs is not None and graphs.capture_on
