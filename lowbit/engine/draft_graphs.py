@@ -19,19 +19,20 @@ p + 1, the token's index) comes from lowbit.engine.acceptance.draft_tokens and f
 j + 1. The outputs:
 tokens [N, R] and, for a random sampler mode, the draft distributions q [N, R, V].
 
-The catch-up can be in the graph too (`catch` = k + 1 > 0): in decode state every drafting
+The catch-up can be in the graph too (`catch` = W > 0): in decode state every drafting
 row's catch-up is its last step's accepted tokens plus one, at most k + 1, at the positions
-just before draft 0's. Each row then feeds k + 1 tokens, front-padded:
-  cids    [R, k + 1] int64  the catch-up tokens, right-aligned (padding first)
-  count   [R] int64         real catch-up tokens per row
-and the catch-up forward is one prefill-shaped step of R (k + 1) tokens at positions
-pos - (k + 1) .. pos - 1, sequence length pos: a padding token sits at a position the pool
+just before draft 0's. Each row then feeds W tokens (2, 4 or 8: the least that holds every
+row's catch-up), front-padded:
+  cids    [R, W] int64  the catch-up tokens, right-aligned (padding first); a buffer per W
+  count   [R] int64     real catch-up tokens per row
+and the catch-up forward is one prefill-shaped step of R W tokens at positions pos - W ..
+pos - 1, sequence length pos: a padding token sits at a position the pool
 already holds, so it attends to real entries and is attended to by none (causal), and its KV
 write goes to the scratch block instead of over the real entry; draft 0 comes from the logits
 at each row's last token, always real. The prefill attention route must be graph-safe
 (lowbit.engine.prefill_graphs), else the catch-up stays eager before the chain.
 
-Padded rows (bucket > drafting rows): token 0 at position 0 (k + 1 with a catch-up) over the pool's scratch block,
+Padded rows (bucket > drafting rows): token 0 at position 0 (W with a catch-up) over the pool's scratch block,
 sampling in the sampler's scratch row; their drafts are dropped. Drafts are proposals, so a
 chain that drafted badly costs acceptance, never output: the verify step decides.
 
@@ -79,6 +80,14 @@ def flat_batch(entries: list[tuple[list[int], int, int]], kv_cache: PagedKVCache
                         as_dev(slots), tables.to(device), as_dev([s + n for _, s, n in entries], torch.int32))
 
 
+PAD_WIDTHS = (2, 4, 8)  # tokens a row of a captured catch-up or MTP follow-up (k + 1 <= 8)
+
+
+def pad_width(m: int) -> int | None:
+    """The least of PAD_WIDTHS that holds m tokens, None past the last."""
+    return next((w for w in PAD_WIDTHS if w >= m), None)
+
+
 def front_padded_batch(end: torch.Tensor, count: torch.Tensor, tables: torch.Tensor, width: int,
                        starts: torch.Tensor, kv_cache: PagedKVCache) -> ForwardBatch:
     """A prefill-shaped batch of `width` tokens a row, computed on the device: row r's tokens at
@@ -104,7 +113,11 @@ class DraftChainGraphs:
         self.pos = torch.zeros(r, dtype=torch.long, device=device)
         self.rows = torch.zeros(r, dtype=torch.long, device=device)
         self.tables = torch.full((r, max_blocks), kv_cache.scratch_block, dtype=torch.int32, device=device)
-        self.cids = self.count = self.starts = None  # the catch-up's buffers, made at its first stage
+        # the catch-up's buffers: per width, made at its first stage and never freed (a captured
+        # graph keeps reading the ones it was captured with)
+        self.count = torch.zeros(r, dtype=torch.long, device=device)
+        self.cids: dict[int, torch.Tensor] = {}  # width -> [r, width] int64
+        self.starts: dict[int, torch.Tensor] = {}  # width -> [r + 1] int32
         self.catch_host: list[tuple[list[int], int, int]] = []  # eager catch-up entries (table, start, n)
         self.catch_ids: list[int] = []
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -144,26 +157,25 @@ class DraftChainGraphs:
         real tokens ids ending at the row's draft-0 position. Padded rows get `width` tokens over
         the scratch block (position `width`, so that no position is negative)."""
         n = len(entries)
-        if self.cids is None or self.cids.shape[1] != width:
+        if width not in self.cids:
             r = self.buckets[-1]
-            self.cids = torch.zeros(r, width, dtype=torch.long, device=self.device)
-            self.count = torch.zeros(r, dtype=torch.long, device=self.device)
-            self.starts = torch.arange(r + 1, dtype=torch.int32, device=self.device) * width
+            self.cids[width] = torch.zeros(r, width, dtype=torch.long, device=self.device)
+            self.starts[width] = torch.arange(r + 1, dtype=torch.int32, device=self.device) * width
         host = torch.zeros(b, width, dtype=torch.long)
         for i, row in enumerate(ids):
             host[i, width - len(row):] = torch.as_tensor(row, dtype=torch.long)
-        self.cids[:b].copy_(host, non_blocking=True)
+        self.cids[width][:b].copy_(host, non_blocking=True)
         self.count[:b].copy_(torch.as_tensor([e[2] for e in entries] + [width] * (b - n), dtype=torch.long),
                              non_blocking=True)
         self.pos[n:b].fill_(width)
         self.catch_host, self.catch_ids = entries, [t for row in ids for t in row]
 
-    def catch_up_batch(self, b: int) -> ForwardBatch:
-        """The catch-up's metadata on the device (what a graph replays): row r's k + 1 tokens at
-        pos - (k + 1) .. pos - 1, real from index k + 1 - count on, the padding written to the
-        scratch block. Host lists are the prefill graphs' placeholders (no route reads them)."""
-        return front_padded_batch(self.pos[:b], self.count[:b], self.tables[:b], self.cids.shape[1],
-                                  self.starts[:b + 1], self.kv_cache)
+    def catch_up_batch(self, b: int, width: int) -> ForwardBatch:
+        """The catch-up's metadata on the device (what a graph replays): row r's W tokens at
+        pos - W .. pos - 1, real from index W - count on, the padding written to the scratch
+        block. Host lists are the prefill graphs' placeholders (no route reads them)."""
+        return front_padded_batch(self.pos[:b], self.count[:b], self.tables[:b], width,
+                                  self.starts[width][:b + 1], self.kv_cache)
 
     def static_batch(self, b: int, j: int) -> ForwardBatch:
         """Chain step j's metadata, computed on the device from the static buffers (what a
@@ -179,13 +191,13 @@ class DraftChainGraphs:
               catch: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chain: n forwards of the draft model over the staged rows; (tokens [n, b], q [n, b, V]
         or None). `graph`: the static batch; else (eager) the host-built one of the eager chain,
-        which the torch routes need (host lengths, cache slots). `catch` (k + 1): the staged
+        which the torch routes need (host lengths, cache slots). `catch` (W): the staged
         catch-up first, its draft 0 the chain's first token and the outputs' row 0 ([n + 1, b])."""
         ids, rows = self.ids[:b], self.rows[:b]
         toks, qs = [], []
         if catch:
             if graph:
-                hidden = self.model(self.cids[:b].reshape(-1), self.catch_up_batch(b))[catch - 1::catch]
+                hidden = self.model(self.cids[catch][:b].reshape(-1), self.catch_up_batch(b, catch))[catch - 1::catch]
             else:
                 last = torch.as_tensor(self.catch_up_last(), device=self.device)
                 ids0 = torch.as_tensor(self.catch_ids, device=self.device)
@@ -243,9 +255,6 @@ class DraftChainGraphs:
         return None
 
 
-FOLLOW_WIDTHS = (2, 4, 8)  # tokens a row of a captured MTP follow-up (k + 1 <= 8)
-
-
 class FollowGraphs:
     """The MTP layer's follow-up of a verify step (lowbit.engine.speculative.MTPDrafter.follow)
     over static buffers, one CUDA graph per (rows bucket, width W).
@@ -265,22 +274,18 @@ class FollowGraphs:
                  device: torch.device, capture: bool) -> None:
         self.model, self.kv_cache, self.device, self.capture_on = model, kv_cache, device, capture
         self.buckets = graph_buckets(max_rows)
-        r, w = self.buckets[-1], FOLLOW_WIDTHS[-1]
+        r, w = self.buckets[-1], PAD_WIDTHS[-1]
         self.ids = torch.zeros(r * w, dtype=torch.long, device=device)
         self.end = torch.zeros(r, dtype=torch.long, device=device)
         self.count = torch.zeros(r, dtype=torch.long, device=device)
         self.tables = torch.full((r, max_blocks), kv_cache.scratch_block, dtype=torch.int32, device=device)
-        self.starts = {w: torch.arange(r + 1, dtype=torch.int32, device=device) * w for w in FOLLOW_WIDTHS}
+        self.starts = {w: torch.arange(r + 1, dtype=torch.int32, device=device) * w for w in PAD_WIDTHS}
         self.hid = None  # [r * w, D], made at the first stage (the hidden states' dtype and width)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.eager: dict[tuple, str] = {}
         self.pool = None
         self.replays = 0
-
-    @staticmethod
-    def width_for(m: int) -> int | None:
-        return next((w for w in FOLLOW_WIDTHS if w >= m), None)
 
     def stage(self, hidden: torch.Tensor, rows: list[list[int]], ids: list[list[int]],
               entries: list[tuple[list[int], int, int]], width: int) -> int:

@@ -44,7 +44,7 @@ import torch
 from lowbit.engine.acceptance import accept, draft_tokens
 from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.cuda_graphs import graphs_wanted
-from lowbit.engine.draft_graphs import DraftChainGraphs, FollowGraphs, flat_batch
+from lowbit.engine.draft_graphs import DraftChainGraphs, FollowGraphs, flat_batch, pad_width
 from lowbit.engine.draft_length import DraftLength
 from lowbit.engine.paged_cache import PagedKVCache
 from lowbit.engine.prefill_graphs import prefill_graphs_wanted
@@ -201,32 +201,34 @@ class ModelDrafter:
             self.done[req.request_id] = max(start, end)
         if not entries:
             return {}
-        k = self._fused_k(work, entries, last)
+        k, width = self._fused_k(work, entries, last)
         if k:
-            return self._fused_chain(work, entries, ids, k)
+            return self._fused_chain(work, entries, ids, k, width)
         hidden = self.model(torch.as_tensor(ids, device=self.device), flat_batch(entries, self.kv_cache, self.device))
         picks = [i for i in last if work.num_drafts[i]]
         if not picks:
             return {}
         return self._chain(work, picks, self.model.compute_logits(hidden[[last[i] for i in picks]]))
 
-    def _fused_k(self, work: Drafting, entries: list, last: dict[int, int]) -> int:
-        """k when the catch-up can join the static chain (lowbit.engine.draft_graphs): every
-        request with a catch-up drafts, all want the same k, each catch-up is at most k + 1
-        tokens ending at its draft-0 position past the first k + 1 positions, and (capturing)
-        the prefill attention route is graph-safe; else 0."""
+    def _fused_k(self, work: Drafting, entries: list, last: dict[int, int]) -> tuple[int, int]:
+        """(k, W) when the catch-up can join the static chain (lowbit.engine.draft_graphs): every
+        request with a catch-up drafts, all want the same k, each catch-up is at most W (2, 4
+        or 8) tokens ending at its draft-0 position past the first W positions, and (capturing)
+        the prefill attention route is graph-safe; else (0, 0)."""
         if self.chain is None or self.fused_refusal is not None:
-            return 0
+            return 0, 0
         wanted = {work.num_drafts[i] for i in last}
         k = min(wanted)
         if len(wanted) != 1 or k < 1 or any(work.num_drafts[i] for i in range(len(work.reqs)) if i not in last):
-            return 0
+            return 0, 0
+        width = pad_width(max(n for _, _, n in entries))
         for i, (_, start, n) in zip(last, entries):
-            if n > k + 1 or start + n != work.reqs[i].num_tokens or start + n < k + 1:
-                return 0
-        return k
+            if width is None or start + n != work.reqs[i].num_tokens or start + n < width:
+                return 0, 0
+        return k, width
 
-    def _fused_chain(self, work: Drafting, entries: list, ids: list[int], k: int) -> dict[int, torch.Tensor]:
+    def _fused_chain(self, work: Drafting, entries: list, ids: list[int], k: int,
+                     width: int) -> dict[int, torch.Tensor]:
         """Catch-up, draft 0 and drafts 1..k-1 as one static step (one replay on CUDA)."""
         rows, at = [], 0
         for _, _, n in entries:
@@ -238,8 +240,8 @@ class ModelDrafter:
         first = torch.as_tensor([row[-1] for row in rows], device=self.device)  # placeholder draft-0 feed
         b = self.chain.stage(first, [r.num_tokens for r in reqs], [r.block_table for r in reqs], work.rows[sel],
                              work.sampling)
-        self.chain.stage_catch_up(b, entries, rows, k + 1)
-        toks, qs = self.chain.run(b, k - 1, work.mode, work.sampling, catch=k + 1)
+        self.chain.stage_catch_up(b, entries, rows, width)
+        toks, qs = self.chain.run(b, k - 1, work.mode, work.sampling, catch=width)
         n = len(picks)
         work.write([(picks, toks[j, :n]) for j in range(k)])
         if qs is None:
@@ -354,7 +356,7 @@ class MTPDrafter:
         positions with W positions before its end (FollowGraphs), else None (eager)."""
         if self.graphs is None or not self.graphs.capture_on or any(e is None for e in ends):
             return None
-        width = FollowGraphs.width_for(max(m for _, _, m in entries))
+        width = pad_width(max(m for _, _, m in entries))
         if width is None or any(c + m < width for _, c, m in entries):
             return None
         return width

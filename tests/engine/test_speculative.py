@@ -423,7 +423,7 @@ def test_draft_chains_run_over_static_buffers_whose_device_metadata_is_the_eager
     def spy(b, n, mode, sampling, graph, catch=0):
         if catch:  # the catch-up in the chain: real tokens as the eager catch-up's, padding to scratch
             want = flat_batch(chain.catch_host, chain.kv_cache, chain.device)
-            got = chain.catch_up_batch(b)
+            got = chain.catch_up_batch(b, catch)
             counts = [m for _, _, m in chain.catch_host]
             real = torch.tensor([i >= catch - m for m in counts for i in range(catch)])
             assert got.positions.shape == (b * catch,) and torch.equal(got.positions[real], want.positions)
@@ -432,8 +432,8 @@ def test_draft_chains_run_over_static_buffers_whose_device_metadata_is_the_eager
             assert bool((got.slot_mapping[~real] // bs == chain.kv_cache.scratch_block).all())
             assert torch.equal(got.seq_lens, want.seq_lens) and bool(real.view(b, catch)[:, -1].all())
             assert torch.equal(got.query_start_dev, torch.arange(b + 1, dtype=torch.int32) * catch)
-            assert torch.equal(chain.cids[:b].reshape(-1)[real], torch.as_tensor(chain.catch_ids))
-            caught.append(max(counts))
+            assert torch.equal(chain.cids[catch][:b].reshape(-1)[real], torch.as_tensor(chain.catch_ids))
+            caught.append((max(counts), catch))
         for j in range(n):
             want = flat_batch([(t, p + j, 1) for t, p in chain.host], chain.kv_cache, chain.device)
             got = chain.static_batch(b, j)
@@ -452,7 +452,8 @@ def test_draft_chains_run_over_static_buffers_whose_device_metadata_is_the_eager
     # k - 1 = 2 forwards a chain, fewer where max_tokens leaves room for fewer drafts (none at k = 1);
     # the first chain follows the prompt's catch-up (eager), later ones their step's k + 1 = 4 tokens
     assert seen and {n for _, n in seen} <= {0, 1, 2} and seen[0][1] == 2 and stats.num_accepted == stats.num_drafts
-    assert caught and max(caught) == 4  # self-drafting accepts every draft: 3 accepted + 1
+    # self-drafting accepts every draft: 3 accepted + 1, in the least width that holds them
+    assert caught and max(caught) == (4, 4) and all(m <= w for m, w in caught)
     assert_idle(llm)
 
 
@@ -463,9 +464,11 @@ def test_the_catch_up_a_graph_would_replay_drafts_what_the_eager_catch_up_drafts
     draft 0 of the eager catch-up (host-built batch, torch route) on the same staged rows."""
     llm = spec_llm(demo, "draft", speculative_model=demo_perturbed)  # drafts both kept and rejected
     chain = llm.engine.spec.drafter.chain
-    original, checked = chain.run, []
+    original, checked, ptrs = chain.run, [], {}
 
     def run(b, n, mode, sampling, catch=0):
+        if catch:  # a captured graph reads the buffers it was captured with: each width's stay put
+            assert ptrs.setdefault(catch, chain.cids[catch].data_ptr()) == chain.cids[catch].data_ptr()
         toks, q = original(b, n, mode, sampling, catch)
         if catch and len(checked) < 2 and max(m for _, _, m in chain.catch_host) < catch:  # padding in a row
             routes.reset_counters()
@@ -482,7 +485,8 @@ def test_the_catch_up_a_graph_would_replay_drafts_what_the_eager_catch_up_drafts
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = llm.generate(PROMPTS[:2], sp)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
-    assert checked, "no catch-up shorter than k + 1 was staged"
+    assert checked, "no catch-up shorter than its width was staged"
+    assert set(ptrs) == {2, 4}  # drafts kept and rejected: catch-ups of 1-2 and 3-4 tokens
 
 
 def test_v3_mtp_follow_ups_over_static_buffers_draft_from_the_true_context(v3, monkeypatch):
