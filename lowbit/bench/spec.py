@@ -79,8 +79,11 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
     _sync(plain.device)
     progress(f"ready; {graph_status(plain.engine)}", t0)
     prompt = _prompt(plain, text, max(max(gen) + 2 + cfg.num_draft_tokens, max(VERIFY_TOKENS) + 2))
-    for llm in (plain, spec):  # warm-up: first calls allocate, compile, capture graphs
-        _decode(llm, prompt, 4)
+    # warm-up: first calls allocate, compile and capture graphs. Greedy runs repeat, so one run
+    # of the longest cell captures every graph the timed runs replay (draft chains and
+    # catch-ups of each k and width, down to the last tokens' shorter k)
+    for llm in (plain, spec):
+        _decode(llm, prompt, max(gen))
     synthetic = cfg.speculative_synthetic_accept
     cells = []
     for n in gen:
