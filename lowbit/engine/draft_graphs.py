@@ -103,6 +103,22 @@ def front_padded_batch(end: torch.Tensor, count: torch.Tensor, tables: torch.Ten
                         slots.reshape(-1), tables, end.to(torch.int32), query_start_dev=starts)
 
 
+def capture_step(owner, key: tuple, step, sampling, what: str) -> str | None:
+    """Capture step() as owner.graphs[key] (outputs in owner.outputs[key], the memory pool
+    owner.pool shared by its graphs), after a sync-free warm-up; None, or why it cannot be."""
+    reason = sync_free_warm_up(owner.device, sampling, step, what)
+    if reason is not None:
+        return reason
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=owner.pool):
+        owner.outputs[key] = step()
+    owner.pool = graph.pool()
+    owner.graphs[key] = graph
+    torch.cuda.synchronize(owner.device)
+    log.info("captured the CUDA graph of %s", what)
+    return None
+
+
 class DraftChainGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache, max_rows: int, max_blocks: int,
                  device: torch.device, capture: bool) -> None:
@@ -129,10 +145,11 @@ class DraftChainGraphs:
     def bucket_for(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
 
-    def stage(self, tokens: torch.Tensor, pos: list[int], tables: list[list[int]], rows: torch.Tensor,
+    def stage(self, tokens: torch.Tensor | None, pos: list[int], tables: list[list[int]], rows: torch.Tensor,
               sampling) -> int:
         """Fill the static buffers for len(pos) drafting rows (padded to their bucket when
-        chains are captured); returns the rows the chain runs."""
+        chains are captured); returns the rows the chain runs. tokens: draft 0 (None: a staged
+        catch-up makes it)."""
         n = len(pos)
         b = self.bucket_for(n) if self.capture_on else n
         self.host = list(zip(tables, pos))
@@ -145,8 +162,9 @@ class DraftChainGraphs:
         pad = b - n
         self.tables[:b].copy_(host, non_blocking=True)
         self.pos[:b].copy_(torch.as_tensor(pos + [0] * pad, dtype=torch.long), non_blocking=True)
-        self.ids[:n].copy_(tokens)
-        self.ids[n:b].zero_()
+        if tokens is not None:
+            self.ids[:n].copy_(tokens)
+            self.ids[n:b].zero_()
         self.rows[:n].copy_(rows)
         self.rows[n:b].fill_(sampling.scratch_row)
         return b
@@ -239,20 +257,9 @@ class DraftChainGraphs:
 
     def _capture(self, key: tuple, sampling) -> str | None:
         b, n, mode, catch = key
-        reason = sync_free_warm_up(self.device, sampling,
-                                   lambda: self._step(b, n, mode, sampling, graph=True, catch=catch),
-                                   f"a draft chain of {b} rows")
-        if reason is not None:
-            return reason
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[key] = self._step(b, n, mode, sampling, graph=True, catch=catch)
-        self.pool = graph.pool()
-        self.graphs[key] = graph
-        torch.cuda.synchronize(self.device)
-        log.info("captured the draft chain CUDA graph for %d rows, %d forwards%s (%s)", b, n,
-                 f" after a {catch}-token catch-up" if catch else "", mode)
-        return None
+        return capture_step(self, key, lambda: self._step(b, n, mode, sampling, graph=True, catch=catch),
+                            sampling, f"the draft chain of {b} rows, {n} forwards"
+                            + (f" after a {catch}-token catch-up" if catch else "") + f" ({mode})")
 
 
 class FollowGraphs:
@@ -331,19 +338,12 @@ class FollowGraphs:
         if not self.capture_on or key in self.eager:
             return None
         if key not in self.graphs:
-            reason = sync_free_warm_up(self.device, None, lambda: self._step(b, width),
-                                       f"the MTP follow-up of {b} rows")
+            reason = capture_step(self, key, lambda: self._step(b, width), None,
+                                  f"the MTP follow-up of {b} rows of {width} tokens")
             if reason is not None:
                 self.eager[key] = reason
                 log.warning("MTP follow-ups of %d rows run eagerly (slow): %s", b, reason)
                 return None
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[key] = self._step(b, width)
-            self.pool = graph.pool()
-            self.graphs[key] = graph
-            torch.cuda.synchronize(self.device)
-            log.info("captured the MTP follow-up CUDA graph for %d rows of %d tokens", b, width)
         self.graphs[key].replay()
         self.replays += 1
         return self.outputs[key]

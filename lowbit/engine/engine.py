@@ -126,7 +126,7 @@ class LLMEngine:
         # a draft model loads before the KV pool is sized: its weights and its own pool (as many
         # blocks as the target's) come out of the same memory
         self.draft = None
-        if self.config.speculative_method == "draft" and self.config.speculative_model:
+        if self.config.speculative_method == "draft":  # validate(): it names --speculative-model
             self.draft = load_model(self.config.speculative_model, dtype=dtype, device=str(self.device)).model
         self._build_cache(next(self.model.parameters()).dtype)
         if self.expert_cache is not None:
@@ -148,8 +148,7 @@ class LLMEngine:
                             self.runner.prefill_graphs_off)
         self.spec: SpecDecoder | None = make_spec_decoder(
             self.config, self.model, self.kv_cache, self.device,
-            lambda path: self.draft if self.draft is not None else load_model(path, dtype=dtype,
-                                                                              device=str(self.device)).model)
+            self.draft)
         self.runner.spec = self.spec
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()

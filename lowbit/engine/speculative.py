@@ -237,8 +237,7 @@ class ModelDrafter:
         picks = [i for i in range(len(work.reqs)) if work.num_drafts[i]]  # = the rows with a catch-up
         reqs = [work.reqs[i] for i in picks]
         sel = torch.as_tensor(picks, device=work.rows.device)
-        first = torch.as_tensor([row[-1] for row in rows], device=self.device)  # placeholder draft-0 feed
-        b = self.chain.stage(first, [r.num_tokens for r in reqs], [r.block_table for r in reqs], work.rows[sel],
+        b = self.chain.stage(None, [r.num_tokens for r in reqs], [r.block_table for r in reqs], work.rows[sel],
                              work.sampling)
         self.chain.stage_catch_up(b, entries, rows, width)
         toks, qs = self.chain.run(b, k - 1, work.mode, work.sampling, catch=width)
@@ -527,9 +526,9 @@ class SpecDecoder:
 
 
 def make_spec_decoder(config, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                      load) -> SpecDecoder | None:
-    """The engine's SpecDecoder from its config (None without speculation); `load(path)`
-    loads a draft model as the engine loads its own."""
+                      draft: torch.nn.Module | None = None) -> SpecDecoder | None:
+    """The engine's SpecDecoder from its config (None without speculation); `draft`: the
+    model of --speculative-model, loaded by the engine before it sized the KV pool."""
     method = config.speculative_method
     if method is None:
         return None
@@ -543,7 +542,6 @@ def make_spec_decoder(config, model: torch.nn.Module, kv_cache: PagedKVCache, de
         drafter = MTPDrafter(model, kv_cache, device, config.max_num_seqs, config.max_model_len,
                              wanted is None and device.type == "cuda")
     else:
-        draft = load(config.speculative_model)
         if draft.config.vocab_size != model.config.vocab_size:
             raise LowbitError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs "
                               f"from the target's ({model.config.vocab_size}); give a draft with the "
