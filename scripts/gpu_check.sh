@@ -27,8 +27,9 @@
 #              layer timed beside nf4 / nvfp4 / bf16 (scripts/bench_vq_gemv.py [--moe])
 #   mla        DeepSeek-V2-Lite bf16, pp / tg cells for each of MLA_VARIANTS (default "default
 #              torch"): default routes (MLA prefill and decode on the latent kernels, both
-#              captured), torch (LOWBIT_ROUTE_LATENT_ATTENTION=torch), fused (the OPT_IN
-#              triton_mla_rope and triton_silu_mul routes forced)
+#              captured, triton_mla_rope and triton_silu_mul), torch
+#              (LOWBIT_ROUTE_LATENT_ATTENTION=torch), unfused (the mla_rope and act ops on
+#              their torch twins)
 #   spec       speculative decoding: the demo with ngram and its draft (k = 3; SPEC_DEMO=0
 #              skips them), and the synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape,
 #              $QUANT (SPEC_SYN=0 skips it), and DeepSeek-V3 cut to 4 layers with its MTP
@@ -165,9 +166,9 @@ if has vq; then
 fi
 
 if has mla; then
-  for variant in ${MLA_VARIANTS:-default torch}; do  # fused: the OPT_IN mla_rope and act routes forced
+  for variant in ${MLA_VARIANTS:-default torch}; do  # unfused: the mla_rope and act ops on their twins
     latent="" rope="" act=""
-    case $variant in torch) latent=torch ;; fused) rope=triton_mla_rope act=triton_silu_mul ;; esac
+    case $variant in torch) latent=torch ;; unfused) rope=torch act=torch ;; esac
     echo "== mla: DeepSeek-V2-Lite bf16 $variant routes" | tee -a "$OUT/mla.log"
     LOWBIT_ROUTE_LATENT_ATTENTION=$latent LOWBIT_ROUTE_MLA_ROPE=$rope LOWBIT_ROUTE_ACT=$act \
       timeout "${T_MLA:-150}" python3 -m lowbit bench latency x --random-weights \

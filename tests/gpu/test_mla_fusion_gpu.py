@@ -140,20 +140,21 @@ def test_latent_reduce_merges_live_splits_of_a_wide_split_count(lens):
 
 @pytest.mark.parametrize("version", ["v2", "v3"])
 def test_captured_fused_decode_step_equals_eager(tmp_path, monkeypatch, version):
-    """The engine serves the merged layout; with the fused routes forced (OPT_IN until their
-    GPU record) an eager decode step runs them (triton_mla_rope writes the latent: no
-    kv_write call); one decode step replayed from its graph gives the logits and greedy tokens
-    of the same step run eagerly."""
+    """The engine serves the merged layout; with no route forced an eager decode step runs the
+    DEFAULT fused routes (triton_mla_rope writes the latent: no kv_write call); one decode
+    step replayed from its graph gives the logits and greedy tokens of the same step run
+    eagerly."""
     from tests.gpu.test_latent_attention_gpu import _deepseek_dir, _engine, replayed_and_eager_step
 
-    monkeypatch.setenv("LOWBIT_ROUTE_MLA_ROPE", "triton_mla_rope")
-    monkeypatch.setenv("LOWBIT_ROUTE_ACT", "triton_silu_mul")
+    for op in ("MLA_ROPE", "ACT", "LATENT_ATTENTION"):
+        monkeypatch.delenv(f"LOWBIT_ROUTE_{op}", raising=False)
     engine = _engine(_deepseek_dir(tmp_path / "m", version), max_model_len=2048)
     attn = engine.model.model.layers[0].self_attn
     assert attn.qkv_a_proj is not None, "prepare_for_serving did not merge the projections"
     assert engine.model.model.layers[-1].mlp.shared_experts.gate_up_proj is not None
     tokens, logits, eager, ran = replayed_and_eager_step(engine)
-    ran = {pair for pair in ran if pair[0] in ("mla_rope", "latent_attention", "kv_write")}
-    assert ran == {("mla_rope", "triton_mla_rope"), ("latent_attention", "triton_latent_decode")}, ran
+    ran = {pair for pair in ran if pair[0] in ("mla_rope", "latent_attention", "kv_write", "act")}
+    assert ran == {("mla_rope", "triton_mla_rope"), ("latent_attention", "triton_latent_decode"),
+                   ("act", "triton_silu_mul")}, ran
     assert _rel(logits, eager) < RTOL
     assert torch.equal(tokens, logits.argmax(-1))
