@@ -20,6 +20,9 @@ the record keeps its choices (`k_history`) and the k of each batch bucket after 
 Verify cost (the cost model's input): the target's forward and logits over T = 1, 2, 4, 8
 new tokens of one sequence after the prompt, eagerly, median of the repeats, and its ratio
 to T = 1 (a plain decode step).
+Step profiles (CUDA): eight B = 1 decode steps of each arm under the torch profiler
+(lowbit.bench.step_profile): kernels per step, GPU busy time, wall-clock per step and
+tokens per step, so a verify step's cost splits into GPU time and host time.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from lowbit import LLM, SamplingParams
 from lowbit.bench.latency import _sync, graph_status, prefill_graph_status, progress
 from lowbit.bench.record import md_table
 from lowbit.bench.stats import mean_sd
+from lowbit.bench.step_profile import format_profile, profile_decode
 from lowbit.config import EngineConfig
 from lowbit.distributed import engine_model
 from lowbit.engine.draft_length import choose_draft_length, expected_rates
@@ -101,6 +105,10 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
         if spec.engine.spec.adapt is not None:
             cells[-1]["k_now"] = spec.engine.spec.adapt.current()
     verify = verify_costs(plain, prompt, repeats)
+    # the same B = 1 decode steps profiled in each arm (CUDA only): a verify step's kernels, GPU
+    # busy time and wall-clock beside a plain step's, and the tokens each emits
+    profiles = {arm: p for arm, llm in (("plain", plain), ("spec", spec))
+                if (p := profile_decode(llm.engine, 1, 8, step_tokens=cfg.num_draft_tokens + 1)) is not None}
     for c in cells:
         c["cost_model"] = cost_model(c, verify, cfg.speculative_method)
     return {"verify": verify, "kind": "latency_spec", "model": cfg.config if cfg.random_weights else cfg.model,
@@ -110,7 +118,7 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
             "repeats": repeats, "graphs": graph_status(plain.engine),
             "verify_graph_steps": spec.engine.runner.spec_graph_steps,
             "prefill_graphs": prefill_graph_status(spec.engine), "draft_chains": _chain_status(spec),
-            "cells": cells, **_synthetic(synthetic, cfg),
+            "cells": cells, "step_profiles": profiles, **_synthetic(synthetic, cfg),
             "adaptive": cfg.speculative_adaptive, **_k_history(spec)}
 
 
@@ -242,6 +250,8 @@ def summary_md(rec: dict) -> str:
                  f"{rec['prefill_graphs']}; the verify table times the target's forward eagerly")
     if rec.get("draft_chains"):
         foot += f"  \n{rec['draft_chains']}"
+    for arm, p in rec.get("step_profiles", {}).items():
+        foot += f"  \n{arm} step profile: {format_profile(p).splitlines()[0]}"
     if rec.get("synthetic"):
         foot = (f"{rec['synthetic_note']}; expected accepted length "
                 f"{rec['synthetic_expected_accepted_length']:.2f}  \n" + foot)

@@ -14,6 +14,8 @@ sampling, the token read-back) and reports per step:
   overhead        step_us / busy_us: 1.0 when the GPU runs back to back; the host and the
                   gaps between kernels account for the rest
   top             the ten kernels with the most GPU time per step (name, count, us)
+  tokens_per_step tokens the timed steps emitted, per step (all sequences): `batch` for
+                  plain decode, more with speculative decoding's accepted drafts
 `profile_prefill(engine, tokens)` does the same for one prompt of `tokens` tokens (the
 engine's own prefill steps, chunked as the scheduler chunks them; kernels are summed over
 the whole prompt, and `batch` is the prompt length).
@@ -60,10 +62,11 @@ def _summary(prof, steps: int, layers: int, step_us: float, top: int) -> dict:
             "top": [(n[:80], names[n] / steps, times[n] / steps) for n, _ in times.most_common(top)]}
 
 
-def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64) -> dict | None:
+def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64, step_tokens: int = 1) -> dict | None:
+    """`step_tokens`: the most tokens a step emits per sequence (k + 1 with speculation)."""
     if engine.device.type != "cuda":
         return None
-    sp = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=(2 * steps + 4) * step_tokens + 8, ignore_eos=True)
     for i in range(batch):
         engine.add_request([(7 * i + j) % engine.arch.vocab_size for j in range(context)], sp)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
@@ -71,11 +74,13 @@ def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64) ->
     for _ in range(2):  # capture / warm the bucket outside the profile
         engine.step()
     torch.cuda.synchronize()
+    before = sum(r.num_tokens for r in engine.requests.values())
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    emitted = sum(r.num_tokens for r in engine.requests.values()) - before
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
@@ -85,7 +90,8 @@ def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64) ->
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    return {"batch": batch, **_summary(prof, steps, engine.arch.num_layers, 1e6 * wall / steps, 10)}
+    return {"batch": batch, **_summary(prof, steps, engine.arch.num_layers, 1e6 * wall / steps, 10),
+            "tokens_per_step": emitted / steps}
 
 
 def profile_prefill(engine, tokens: int = 512, repeats: int = 2) -> dict | None:
@@ -128,5 +134,7 @@ def format_profile(p: dict) -> str:
     head = (f"B={p['batch']}: {p['kernels']:.0f} kernels per step ({p['per_layer']:.1f} per layer), "
             f"kernels {p['kernel_us']:.0f} us ({_busy(p)} us busy), step {p['step_us']:.0f} us "
             f"({p['overhead']:.2f}x the busy time)")
+    if p.get("tokens_per_step", p["batch"]) != p["batch"]:
+        head += f", {p['tokens_per_step']:.2f} tokens per step"
     rows = [f"    {n:<80} x{c:<6.1f} {t:8.1f} us" for n, c, t in p["top"]]
     return "\n".join([head, *rows])

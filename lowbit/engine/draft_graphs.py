@@ -54,6 +54,7 @@ from lowbit.engine.acceptance import draft_tokens
 from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.cuda_graphs import graph_buckets, sync_free_warm_up
 from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
+from lowbit.engine.staging import to_device
 
 log = logging.getLogger("lowbit")
 
@@ -74,10 +75,10 @@ def flat_batch(entries: list[tuple[list[int], int, int]], kv_cache: PagedKVCache
     tables = torch.full((len(entries), width), kv_cache.scratch_block, dtype=torch.int32)
     for i, (table, _, _) in enumerate(entries):
         tables[i, :len(table)] = torch.as_tensor(table, dtype=torch.int32)
-    as_dev = lambda v, dt=torch.long: torch.as_tensor(v, dtype=dt).to(device)
+    as_dev = lambda v, dt=torch.long: to_device(v, device, dt)
     return ForwardBatch(as_dev(pos), starts, [s for _, s, _ in entries],
                         [SeqSlots.build(t, s, n, bs, device) for t, s, n in entries], kv_cache,
-                        as_dev(slots), tables.to(device), as_dev([s + n for _, s, n in entries], torch.int32))
+                        as_dev(slots), tables.to(device, non_blocking=True), as_dev([s + n for _, s, n in entries], torch.int32))
 
 
 PAD_WIDTHS = (2, 4, 8)  # tokens a row of a captured catch-up or MTP follow-up (k + 1 <= 8)
@@ -217,8 +218,8 @@ class DraftChainGraphs:
             if graph:
                 hidden = self.model(self.cids[catch][:b].reshape(-1), self.catch_up_batch(b, catch))[catch - 1::catch]
             else:
-                last = torch.as_tensor(self.catch_up_last(), device=self.device)
-                ids0 = torch.as_tensor(self.catch_ids, device=self.device)
+                last = to_device(self.catch_up_last(), self.device)
+                ids0 = to_device(self.catch_ids, self.device)
                 hidden = self.model(ids0, flat_batch(self.catch_host, self.kv_cache, self.device))[last]
             ids, q = draft_tokens(self.model.compute_logits(hidden), sampling, rows, self.pos[:b], mode)
             toks.append(ids)

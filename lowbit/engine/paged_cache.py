@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit.engine.staging import to_device
 from lowbit.errors import LowbitError
 
 log = logging.getLogger("lowbit")
@@ -54,7 +55,7 @@ class SeqSlots:
     def build(cls, block_table: list[int], start: int, num_new: int, block_size: int,
               device: torch.device | str) -> SeqSlots:
         pos = torch.arange(start + num_new, device=device)
-        table = torch.tensor(block_table, dtype=torch.long, device=device)
+        table = to_device(block_table, torch.device(device))
         rows = table[pos // block_size] * block_size + pos % block_size
         return cls(block_table, rows, start)
 

@@ -41,7 +41,7 @@ from lowbit.engine.prefill_graphs import HIDDEN, PrefillGraphs, prefill_graphs_w
 from lowbit.engine.request import Request, TokenLogprob
 from lowbit.engine.sampling import SamplingState, token_logprobs
 from lowbit.engine.scheduler import SchedulerOutput
-from lowbit.engine.staging import Padding, StepInputs
+from lowbit.engine.staging import Padding, StepInputs, to_device
 from lowbit.kernels.sample_op import sample_rows
 
 log = logging.getLogger("lowbit")
@@ -304,7 +304,7 @@ class ModelRunner:
 
     # -- speculative decoding (lowbit.engine.speculative) ----------------------------------
     def _propose(self, scheduled: list[tuple[Request, int]]) -> None:
-        rows = torch.as_tensor([self._seat(r) for r, _ in scheduled]).to(self.device)
+        rows = to_device([self._seat(r) for r, _ in scheduled], self.device)
         self.spec.propose(scheduled, self.sampling, rows, self.sampling.mode_for([r.params for r, _ in scheduled]))
 
     def _execute_spec(self, scheduled: list[tuple[Request, int]], input_ids: torch.Tensor,

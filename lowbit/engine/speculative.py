@@ -49,6 +49,7 @@ from lowbit.engine.draft_length import DraftLength
 from lowbit.engine.paged_cache import PagedKVCache
 from lowbit.engine.prefill_graphs import prefill_graphs_wanted
 from lowbit.engine.request import Request
+from lowbit.engine.staging import read_back, to_device
 from lowbit.errors import LowbitError
 
 log = logging.getLogger("lowbit")
@@ -122,8 +123,8 @@ class Drafting:
     def sample(self, logits: torch.Tensor, picks: list[int], j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft j of the requests `picks` from logits [len(picks), V]: tokens [len(picks)]
         on the device (the chain feeds them on without a host read), q or None."""
-        sel = torch.as_tensor(picks, device=logits.device)
-        steps = torch.as_tensor([self.reqs[i].num_tokens + j for i in picks], device=logits.device)
+        sel = to_device(picks, logits.device)
+        steps = to_device([self.reqs[i].num_tokens + j for i in picks], logits.device)
         return draft_tokens(logits, self.sampling, self.rows[sel], steps, self.mode)
 
     def write(self, drafted: list[tuple[list[int], torch.Tensor]]) -> None:
@@ -131,7 +132,7 @@ class Drafting:
         for the whole chain."""
         if not drafted:
             return
-        flat = torch.cat([t for _, t in drafted]).tolist()
+        flat = read_back(torch.cat([t for _, t in drafted])).tolist()
         at = 0
         for j, (picks, _) in enumerate(drafted):
             for i in picks:
@@ -204,7 +205,7 @@ class ModelDrafter:
         k, width = self._fused_k(work, entries, last)
         if k:
             return self._fused_chain(work, entries, ids, k, width)
-        hidden = self.model(torch.as_tensor(ids, device=self.device), flat_batch(entries, self.kv_cache, self.device))
+        hidden = self.model(to_device(ids, self.device), flat_batch(entries, self.kv_cache, self.device))
         picks = [i for i in last if work.num_drafts[i]]
         if not picks:
             return {}
@@ -236,7 +237,7 @@ class ModelDrafter:
             at += n
         picks = [i for i in range(len(work.reqs)) if work.num_drafts[i]]  # = the rows with a catch-up
         reqs = [work.reqs[i] for i in picks]
-        sel = torch.as_tensor(picks, device=work.rows.device)
+        sel = to_device(picks, work.rows.device)
         b = self.chain.stage(None, [r.num_tokens for r in reqs], [r.block_table for r in reqs], work.rows[sel],
                              work.sampling)
         self.chain.stage_catch_up(b, entries, rows, width)
@@ -265,7 +266,7 @@ class ModelDrafter:
                 break
             nxt = [picks[r] for r in keep]
             entries = [(work.reqs[i].block_table, work.reqs[i].num_tokens + j, 1) for i in nxt]
-            ids = tokens[torch.as_tensor(keep, device=tokens.device)] if len(keep) < len(picks) else tokens
+            ids = tokens[to_device(keep, tokens.device)] if len(keep) < len(picks) else tokens
             hidden = self.model(ids, flat_batch(entries, self.kv_cache, self.device))
             logits, picks = self.model.compute_logits(hidden), nxt
         work.write(drafted)
@@ -275,7 +276,7 @@ class ModelDrafter:
         """Draft 0 from the catch-up logits, drafts 1..k-1 from the static chain (one replay on CUDA)."""
         tokens, q = work.sample(logits, picks, 0)
         reqs = [work.reqs[i] for i in picks]
-        sel = torch.as_tensor(picks, device=work.rows.device)
+        sel = to_device(picks, work.rows.device)
         b = self.chain.stage(tokens, [r.num_tokens for r in reqs], [r.block_table for r in reqs], work.rows[sel],
                              work.sampling)
         toks, qs = self.chain.run(b, k - 1, work.mode, work.sampling)
@@ -322,7 +323,7 @@ class MTPDrafter:
     def _predict(self, hidden: torch.Tensor, next_ids: list[int] | torch.Tensor, entries) -> torch.Tensor:
         """The MTP layer's output [T, D] at the entries' positions (mtp_forward before its head)."""
         batch = flat_batch(entries, self.kv_cache, self.device)
-        emb = self.model.model.embed_tokens(torch.as_tensor(next_ids, device=self.device))  # [T, D]
+        emb = self.model.model.embed_tokens(to_device(next_ids, self.device))  # [T, D]
         return self.model.mtp.predict(hidden, emb, batch)
 
     def propose(self, work: Drafting) -> dict[int, torch.Tensor]:
@@ -344,7 +345,7 @@ class MTPDrafter:
                 break
             picks = [picks[r] for r in keep]
             entries = [(work.reqs[i].block_table, work.reqs[i].num_tokens - 1 + j, 1) for i in picks]
-            rows = torch.as_tensor(keep, device=tokens.device)
+            rows = to_device(keep, tokens.device)
             hidden = self._predict(hidden[rows], tokens[rows], entries)
             logits = self.model.compute_logits(hidden)
         work.write(drafted)
@@ -385,7 +386,7 @@ class MTPDrafter:
                     self.last[req.request_id] = (out[r].clone(), logits[r].clone())
                 return
         flat_rows = [x for rr in rows for x in rr]
-        out = self._predict(hidden[torch.as_tensor(flat_rows, device=self.device)],
+        out = self._predict(hidden[to_device(flat_rows, self.device)],
                             [t for tt in next_ids for t in tt], entries)
         picks = [(req, e) for (req, _), e in zip(scheduled, ends) if e is not None]
         if picks:
@@ -479,19 +480,20 @@ class SpecDecoder:
         picks = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n == r.num_known_tokens]
         ks = [len(scheduled[i][0].draft_token_ids) for i in picks]
         K, dev = max(ks), hidden.device
-        index = torch.tensor([[query_start[i + 1] - 1 - k + min(j, k) for j in range(K + 1)]
-                              for i, k in zip(picks, ks)])
-        logits = model.compute_logits(hidden[index.view(-1).to(dev)]).view(len(picks), K + 1, -1)
-        drafts = torch.tensor([scheduled[i][0].draft_token_ids + [0] * (K - k) for i, k in zip(picks, ks)],
-                              dtype=torch.long).view(len(picks), K).to(dev)
+        # every host list goes up in one non-blocking copy: rows of the logits, picks, k, drafts
+        P = len(picks)
+        flat = [query_start[i + 1] - 1 - k + min(j, k) for i, k in zip(picks, ks) for j in range(K + 1)]
+        flat += picks + ks + [t for i, k in zip(picks, ks) for t in scheduled[i][0].draft_token_ids + [0] * (K - k)]
+        up = to_device(flat, dev)
+        index, sel, num_drafts, drafts = up.split([P * (K + 1), P, P, P * K])
+        logits = model.compute_logits(hidden[index]).view(P, K + 1, -1)
         q, sampled = self._draft_probs(scheduled, picks, K, logits.shape[-1], dev)
-        sel = torch.as_tensor(picks, device=dev)
         forced = None
         if self.synthetic_draws is not None:
-            forced = torch.rand(len(picks), K, device=dev, generator=self.synthetic_draws) < self.synthetic_accept
-        tokens, n = accept(logits, drafts, torch.as_tensor(ks, device=dev), sampling, rows[sel], steps[sel],
+            forced = torch.rand(P, K, device=dev, generator=self.synthetic_draws) < self.synthetic_accept
+        tokens, n = accept(logits, drafts.view(P, K), num_drafts, sampling, rows[sel], steps[sel],
                            mode, q, sampled, forced)
-        host = torch.cat((n[:, None], tokens), 1).cpu().tolist()  # the step's one wait
+        host = read_back(torch.cat((n[:, None], tokens), 1)).tolist()  # the step's one wait
         emitted = [row[1:row[0] + 2] for row in host]
         for k, row in zip(ks, host):
             if k:
@@ -509,7 +511,7 @@ class SpecDecoder:
             if r in self.draft_probs:
                 got = self.draft_probs[r]
                 q[b, :got.shape[0]] = got
-        sampled = torch.tensor([r in self.draft_probs for r in ids], device=dev)
+        sampled = to_device([r in self.draft_probs for r in ids], dev, torch.bool)
         return q, sampled
 
     def follow(self, scheduled: list[tuple[Request, int]], batch: ForwardBatch, hidden: torch.Tensor,

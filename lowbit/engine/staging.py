@@ -134,3 +134,25 @@ class StepInputs:
         """Device views of the sequence fields, n rows (query_start n + 1)."""
         n = self.num_seqs if n is None else n
         return {f: self.dev[f][:n + (f == "query_start")] for f in self.SEQ_FIELDS}
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list as a device tensor without a stream sync. A blocking copy to CUDA
+    waits for every kernel queued before it; a non-blocking one from pageable memory stages
+    the bytes and returns at once (the list's temporary may then be freed)."""
+    return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def read_back(t: torch.Tensor) -> torch.Tensor:
+    """t on the host: on CUDA a non-blocking copy into pinned memory and a wait on an event
+    recorded after it, never a device or stream synchronize (so a step under
+    torch.cuda.set_sync_debug_mode("error") can read its tokens)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host
+

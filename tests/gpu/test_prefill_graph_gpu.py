@@ -93,3 +93,37 @@ def test_mla_prefill_is_captured_unless_torch_is_forced(monkeypatch):
     assert prefill_graphs_wanted(model) is None
     monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "torch")
     assert "torch" in prefill_graphs_wanted(model)
+
+
+@pytest.mark.parametrize("synthetic", [None, 0.7])
+def test_verify_steps_do_not_sync_before_their_read(moe_dir, synthetic):
+    """n-gram speculation (k = 3) on a repeating prompt, the verify buckets captured by a
+    first run: a second run of the same request (verify steps: the target's replay, logits,
+    acceptance, the accepted tokens read through an event; plain decode steps where lookup
+    finds nothing) goes under torch's sync debug mode set to error and, greedy, emits the same
+    tokens. Synthetic acceptance makes every step a verify step that keeps drafts (its verdicts
+    differ run to run, and so do its tokens)."""
+    from lowbit import SamplingParams
+
+    params = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)
+    prompt = list(range(40, 72)) * 4
+    spec = _engine(moe_dir, speculative_method="ngram", num_speculative_tokens=3,
+                   speculative_synthetic_accept=synthetic)
+    warm = spec.add_request(prompt, params)
+    while spec.has_unfinished():
+        spec.step()
+    req = spec.add_request(prompt, params)
+    spec.step()  # the prompt (a prefill step)
+    verified, accepted = spec.runner.spec_graph_steps, spec.spec.stats.num_accepted
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while spec.has_unfinished():
+            spec.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    if synthetic is not None:
+        assert spec.runner.spec_graph_steps > verified + 5
+        assert spec.spec.stats.num_accepted > accepted
+    else:
+        assert req.output_token_ids == warm.output_token_ids
+    assert spec.blocks.num_free_blocks == spec.blocks.num_total_blocks
