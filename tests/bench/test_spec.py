@@ -3,7 +3,7 @@ import json
 import pytest
 
 from lowbit.bench.record import csv_text
-from lowbit.bench.spec import HEADERS, table_rows
+from lowbit.bench.spec import HEADERS, summary_md, table_rows
 from lowbit.cli import main
 
 
@@ -24,6 +24,10 @@ def test_latency_spec_table_and_record(tiny_moe_dir, tmp_path, capsys):
     # 8 tokens after the first: 3 + 3 + 2 (the last step drafts 1, for the 2 tokens left)
     assert cell["mean_accepted_length"] == pytest.approx(8 / 3)
     assert len(cell["samples_s"]["plain"]) == len(cell["samples_s"]["spec"]) == 2
+    assert cell["captures"] == [0, 0] and rec["step_profiles"] == {}  # no CUDA graphs or profiles here
+    assert "WARNING" not in out
+    cell["captures"] = [1, 0]  # a timed repeat that captured a graph is flagged in the footer
+    assert "WARNING tg8: timed speculative repeats captured CUDA graphs ([1, 0] by repeat)" in summary_md(rec)
     assert cell["speedup"] == cell["tok_s_spec"][0] / cell["tok_s_plain"][0] > 0
     assert [r["T"] for r in rec["verify"]] == [1, 2, 4, 8] and rec["verify"][0]["ratio"] == 1.0
     assert all(r["s"] > 0 and len(r["samples_s"]) == 2 for r in rec["verify"])
