@@ -2,7 +2,8 @@
 
 Shapes: T tokens of the step (<= max_tokens), B sequences (<= max_seqs), W block-table
 width (<= max_blocks).
-Host side, every field lives in a pinned buffer that `stage()` fills from Python lists;
+Host side, every field lives in a pinned buffer that `stage()` fills from Python lists
+(through numpy views: one slice assignment a field);
 `upload()` issues one non-blocking copy per field into persistent device buffers, the same
 buffers a captured decode graph reads, so a replay needs no further copy. The upload
 records an event; the next `stage()` waits on it before it overwrites the pinned memory,
@@ -67,6 +68,10 @@ class StepInputs:
         for f in self.PENDING:  # [K <= B]
             self.host[f] = torch.zeros(max_seqs, dtype=torch.long, pin_memory=pin)
             self.dev[f] = torch.zeros(max_seqs, dtype=torch.long, device=device)
+        # numpy views of the pinned buffers: a slice assignment from a Python list is one call
+        # (a torch.as_tensor and a copy per field cost several times more host time a step)
+        self.host_np = {f: t.numpy() for f, t in self.host.items()}
+        self.tables_np = self.host_tables.numpy()
         self._uploaded = torch.cuda.Event() if pin else None
         self.num_tokens = self.num_seqs = self.width = self.num_pending = 0
 
@@ -81,7 +86,7 @@ class StepInputs:
             self._uploaded.synchronize()  # the last upload has left the pinned buffers
         self.num_pending = len(pending)
         for f, vals in zip(self.PENDING, zip(*pending)):
-            self.host[f][:self.num_pending] = torch.as_tensor(vals, dtype=torch.long)
+            self.host_np[f][:self.num_pending] = vals
         t, b = len(values["input_ids"]), len(tables)
         n_tok, n_seq = max(t, pad_to if pad_tokens is None else pad_tokens), max(b, pad_to)
         fill = {"input_ids": 0, "positions": 0, "slot_mapping": self.pad.scratch_row,
@@ -89,19 +94,18 @@ class StepInputs:
                 "sample_rows": self.pad.sampler_row, "query_start": n_tok, "picks": 0}
         for f in self.FIELDS:
             n = n_tok if f in self.TOKEN_FIELDS else n_seq + (f == "query_start")
-            vals = values[f]
-            buf = self.host[f]
-            buf[:len(vals)] = torch.as_tensor(vals, dtype=buf.dtype)
+            vals, buf = values[f], self.host_np[f]
+            buf[:len(vals)] = vals
             buf[len(vals):n] = fill[f]
         if pad_tokens is None and n_seq > b:  # decode padding: padded sequence i owns token i
-            self.host["query_start"][b + 1:n_seq + 1] = torch.arange(t + 1, t + 1 + n_seq - b)
+            self.host_np["query_start"][b + 1:n_seq + 1] = range(t + 1, t + 1 + n_seq - b)
         elif n_tok > t:  # prefill padding: the padded tokens are sequence b's prompt
             assert n_seq > b, "a padded prefill step needs a padded sequence"
-            self.host["seq_lens"][b] = n_tok - t
+            self.host_np["seq_lens"][b] = n_tok - t
         width = max(len(row) for row in tables)
-        self.host_tables[:n_seq, :width] = self.pad.scratch_block
+        self.tables_np[:n_seq, :width] = self.pad.scratch_block
         for i, row in enumerate(tables):
-            self.host_tables[i, :len(row)] = torch.as_tensor(row, dtype=torch.int32)
+            self.tables_np[i, :len(row)] = row
         self.num_tokens, self.num_seqs, self.width = n_tok, n_seq, width
 
     def upload(self) -> None:
