@@ -226,11 +226,14 @@ class ModelRunner:
         """Stage and upload the step's metadata; the batch's tensors are device views."""
         bs = self.kv_cache.block_size
         vals: dict[str, list[int]] = {f: [] for f in StepInputs.FIELDS}
-        starts, context, pending = [0], [], []
+        starts, context, pending, drafts = [0], [], [], []
         for req, n in scheduled:
             start = req.num_computed_tokens
             if req.num_pending_tokens and start + n > req.num_tokens:
                 pending.append((starts[-1] + req.num_tokens - start, self._sampled_index(req)))
+            if self.spec is not None:  # a model drafter's tokens, still on the device
+                first = starts[-1] + n - len(req.draft_token_ids)
+                drafts += [(first + j, at) for j, at in enumerate(self.spec.device_drafts(req, n))]
             vals["input_ids"] += req.known_tokens(start, n)
             vals["positions"] += range(start, start + n)
             vals["slot_mapping"] += [req.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
@@ -251,10 +254,12 @@ class ModelRunner:
         if self._prefill_bucket is not None:
             pad_tokens, graph_bucket = self._prefill_bucket
         self.inputs.stage(vals, [r.block_table for r, _ in scheduled], pad_to=graph_bucket, pending=pending,
-                          pad_tokens=pad_tokens)
+                          pad_tokens=pad_tokens, drafts=drafts)
         self.inputs.upload()
         if pending:
             self.inputs.fill_pending(self.last_sampled.tokens)
+        if drafts:
+            self.inputs.fill_drafts(self.spec.drafted[0])
         t, b = starts[-1], len(scheduled)
         tok, seq = self.inputs.tokens(t), self.inputs.seqs(b)
         width = max(len(r.block_table) for r, _ in scheduled)

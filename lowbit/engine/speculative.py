@@ -119,6 +119,8 @@ class Drafting:
     rows: torch.Tensor  # [B] sampler rows
     sampling: object  # SamplingState
     mode: object  # SampleMode of the drafting requests
+    flat: torch.Tensor | None = None  # [N] the drafted tokens on the device (`write`)
+    where: dict[str, list[int]] = field(default_factory=dict)  # request id -> its drafts' indices in flat
 
     def sample(self, logits: torch.Tensor, picks: list[int], j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft j of the requests `picks` from logits [len(picks), V]: tokens [len(picks)]
@@ -128,15 +130,18 @@ class Drafting:
         return draft_tokens(logits, self.sampling, self.rows[sel], steps, self.mode)
 
     def write(self, drafted: list[tuple[list[int], torch.Tensor]]) -> None:
-        """Each chain step's (picks, tokens) into the requests' draft slots: one host read
-        for the whole chain."""
+        """Each chain step's (picks, tokens) as the drafts of the requests, kept on the
+        device: `flat` [N] and, per request id, where its drafts 0, 1, ... sit in it. The
+        host's draft slots keep their placeholders; the runner copies the tokens into the
+        verify step's input on the device (StepInputs.fill_drafts), and the host learns the
+        accepted ones from the verify step's one read."""
         if not drafted:
             return
-        flat = read_back(torch.cat([t for _, t in drafted])).tolist()
+        self.flat = torch.cat([t for _, t in drafted])
         at = 0
-        for j, (picks, _) in enumerate(drafted):
+        for picks, _ in drafted:
             for i in picks:
-                self.reqs[i].draft_token_ids[j] = flat[at]
+                self.where.setdefault(self.reqs[i].request_id, []).append(at)
                 at += 1
 
 
@@ -421,6 +426,8 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stats = SpecStats()
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] of sampled drafts
+        # a model drafter's tokens on the device this step: (flat [N], request id -> indices)
+        self.drafted: tuple[torch.Tensor, dict[str, list[int]]] | None = None
         self.synthetic_accept = synthetic_accept  # bench only: forced acceptance (lowbit.engine.acceptance)
         self.synthetic_draws = None
         if synthetic_accept is not None:
@@ -454,6 +461,7 @@ class SpecDecoder:
         t0 = self.adapt.clock() if self.sample is not None else 0.0
         qs = self.drafter.propose(work)
         self.draft_probs = {work.reqs[i].request_id: q for i, q in qs.items()}
+        self.drafted = (work.flat, work.where) if work.flat is not None else None
         if self.sample is not None:
             self.sample.draft_s = self.adapt.clock() - t0
             decode = len(scheduled) == self.sample.num_seqs and all(
@@ -480,12 +488,15 @@ class SpecDecoder:
         picks = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n == r.num_known_tokens]
         ks = [len(scheduled[i][0].draft_token_ids) for i in picks]
         K, dev = max(ks), hidden.device
-        # every host list goes up in one non-blocking copy: rows of the logits, picks, k, drafts
+        # every host list goes up in one non-blocking copy: rows of the logits, picks, k, and
+        # the drafts (host tokens: n-gram; else indices into the drafter's device tokens)
         P = len(picks)
         flat = [query_start[i + 1] - 1 - k + min(j, k) for i, k in zip(picks, ks) for j in range(K + 1)]
-        flat += picks + ks + [t for i, k in zip(picks, ks) for t in scheduled[i][0].draft_token_ids + [0] * (K - k)]
+        flat += picks + ks + self._draft_list(scheduled, picks, ks, K)
         up = to_device(flat, dev)
         index, sel, num_drafts, drafts = up.split([P * (K + 1), P, P, P * K])
+        if self.drafted is not None:  # index P * K: the pad, a 0 appended to the drafter's tokens
+            drafts = torch.cat((self.drafted[0], self.drafted[0].new_zeros(1))).index_select(0, drafts)
         logits = model.compute_logits(hidden[index]).view(P, K + 1, -1)
         q, sampled = self._draft_probs(scheduled, picks, K, logits.shape[-1], dev)
         forced = None
@@ -501,6 +512,27 @@ class SpecDecoder:
         if self.sample is not None:
             self.sample.accepted = {i: row[0] for i, row in zip(picks, host)}
         return picks, emitted, logits
+
+    def _draft_list(self, scheduled, picks: list[int], ks: list[int], K: int) -> list[int]:
+        """[P * K] per pick its drafts padded to K: the host's tokens, or with a model
+        drafter's device tokens their indices in its flat tensor (its length: the pad; a
+        request the drafter did not reach keeps its placeholder drafts, the pad too)."""
+        if self.drafted is None:
+            return [t for i, k in zip(picks, ks) for t in scheduled[i][0].draft_token_ids + [0] * (K - k)]
+        flat, where = self.drafted
+        pad = flat.shape[0]
+        out = []
+        for i, k in zip(picks, ks):
+            at = where.get(scheduled[i][0].request_id, [])[:k]
+            out += at + [pad] * (K - len(at))
+        return out
+
+    def device_drafts(self, req: Request, n: int) -> list[int]:
+        """Where the drafts in `req`'s window of n tokens sit in the drafter's device tokens
+        (the last len(draft_token_ids) tokens of the window), [] without any."""
+        if self.drafted is None:
+            return []
+        return self.drafted[1].get(req.request_id, [])[:len(req.draft_token_ids)]
 
     def _draft_probs(self, scheduled, picks: list[int], K: int, V: int, dev):
         ids = [scheduled[i][0].request_id for i in picks]

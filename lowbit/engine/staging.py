@@ -14,6 +14,10 @@ host, is staged as a placeholder; `fill_pending` then overwrites it on the devic
 step's sampled tokens (K pairs: flat index in input_ids, index in the sampled tokens), after
 the upload and before the forward or graph replay, with no host sync.
 
+Drafted tokens (speculative decoding with a model drafter) are staged the same way: D pairs
+(flat index in input_ids, index in the drafter's flat device tensor), and `fill_drafts`
+copies them in on the device.
+
 Sequence fields beside the per-sequence metadata: query_start [B + 1] (int32, the flat
 index of each sequence's first new token), last_index [B] (its last new token: the row the
 logits are taken from) and sample_rows [B] (its sampler row when it samples this step, else
@@ -50,6 +54,7 @@ class StepInputs:
     SEQ_FIELDS = ("seq_lens", "rows", "steps", "query_start", "last_index", "sample_rows", "picks")
     FIELDS = TOKEN_FIELDS + SEQ_FIELDS
     PENDING = ("pending_at", "pending_src")
+    DRAFTS = ("draft_at", "draft_src")
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, padding: Padding,
                  device: torch.device) -> None:
@@ -68,15 +73,19 @@ class StepInputs:
         for f in self.PENDING:  # [K <= B]
             self.host[f] = torch.zeros(max_seqs, dtype=torch.long, pin_memory=pin)
             self.dev[f] = torch.zeros(max_seqs, dtype=torch.long, device=device)
+        for f in self.DRAFTS:  # [D <= T]
+            self.host[f] = torch.zeros(max_tokens, dtype=torch.long, pin_memory=pin)
+            self.dev[f] = torch.zeros(max_tokens, dtype=torch.long, device=device)
         # numpy views of the pinned buffers: a slice assignment from a Python list is one call
         # (a torch.as_tensor and a copy per field cost several times more host time a step)
         self.host_np = {f: t.numpy() for f, t in self.host.items()}
         self.tables_np = self.host_tables.numpy()
         self._uploaded = torch.cuda.Event() if pin else None
-        self.num_tokens = self.num_seqs = self.width = self.num_pending = 0
+        self.num_tokens = self.num_seqs = self.width = self.num_pending = self.num_drafts = 0
 
     def stage(self, values: dict[str, list[int]], tables: list[list[int]], pad_to: int = 0,
-              pending: list[tuple[int, int]] = (), pad_tokens: int | None = None) -> None:
+              pending: list[tuple[int, int]] = (), pad_tokens: int | None = None,
+              drafts: list[tuple[int, int]] = ()) -> None:
         """Fill the pinned buffers: token fields [T], sequence fields [B] (query_start
         [B + 1]), tables [B][<=W], pending (flat index, sampled index) pairs [K]. With pad_to
         (a graph bucket) token and sequence fields are padded to pad_to rows; with
@@ -84,9 +93,11 @@ class StepInputs:
         padded tokens forming sequence B (pad_to > B then)."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload has left the pinned buffers
-        self.num_pending = len(pending)
+        self.num_pending, self.num_drafts = len(pending), len(drafts)
         for f, vals in zip(self.PENDING, zip(*pending)):
             self.host_np[f][:self.num_pending] = vals
+        for f, vals in zip(self.DRAFTS, zip(*drafts)):
+            self.host_np[f][:self.num_drafts] = vals
         t, b = len(values["input_ids"]), len(tables)
         n_tok, n_seq = max(t, pad_to if pad_tokens is None else pad_tokens), max(b, pad_to)
         fill = {"input_ids": 0, "positions": 0, "slot_mapping": self.pad.scratch_row,
@@ -116,6 +127,8 @@ class StepInputs:
             self.dev[f][:n].copy_(self.host[f][:n], non_blocking=nb)
         for f in self.PENDING:
             self.dev[f][:self.num_pending].copy_(self.host[f][:self.num_pending], non_blocking=nb)
+        for f in self.DRAFTS:
+            self.dev[f][:self.num_drafts].copy_(self.host[f][:self.num_drafts], non_blocking=nb)
         b, w = self.num_seqs, self.width
         self.block_tables[:b, :w].copy_(self.host_tables[:b, :w], non_blocking=nb)
         if self._uploaded is not None:
@@ -128,6 +141,14 @@ class StepInputs:
         if k:
             src = sampled.index_select(0, self.dev["pending_src"][:k])  # [K]
             self.dev["input_ids"].index_copy_(0, self.dev["pending_at"][:k], src)
+
+    def fill_drafts(self, drafted: torch.Tensor) -> None:
+        """input_ids[draft_at[d]] = drafted[draft_src[d]], on the device: a model drafter's
+        tokens [N] go into the verify step's input without a trip through the host."""
+        d = self.num_drafts
+        if d:
+            src = drafted.index_select(0, self.dev["draft_src"][:d])
+            self.dev["input_ids"].index_copy_(0, self.dev["draft_at"][:d], src)
 
     def tokens(self, n: int | None = None) -> dict[str, torch.Tensor]:
         """Device views of the token fields, n rows (default: the staged count)."""

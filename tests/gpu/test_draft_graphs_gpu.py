@@ -90,3 +90,30 @@ def test_v3_mtp_follow_ups_replay_what_they_compute_eagerly(tmp_path):
             want = mtp_reference(eng.model, torch.tensor(r.token_ids, device="cuda")).float()
             got = eng.spec.drafter.last[r.request_id][0].float()
             assert (got - want).norm() / want.norm() < 0.02
+
+
+def test_demo_draft_steps_do_not_sync_before_their_read():
+    """The same prompt twice (greedy: the second run meets only captured shapes). In the
+    second, every step from the first decode on (catch-up and chain replay, the drafts fed to
+    the verify input on the device, the verify replay and acceptance, the one read through
+    an event) runs under torch's sync debug mode set to error, with the same tokens."""
+    llm = LLM("demo", device="cuda", speculative_method="draft", speculative_model="demo-draft",
+              num_speculative_tokens=3, max_num_seqs=8, max_model_len=1024)
+    eng = llm.engine
+    ids = llm.prompts.encode("It is a truth universally acknowledged")
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = eng.add_request(ids, params)
+    while eng.has_unfinished():
+        eng.step()
+    replays = eng.spec.drafter.chain.replays
+    req = eng.add_request(ids, params)
+    while req.num_output_tokens < 2:  # the prompt, then the first decode step (no drafts yet)
+        eng.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert req.output_token_ids == first.output_token_ids
+    assert eng.spec.drafter.chain.replays > replays and not eng.spec.drafter.chain.eager
