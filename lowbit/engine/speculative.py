@@ -9,7 +9,8 @@ A step with speculation, in the engine's three stages:
 2. `propose` (the runner, after scheduling): drafts cut to the scheduled window; a draft
    model catches its own KV cache up with the target's tokens and chains k forwards; the MTP
    head chains from what the last step left (`follow`). A chain feeds each draft to the next
-   forward on the device and reads all of them back once at its end. A draft model's chain
+   forward on the device, and the drafts stay there: the runner copies them into the verify
+   input (StepInputs.fill_drafts) and the acceptance gathers them. A draft model's chain
    where every drafting request wants the same k > 1 runs over static buffers, one CUDA
    graph replay per step on CUDA (lowbit.engine.draft_graphs).
 3. `verify` (the runner, after the target's forward): the target's logits at the last real
