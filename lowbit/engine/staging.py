@@ -87,7 +87,8 @@ class StepInputs:
               pending: list[tuple[int, int]] = (), pad_tokens: int | None = None,
               drafts: list[tuple[int, int]] = ()) -> None:
         """Fill the pinned buffers: token fields [T], sequence fields [B] (query_start
-        [B + 1]), tables [B][<=W], pending (flat index, sampled index) pairs [K]. With pad_to
+        [B + 1]), tables [B][<=W], pending (flat index, sampled index) pairs [K], drafts
+        (flat index, index in the drafter's tokens) pairs [D]. With pad_to
         (a graph bucket) token and sequence fields are padded to pad_to rows; with
         pad_tokens too (a prefill bucket) tokens are padded to pad_tokens rows instead, the
         padded tokens forming sequence B (pad_to > B then)."""
