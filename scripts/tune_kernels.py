@@ -162,6 +162,14 @@ def static(arch: int, only: list[str]) -> None:
         ids = torch.randint(0, e, (4, 8), dtype=torch.int32)
         jobs.append((f"moe gemv {fmt}", lambda w13=w13, w2=w2, ids=ids, h=h: fused_moe_gemv(
             torch.randn(4, h).bfloat16(), ids, torch.rand(4, 8), w13, w2)))
+    from lowbit.kernels import attention
+    for kv in ("bf16", "fp8"):  # paged decode attention, Qwen3-30B-A3B heads (32 q, 4 KV, 128)
+        dt = attention.FP8 if kv == "fp8" else torch.bfloat16
+        scales = dict(k_scale=torch.ones(64, 4), v_scale=torch.ones(64, 4)) if kv == "fp8" else {}
+        pool = attention.KVPool(torch.zeros(64, 4, 128, dtype=dt), torch.zeros(64, 4, 128, dtype=dt), 16, **scales)
+        jobs.append((f"attention decode {kv} pool", lambda pool=pool: attention.paged_decode(
+            torch.randn(1, 32, 128).bfloat16(), pool, torch.zeros(1, 4, dtype=torch.int32),
+            torch.full((1,), 40, dtype=torch.int32), 0.1, num_splits=2)))
     for label, fn in jobs:
         if only and not any(o in label for o in only):
             continue
