@@ -23,3 +23,14 @@ def cuda_engine(path, **cfg):
 
     base = dict(model=str(path), device="cuda", dtype="bfloat16", kv_cache_tokens=16384)
     return LLMEngine(EngineConfig(**{**base, **cfg}))
+
+
+def finish_without_syncs(engine) -> None:
+    """Step `engine` until it is idle under torch's sync debug mode set to error: any
+    synchronizing call in a step raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

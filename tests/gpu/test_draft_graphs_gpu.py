@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from lowbit import LLM, SamplingParams
-from tests.gpu.engines import GPU_ONLY
+from tests.gpu.engines import GPU_ONLY, finish_without_syncs
 
 pytestmark = GPU_ONLY
 
@@ -109,11 +109,6 @@ def test_demo_draft_steps_do_not_sync_before_their_read():
     req = eng.add_request(ids, params)
     while req.num_output_tokens < 2:  # the prompt, then the first decode step (no drafts yet)
         eng.step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while eng.has_unfinished():
-            eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    finish_without_syncs(eng)
     assert req.output_token_ids == first.output_token_ids
     assert eng.spec.drafter.chain.replays > replays and not eng.spec.drafter.chain.eager

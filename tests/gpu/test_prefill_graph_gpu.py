@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.engines import GPU_ONLY, cuda_engine
+from tests.gpu.engines import GPU_ONLY, cuda_engine, finish_without_syncs
 
 pytestmark = GPU_ONLY
 
@@ -115,12 +115,7 @@ def test_verify_steps_do_not_sync_before_their_read(moe_dir, synthetic):
     req = spec.add_request(prompt, params)
     spec.step()  # the prompt (a prefill step)
     verified, accepted = spec.runner.spec_graph_steps, spec.spec.stats.num_accepted
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while spec.has_unfinished():
-            spec.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    finish_without_syncs(spec)
     if synthetic is not None:
         assert spec.runner.spec_graph_steps > verified + 5
         assert spec.spec.stats.num_accepted > accepted
