@@ -274,7 +274,10 @@ def summary_md(rec: dict) -> str:
     if rec.get("draft_chains"):
         foot += f"  \n{rec['draft_chains']}"
     for arm, p in rec.get("step_profiles", {}).items():
-        foot += f"  \n{arm} step profile: {format_profile(p).splitlines()[0]}"
+        lines = format_profile(p).splitlines()
+        foot += f"  \n{arm} step profile: {lines[0]}"
+        if p.get("host_us"):
+            foot += f"; {lines[1].strip()}"
     if rec.get("synthetic"):
         foot = (f"{rec['synthetic_note']}; expected accepted length "
                 f"{rec['synthetic_expected_accepted_length']:.2f}  \n" + foot)

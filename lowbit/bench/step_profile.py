@@ -16,6 +16,10 @@ sampling, the token read-back) and reports per step:
   top             the ten kernels with the most GPU time per step (name, count, us)
   tokens_per_step tokens the timed steps emitted, per step (all sequences): `batch` for
                   plain decode, more with speculative decoding's accepted drafts
+  host_us         the timed steps' host time per phase, us a step (lowbit.engine.metrics
+                  .HostSpans): "read wait" is the host blocked on the device, the rest is
+                  host work; with async scheduling it overlaps the device, without it
+                  (speculative decoding) the device idles through it
 `profile_prefill(engine, tokens)` does the same for one prompt of `tokens` tokens (the
 engine's own prefill steps, chunked as the scheduler chunks them; kernels are summed over
 the whole prompt, and `batch` is the prompt length).
@@ -85,11 +89,14 @@ def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64, st
         engine.step()
     torch.cuda.synchronize()
     before = sum(r.num_tokens for r in engine.requests.values())
+    engine.spans.reset(on=True)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    host = engine.spans.per_step_us()
+    engine.spans.reset(on=False)
     emitted = sum(r.num_tokens for r in engine.requests.values()) - before
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
@@ -101,7 +108,7 @@ def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64, st
     while engine.has_unfinished():
         engine.step()
     return {"batch": batch, **_summary(prof, steps, engine.arch.num_layers, 1e6 * wall / steps, 10),
-            "tokens_per_step": emitted / steps}
+            "tokens_per_step": emitted / steps, "host_us": host}
 
 
 def profile_prefill(engine, tokens: int = 512, repeats: int = 2) -> dict | None:
@@ -147,4 +154,6 @@ def format_profile(p: dict) -> str:
     if p.get("tokens_per_step", p["batch"]) != p["batch"]:
         head += f", {p['tokens_per_step']:.2f} tokens per step"
     rows = [f"    {n:<80} x{c:<6.1f} {t:8.1f} us" for n, c, t in p["top"]]
+    if p.get("host_us"):
+        rows.insert(0, "    host us a step: " + ", ".join(f"{k} {v:.0f}" for k, v in p["host_us"].items()))
     return "\n".join([head, *rows])

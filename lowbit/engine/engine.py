@@ -45,7 +45,7 @@ from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.block_manager import BlockManager
 from lowbit.engine.detokenizer import IncrementalDetokenizer
 from lowbit.engine.expert_cache import ExpertCache, RoutingRecorder, free_device_bytes, plan_slots
-from lowbit.engine.metrics import EngineStats
+from lowbit.engine.metrics import EngineStats, HostSpans
 from lowbit.engine.output import append_token, take_delta
 from lowbit.engine.paged_cache import PagedKVCache, kv_bytes_per_token, parse_kv_dtype, pool_tokens
 from lowbit.engine.request import Request, RequestDelta, RequestRejected
@@ -150,6 +150,10 @@ class LLMEngine:
             self.config, self.model, self.kv_cache, self.device,
             self.draft)
         self.runner.spec = self.spec
+        self.spans = HostSpans()  # host time per step phase, off unless a profile asks
+        self.runner.spans = self.spans
+        if self.spec is not None:
+            self.spec.spans = self.spans
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._deltas: list[RequestDelta] = []  # deltas ready before the next step returns
@@ -309,6 +313,7 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        self.spans.start()
         sched = self.schedule()
         previous = self.run(sched)
         return self.postprocess(previous)
@@ -316,7 +321,10 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         if self.spec is not None:
             self.spec.plan(self.scheduler.running)
-        return self.scheduler.schedule()
+            self.spans.lap("plan")
+        sched = self.scheduler.schedule()
+        self.spans.lap("schedule")
+        return sched
 
     def run(self, sched: SchedulerOutput) -> Flight | None:
         """Launch the step; return the step launched before it, still unread. A step that
@@ -333,7 +341,10 @@ class LLMEngine:
         """The deltas of the step before this one (read while the device runs this one), and
         of this one too when it does not overlap."""
         if previous is not None:
-            self._deltas += self._update(previous.sched, previous.output.result())
+            result = previous.output.result()
+            self.spans.lap("read wait")
+            self._deltas += self._update(previous.sched, result)
+            self.spans.lap("update")
         if all(r.is_finished for r, _ in self._inflight.sched.scheduled):
             self._inflight = None  # nothing of it would be emitted: not worth a wait
         elif not self._inflight.overlap:
@@ -359,7 +370,10 @@ class LLMEngine:
         """Read back the step in flight; its deltas go out with the next step's."""
         flight, self._inflight = self._inflight, None
         if flight is not None:
-            self._deltas += self._update(flight.sched, flight.output.result())
+            result = flight.output.result()
+            self.spans.lap("read wait")
+            self._deltas += self._update(flight.sched, result)
+            self.spans.lap("update")
             if self.spec is not None:
                 self.spec.observe()
 

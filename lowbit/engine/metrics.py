@@ -7,6 +7,8 @@ numbers updated in place, so a reader sees a slightly stale but consistent-enoug
 from __future__ import annotations
 
 import bisect
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -57,3 +59,36 @@ class EngineStats:
     def on_finish(self, reason: str, arrival: float, now: float) -> None:
         self.request_success_total[reason] = self.request_success_total.get(reason, 0) + 1
         self.e2e_request_latency.observe(now - arrival)
+
+
+class HostSpans:
+    """Host time per phase of a step, for lowbit.bench.step_profile: `start()` at the top of
+    a step, then `lap(name)` adds the time since the last lap to `name`. Off (the default)
+    every call returns at once. Phases: plan (speculative drafts), schedule, propose, prepare
+    (staging and upload), launch (graph replay or eager forward, acceptance launched),
+    read wait (the host blocked on the device for a step's tokens), update (tokens appended,
+    text, deltas), follow (the MTP layer's follow-up)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.total: Counter = Counter()
+        self.steps = 0
+        self._t = 0.0
+
+    def reset(self, on: bool) -> None:
+        self.on, self.total, self.steps = on, Counter(), 0
+
+    def start(self) -> None:
+        if self.on:
+            self._t = time.perf_counter()
+            self.steps += 1
+
+    def lap(self, name: str) -> None:
+        if self.on:
+            now = time.perf_counter()
+            self.total[name] += now - self._t
+            self._t = now
+
+    def per_step_us(self) -> dict[str, float]:
+        return {k: 1e6 * v / max(self.steps, 1) for k, v in self.total.items()}
+

@@ -36,6 +36,7 @@ import torch
 
 from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.cuda_graphs import DecodeGraphs, graphs_wanted
+from lowbit.engine.metrics import HostSpans
 from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
 from lowbit.engine.prefill_graphs import HIDDEN, PrefillGraphs, prefill_graphs_wanted
 from lowbit.engine.request import Request, TokenLogprob
@@ -118,6 +119,7 @@ class ModelRunner:
         self.graph_check: Callable[[], bool] | None = None
         self.sampling = SamplingState(max_num_seqs, model.config.vocab_size, device)
         self.spec = None  # lowbit.engine.speculative.SpecDecoder, set by the engine
+        self.spans = HostSpans()  # the engine's, set by it
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         max_blocks = -(-max_model_len // kv_cache.block_size)
@@ -180,7 +182,9 @@ class ModelRunner:
             return PendingOutput(RunnerOutput())
         if self.spec is not None:
             self._propose(sched.scheduled)
+            self.spans.lap("propose")
         input_ids, batch = self.prepare(sched.scheduled)
+        self.spans.lap("prepare")
         self.last_sampled = None
         for hook in self.before_forward:
             hook(batch, input_ids)
@@ -205,7 +209,9 @@ class ModelRunner:
             if not reqs:
                 return PendingOutput(out)
             tokens, logits = self._sample_eager(sched.scheduled, batch, hidden, mode)
-        return self._read_back(reqs, tokens, logits, out)
+        pending = self._read_back(reqs, tokens, logits, out)
+        self.spans.lap("launch")
+        return pending
 
     def _replay(self, batch: ForwardBatch, mode) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the decode graph. When `graph_check` rejects it, the sampler's counts go
@@ -335,6 +341,7 @@ class ModelRunner:
                 if req.params.logprobs is not None:
                     self._spec_logprobs(req, logits[b], toks, out)
         self.spec.follow(scheduled, batch, hidden, emitted)
+        self.spans.lap("follow")
         return out
 
     def _spec_logprobs(self, req: Request, logits: torch.Tensor, tokens: list[int], out: RunnerOutput) -> None:

@@ -47,6 +47,7 @@ from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.cuda_graphs import graphs_wanted
 from lowbit.engine.draft_graphs import DraftChainGraphs, FollowGraphs, flat_batch, pad_width
 from lowbit.engine.draft_length import DraftLength
+from lowbit.engine.metrics import HostSpans
 from lowbit.engine.paged_cache import PagedKVCache
 from lowbit.engine.prefill_graphs import prefill_graphs_wanted
 from lowbit.engine.request import Request
@@ -430,6 +431,7 @@ class SpecDecoder:
         # a model drafter's tokens on the device this step: (flat [N], request id -> indices)
         self.drafted: tuple[torch.Tensor, dict[str, list[int]]] | None = None
         self.synthetic_accept = synthetic_accept  # bench only: forced acceptance (lowbit.engine.acceptance)
+        self.spans = HostSpans()  # the engine's, set by it
         self.synthetic_draws = None
         if synthetic_accept is not None:
             self.synthetic_draws = torch.Generator(device=device).manual_seed(SYNTHETIC_SEED)
@@ -505,7 +507,9 @@ class SpecDecoder:
             forced = torch.rand(P, K, device=dev, generator=self.synthetic_draws) < self.synthetic_accept
         tokens, n = accept(logits, drafts.view(P, K), num_drafts, sampling, rows[sel], steps[sel],
                            mode, q, sampled, forced)
+        self.spans.lap("launch")
         host = read_back(torch.cat((n[:, None], tokens), 1)).tolist()  # the step's one wait
+        self.spans.lap("read wait")
         emitted = [row[1:row[0] + 2] for row in host]
         for k, row in zip(ks, host):
             if k:

@@ -1,5 +1,7 @@
 import math
+import time
 
+import pytest
 import torch
 
 from lowbit.engine.sampling import SamplingParams
@@ -155,3 +157,30 @@ def test_max_tokens_left_out_runs_to_what_the_pool_holds(make_engine):
     assert engine.blocks.num_free_blocks == engine.blocks.num_total_blocks
     with pytest.raises(RequestRejected, match="kv_cache_too_small|pool holds 64"):
         engine.add_request(list(range(1, 70)), SamplingParams(max_tokens=None))
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_host_spans_split_a_steps_wall_time_into_its_phases(make_engine, spec):
+    """With the spans on, each step's host time lands in its phases (speculative steps add
+    plan and propose); the phases add up to no more than the steps' wall-clock; off, nothing
+    is recorded."""
+    kw = dict(speculative_method="ngram", num_speculative_tokens=2, speculative_synthetic_accept=1.0) if spec else {}
+    eng = make_engine(**kw)
+    eng.add_request(list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    eng.step()  # the prompt
+    eng.step()
+    assert not eng.spans.total and eng.spans.steps == 0  # off by default
+    eng.spans.reset(on=True)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        eng.step()
+    wall = time.perf_counter() - t0
+    host = eng.spans.per_step_us()
+    want = {"schedule", "prepare", "launch", "read wait", "update"} | ({"plan", "propose", "follow"} if spec else set())
+    assert want <= set(host), host
+    assert all(v >= 0 for v in host.values()) and eng.spans.steps == 4
+    assert sum(host.values()) * 4 <= wall * 1e6 * 1.001
+    assert host["launch"] > 0 and host["prepare"] > 0
+    eng.spans.reset(on=False)
+    eng.step()
+    assert not eng.spans.total
