@@ -237,7 +237,7 @@ class ModelRunner:
             start = req.num_computed_tokens
             if req.num_pending_tokens and start + n > req.num_tokens:
                 pending.append((starts[-1] + req.num_tokens - start, self._sampled_index(req)))
-            if self.spec is not None:  # a model drafter's tokens, still on the device
+            if self.spec is not None and self.spec.drafted is not None:  # a model drafter's tokens, on the device
                 first = starts[-1] + n - len(req.draft_token_ids)
                 drafts += [(first + j, at) for j, at in enumerate(self.spec.device_drafts(req, n))]
             vals["input_ids"] += req.known_tokens(start, n)

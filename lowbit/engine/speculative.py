@@ -121,7 +121,7 @@ class Drafting:
     rows: torch.Tensor  # [B] sampler rows
     sampling: object  # SamplingState
     mode: object  # SampleMode of the drafting requests
-    flat: torch.Tensor | None = None  # [N] the drafted tokens on the device (`write`)
+    flat: torch.Tensor | None = None  # [N + 1] the drafted tokens on the device, then a 0 (`write`)
     where: dict[str, list[int]] = field(default_factory=dict)  # request id -> its drafts' indices in flat
 
     def sample(self, logits: torch.Tensor, picks: list[int], j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -139,7 +139,7 @@ class Drafting:
         accepted ones from the verify step's one read."""
         if not drafted:
             return
-        self.flat = torch.cat([t for _, t in drafted])
+        self.flat = torch.cat([t for _, t in drafted] + [drafted[0][1].new_zeros(1)])  # last: a pad 0
         at = 0
         for picks, _ in drafted:
             for i in picks:
@@ -498,8 +498,8 @@ class SpecDecoder:
         flat += picks + ks + self._draft_list(scheduled, picks, ks, K)
         up = to_device(flat, dev)
         index, sel, num_drafts, drafts = up.split([P * (K + 1), P, P, P * K])
-        if self.drafted is not None:  # index P * K: the pad, a 0 appended to the drafter's tokens
-            drafts = torch.cat((self.drafted[0], self.drafted[0].new_zeros(1))).index_select(0, drafts)
+        if self.drafted is not None:  # indices into the drafter's tokens (its last entry: a pad 0)
+            drafts = self.drafted[0].index_select(0, drafts)
         logits = model.compute_logits(hidden[index]).view(P, K + 1, -1)
         q, sampled = self._draft_probs(scheduled, picks, K, logits.shape[-1], dev)
         forced = None
@@ -520,12 +520,12 @@ class SpecDecoder:
 
     def _draft_list(self, scheduled, picks: list[int], ks: list[int], K: int) -> list[int]:
         """[P * K] per pick its drafts padded to K: the host's tokens, or with a model
-        drafter's device tokens their indices in its flat tensor (its length: the pad; a
-        request the drafter did not reach keeps its placeholder drafts, the pad too)."""
+        drafter's device tokens their indices in its flat tensor (its last entry is the pad 0;
+        a request the drafter did not reach keeps its placeholder drafts, the pad too)."""
         if self.drafted is None:
             return [t for i, k in zip(picks, ks) for t in scheduled[i][0].draft_token_ids + [0] * (K - k)]
         flat, where = self.drafted
-        pad = flat.shape[0]
+        pad = flat.shape[0] - 1
         out = []
         for i, k in zip(picks, ks):
             at = where.get(scheduled[i][0].request_id, [])[:k]

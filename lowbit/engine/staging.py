@@ -95,10 +95,9 @@ class StepInputs:
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload has left the pinned buffers
         self.num_pending, self.num_drafts = len(pending), len(drafts)
-        for f, vals in zip(self.PENDING, zip(*pending)):
-            self.host_np[f][:self.num_pending] = vals
-        for f, vals in zip(self.DRAFTS, zip(*drafts)):
-            self.host_np[f][:self.num_drafts] = vals
+        for fields, pairs in ((self.PENDING, pending), (self.DRAFTS, drafts)):
+            for f, vals in zip(fields, zip(*pairs)):
+                self.host_np[f][:len(pairs)] = vals
         t, b = len(values["input_ids"]), len(tables)
         n_tok, n_seq = max(t, pad_to if pad_tokens is None else pad_tokens), max(b, pad_to)
         fill = {"input_ids": 0, "positions": 0, "slot_mapping": self.pad.scratch_row,
@@ -126,10 +125,9 @@ class StepInputs:
         for f in self.FIELDS:
             n = self.num_tokens if f in self.TOKEN_FIELDS else self.num_seqs + (f == "query_start")
             self.dev[f][:n].copy_(self.host[f][:n], non_blocking=nb)
-        for f in self.PENDING:
-            self.dev[f][:self.num_pending].copy_(self.host[f][:self.num_pending], non_blocking=nb)
-        for f in self.DRAFTS:
-            self.dev[f][:self.num_drafts].copy_(self.host[f][:self.num_drafts], non_blocking=nb)
+        for fields, n in ((self.PENDING, self.num_pending), (self.DRAFTS, self.num_drafts)):
+            for f in fields:
+                self.dev[f][:n].copy_(self.host[f][:n], non_blocking=nb)
         b, w = self.num_seqs, self.width
         self.block_tables[:b, :w].copy_(self.host_tables[:b, :w], non_blocking=nb)
         if self._uploaded is not None:
@@ -138,18 +136,18 @@ class StepInputs:
     def fill_pending(self, sampled: torch.Tensor) -> None:
         """input_ids[pending_at[k]] = sampled[pending_src[k]], on the device; sampled [B'] is
         the step before's tokens."""
-        k = self.num_pending
-        if k:
-            src = sampled.index_select(0, self.dev["pending_src"][:k])  # [K]
-            self.dev["input_ids"].index_copy_(0, self.dev["pending_at"][:k], src)
+        self._fill(self.PENDING, self.num_pending, sampled)
 
     def fill_drafts(self, drafted: torch.Tensor) -> None:
         """input_ids[draft_at[d]] = drafted[draft_src[d]], on the device: a model drafter's
         tokens [N] go into the verify step's input without a trip through the host."""
-        d = self.num_drafts
-        if d:
-            src = drafted.index_select(0, self.dev["draft_src"][:d])
-            self.dev["input_ids"].index_copy_(0, self.dev["draft_at"][:d], src)
+        self._fill(self.DRAFTS, self.num_drafts, drafted)
+
+    def _fill(self, fields: tuple[str, str], n: int, source: torch.Tensor) -> None:
+        """input_ids[at[i]] = source[src[i]] for the n staged (at, src) pairs of `fields`."""
+        if n:
+            at, src = (self.dev[f][:n] for f in fields)
+            self.dev["input_ids"].index_copy_(0, at, source.index_select(0, src))
 
     def tokens(self, n: int | None = None) -> dict[str, torch.Tensor]:
         """Device views of the token fields, n rows (default: the staged count)."""
