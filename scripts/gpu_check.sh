@@ -13,7 +13,8 @@
 #   tunemoe    grouped MoE tile sweep at T = 32, 64, 512, 2048 (scripts/tune_kernels.py
 #              --grouped; TUNEMOE_FORMATS, default dense,nvfp4), merged the same way ("moe_grouped")
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
-#   attention  python -m lowbit.bench.attention: paged decode attention vs SDPA
+#   attention  python -m lowbit.bench.attention $ATT_ARGS: paged decode attention vs SDPA
+#              (ATT_ARGS="--kv-dtypes bf16,fp8 --sweep" adds fp8 pools and the launch-config sweep)
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
 #              $QUANT (ENGINE_FORMATS overrides the list), default routes and flags (what a user gets): pp/tg cells, batched
 #              decode, kernels per decode step from a profile, graph status, route calls;
@@ -115,7 +116,7 @@ fi
 
 if has attention; then
   echo "== attention benchmark"
-  timeout "$T_ATT" python3 -m lowbit.bench.attention --out "$RES" 2>&1 | tail -30 | tee "$OUT/attention_bench.log"
+  timeout "$T_ATT" python3 -m lowbit.bench.attention --out "$RES" ${ATT_ARGS:-} 2>&1 | tee "$OUT/attention_bench.log" | tail -40
 fi
 
 if has engine; then

@@ -1,20 +1,26 @@
 """Decode attention benchmark: the split-KV paged kernel against torch SDPA on gathered K/V.
 
     python -m lowbit.bench.attention --out DIR [--copy-gbps N] [--sweep]
-        [--batches 1,8,32] [--contexts 1024,8192,32768]
+        [--batches 1,8,32] [--contexts 1024,8192,32768] [--kv-dtypes bf16,fp8]
 
-Shapes: Qwen3-30B-A3B attention (H/Hkv = 32/4, D = 128), bf16 KV, block size 16; every
-sequence holds the full context; blocks are handed out shuffled; random data (never zeros).
-Per point (B sequences x context tokens):
-  bytes     K/V the step must read: B * context * Hkv * D * 2 tensors * 2 bytes (q, the
-            output and the block tables are < 0.1% of it and not counted)
+Shapes: Qwen3-30B-A3B attention (H/Hkv = 32/4, D = 128), block size 16; every sequence holds
+the full context; blocks are handed out shuffled; random data (never zeros). KV pools: bf16,
+or fp8 (e4m3 codes and a float32 scale per token and head, as lowbit.engine.paged_cache
+stores them; SDPA gets the dequantized values).
+Per point (B sequences x context tokens x pool dtype):
+  bytes     K/V the step must read: B * context * Hkv * 2 tensors * (D * 2 bytes, or fp8:
+            D codes + a 4-byte scale) (q, the output and the block tables are < 0.1% of it
+            and not counted)
   triton    median of triton.testing.do_bench over eager launches (split + reduce kernels)
   graph     median per step of a CUDA graph replaying the step once per input set (no
             launch gaps: what a captured decode step pays)
   sdpa      torch.nn.functional.scaled_dot_product_attention (enable_gqa) on K/V already
             gathered into contiguous [B, Hkv, context, D] (the gather is not timed): an
             in-process peer that reads the same bytes without a block table
-  sweep     (--sweep) graph-replayed time of each launch config in SWEEP; the best per point
+  elementwise  (fp8 pools) the graph time with the fp8 word tiles off (config WORDS False:
+            codes loaded and converted one by one), the path before them
+  sweep     (--sweep) graph-replayed time of each launch config in SWEEP (fp8 pools: also
+            num_stages 1); the best per point
   GB/s and % of the copy bandwidth (--copy-gbps, else measured here: read + write bytes of
   a 1 GiB device-to-device copy); rel_err: triton vs sdpa outputs.
 Inputs rotate over enough sets (>= 256 MiB of K/V in all) that no step finds its K/V in L2.
@@ -32,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.bench.record import environment, md_table
-from lowbit.kernels.attention import KVPool, decode_splits, paged_decode
+from lowbit.kernels.attention import FP8, KVPool, decode_splits, paged_decode, reference_kv_write
 from lowbit.kernels.runtime import HAS_TRITON
 
 if HAS_TRITON:  # imported here: triton's timer; the module still imports where triton (a test extra) is absent
@@ -42,6 +48,7 @@ H, HKV, D, BS = 32, 4, 128, 16
 ROTATE_BYTES = 256 << 20
 MAX_SETS = 128
 SWEEP = [dict(BN=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+SWEEP_FP8 = [dict(BN=bn, num_warps=w, num_stages=st) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2)]
 
 
 def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
@@ -52,14 +59,23 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def _inputs(batch: int, context: int, sets: int, seed: int = 0, device: str = "cuda"):
-    """One pool holding sets * batch sequences; per set: q, block tables, seq_lens, dense K/V."""
+def _inputs(batch: int, context: int, sets: int, seed: int = 0, device: str = "cuda", kv: str = "bf16"):
+    """One pool holding sets * batch sequences; per set: q, block tables, seq_lens, dense K/V
+    (the values the pool stands for: fp8 pools dequantized)."""
     g = torch.Generator(device=device).manual_seed(seed)
     per_seq = -(-context // BS)
     blocks = sets * batch * per_seq
     k = torch.randn((blocks + 1) * BS, HKV, D, generator=g, device=device).bfloat16()
     v = torch.randn((blocks + 1) * BS, HKV, D, generator=g, device=device).bfloat16()
     pool = KVPool(k, v, BS)
+    if kv == "fp8":
+        rows = k.shape[0]
+        pool = KVPool(torch.empty(rows, HKV, D, dtype=FP8, device=device),
+                      torch.empty(rows, HKV, D, dtype=FP8, device=device), BS,
+                      torch.empty(rows, HKV, device=device), torch.empty(rows, HKV, device=device))
+        reference_kv_write(k, v, pool, torch.arange(rows, device=device))
+        k = (pool.k.float() * pool.k_scale[..., None]).bfloat16()
+        v = (pool.v.float() * pool.v_scale[..., None]).bfloat16()
     order = torch.randperm(blocks, generator=g, device=device).to(torch.int32).view(sets, batch, per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     pos = torch.arange(context, device=device)
@@ -99,11 +115,11 @@ def _graph_ms(fns: list) -> float:
 
 
 def bench_point(batch: int, context: int, copy_gbps: float, sweep: bool = False,
-                device: str = "cuda") -> dict:
+                device: str = "cuda", kv: str = "bf16") -> dict:
 
-    kv_bytes = batch * context * HKV * D * 2 * 2
+    kv_bytes = batch * context * HKV * 2 * (D + 4 if kv == "fp8" else D * 2)
     sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / kv_bytes)))
-    pool, inputs = _inputs(batch, context, sets, device=device)
+    pool, inputs = _inputs(batch, context, sets, device=device, kv=kv)
     scale = D ** -0.5
     outs = [torch.empty(batch, H, D, device=device, dtype=torch.bfloat16) for _ in inputs]
 
@@ -119,7 +135,7 @@ def bench_point(batch: int, context: int, copy_gbps: float, sweep: bool = False,
     sdpa = [sdpa_fn(i) for i in range(sets)]
     tri_ms = do_bench(_rotating(tri), warmup=25, rep=200, return_mode="median")
     graph_ms = _graph_ms(tri)
-    row = {"B": batch, "context": context, "H": H, "Hkv": HKV, "D": D, "kv_dtype": "bfloat16",
+    row = {"B": batch, "context": context, "H": H, "Hkv": HKV, "D": D, "kv_dtype": kv,
            "splits": decode_splits(batch, HKV, context, torch.device(device)), "input_sets": sets,
            "kv_bytes": kv_bytes, "triton_us": tri_ms * 1e3, "graph_us": graph_ms * 1e3}
     try:
@@ -130,14 +146,16 @@ def bench_point(batch: int, context: int, copy_gbps: float, sweep: bool = False,
         row["rel_err_vs_sdpa"] = ((outs[0].float() - ref.float()).norm() / ref.float().norm()).item()
     except (RuntimeError, torch.OutOfMemoryError) as e:  # a backend without GQA or memory
         row["sdpa_us"], row["sdpa_error"] = None, str(e).splitlines()[0]
-    for key in ("triton", "graph", "sdpa"):
+    if kv == "fp8":  # the same step with the codes loaded and converted one by one
+        row["elementwise_us"] = _graph_ms([triton_fn(i, dict(WORDS=False)) for i in range(sets)]) * 1e3
+    for key in ("triton", "graph", "sdpa", "elementwise"):
         us = row.get(f"{key}_us")
         row[f"{key}_gbps"] = kv_bytes / (us * 1e-6) / 1e9 if us else None
         row[f"{key}_pct_copy"] = 100 * row[f"{key}_gbps"] / copy_gbps if us else None
     row["speedup_vs_sdpa"] = row["sdpa_us"] / row["triton_us"] if row.get("sdpa_us") else None
     if sweep:  # graph-replayed time of each launch config (DECODE_CFG is the default)
         row["sweep"] = [{**cfg, "graph_us": _graph_ms([triton_fn(i, cfg) for i in range(sets)]) * 1e3}
-                        for cfg in SWEEP]
+                        for cfg in (SWEEP_FP8 if kv == "fp8" else SWEEP)]
         best = min(row["sweep"], key=lambda r: r["graph_us"])
         row["best_config"] = best
     return row
@@ -145,16 +163,18 @@ def bench_point(batch: int, context: int, copy_gbps: float, sweep: bool = False,
 
 def bench_attention(out_dir: str | Path, copy_gbps: float | None = None,
                     batches: tuple[int, ...] = (1, 8, 32),
-                    contexts: tuple[int, ...] = (1024, 8192, 32768), sweep: bool = False) -> list[dict]:
+                    contexts: tuple[int, ...] = (1024, 8192, 32768), sweep: bool = False,
+                    kv_dtypes: tuple[str, ...] = ("bf16",)) -> list[dict]:
     """Run every (B, context) point; write attention_bench.json and .md under out_dir."""
     assert torch.cuda.is_available(), "the attention benchmark needs a CUDA device"
     measured = copy_gbps is None
     copy_gbps = copy_bandwidth_gbps() if measured else float(copy_gbps)
     rows = []
-    for b in batches:
-        for c in contexts:
-            rows.append(bench_point(b, c, copy_gbps, sweep))
-            torch.cuda.empty_cache()  # the point's pool is garbage now
+    for kv in kv_dtypes:
+        for b in batches:
+            for c in contexts:
+                rows.append(bench_point(b, c, copy_gbps, sweep, kv=kv))
+                torch.cuda.empty_cache()  # the point's pool is garbage now
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = {"kind": "attention_decode", "env": environment("cuda"), "copy_gbps": copy_gbps,
@@ -169,20 +189,21 @@ def _fmt(x, spec: str) -> str:
 
 
 def markdown(record: dict) -> str:
-    head = ["B", "context", "splits", "K/V MiB", "triton us", "GB/s", "% copy", "graph us",
-            "% copy", "sdpa us", "% copy", "sdpa / triton time", "rel err"]
-    body = [[r["B"], r["context"], r["splits"], _fmt(r["kv_bytes"] / 2**20, ".1f"),
+    head = ["KV", "B", "context", "splits", "K/V MiB", "triton us", "GB/s", "% copy", "graph us",
+            "% copy", "sdpa us", "% copy", "sdpa / triton time", "rel err", "fp8 elementwise graph us"]
+    body = [[r.get("kv_dtype", "bf16"), r["B"], r["context"], r["splits"], _fmt(r["kv_bytes"] / 2**20, ".1f"),
              _fmt(r["triton_us"], ".1f"), _fmt(r["triton_gbps"], ".0f"), _fmt(r["triton_pct_copy"], ".0f"),
              _fmt(r["graph_us"], ".1f"), _fmt(r["graph_pct_copy"], ".0f"), _fmt(r["sdpa_us"], ".1f"),
              _fmt(r["sdpa_pct_copy"], ".0f"), _fmt(r["speedup_vs_sdpa"], ".2f"),
-             _fmt(r.get("rel_err_vs_sdpa"), ".1e")] for r in record["rows"]]
+             _fmt(r.get("rel_err_vs_sdpa"), ".1e"), _fmt(r.get("elementwise_us"), ".1f")]
+            for r in record["rows"]]
     if any("best_config" in r for r in record["rows"]):
         head.append("best config (graph us)")
         for line, r in zip(body, record["rows"]):
             c = r.get("best_config")
             line.append(f"BN {c['BN']} w{c['num_warps']} s{c['num_stages']} ({c['graph_us']:.1f})" if c else "-")
     env = record["env"]
-    return (f"## Decode attention, H/Hkv = {H}/{HKV}, D = {D}, bf16 KV, block size {BS}\n\n"
+    return (f"## Decode attention, H/Hkv = {H}/{HKV}, D = {D}, block size {BS}\n\n"
             f"{md_table(head, body)}\n\nCopy bandwidth {record['copy_gbps']:.0f} GB/s "
             f"({record['copy_source']}). Device: {env['device']}; commit `{env.get('commit')}`; "
             f"torch {env['versions'].get('torch')}, triton {env['versions'].get('triton')}.  \n"
@@ -196,9 +217,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--contexts", default="1024,8192,32768")
     p.add_argument("--sweep", action="store_true", help="also time every launch config in SWEEP (graph replay)")
+    p.add_argument("--kv-dtypes", default="bf16", help="comma-separated pool dtypes: bf16, fp8")
     args = p.parse_args(argv)
     ints = lambda s: tuple(int(x) for x in s.split(","))
-    bench_attention(args.out, args.copy_gbps, ints(args.batches), ints(args.contexts), args.sweep)
+    kvs = tuple(args.kv_dtypes.split(","))
+    bad = [k for k in kvs if k not in ("bf16", "fp8")]
+    if bad:
+        p.error(f"--kv-dtypes: unknown pool dtype {bad[0]!r} (bf16 or fp8)")
+    bench_attention(args.out, args.copy_gbps, ints(args.batches), ints(args.contexts), args.sweep, kvs)
     print((Path(args.out) / "attention_bench.md").read_text())
 
 

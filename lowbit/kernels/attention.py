@@ -55,6 +55,7 @@ import torch
 from lowbit.kernels import launch
 from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.runtime import (
+    HAS_TRITON,
     interpreting,
     semaphore,
     sm_count,
@@ -67,6 +68,10 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448, as lowbit.engine.paged_cache store
 LOG2E = math.log2(math.e)
 DECODE_CFG = dict(BN=64, num_warps=4, num_stages=2)
 PREFILL_CFG = dict(BM=64, BN=64, num_warps=4, num_stages=2)
+# fp8 pools: word tiles (WORDS) converted in registers; with num_stages 1 the codes go from
+# the load to the conversion without a shared-memory stage of 8-bit elements (docs/KERNEL_NOTES.md)
+FP8_DECODE_CFG = dict(num_stages=1)
+FP8_PREFILL_CFG = dict(num_stages=1)
 MIN_SPLIT_TOKENS = 128  # a decode split shorter than this costs more in the reduce than it saves
 MAX_SPLITS = 128
 SPLIT_WAVES = 2  # decode programs aimed at per SM
@@ -166,17 +171,74 @@ def _dot(a, b, IEEE: tl.constexpr):
     return tl.dot(a, b)
 
 
+# Eight e4m3 codes (two int32 words of a row, pack=2) -> four float16x2: $0 = byte 0 of each
+# word, $1 byte 1, $2 byte 2, $3 byte 3. One PRMT gathers a byte pair into a 16-bit half,
+# one CVT (F2FP) converts two codes; e4m3 values are all exact in float16.
+_E4M3_F16_PTX = ("{\n.reg .b32 x;\n.reg .b16 l, h;\n"
+                 "prmt.b32 x, $4, $5, 0x5140;\nmov.b32 {l, h}, x;\n"
+                 "cvt.rn.f16x2.e4m3x2 $0, l;\ncvt.rn.f16x2.e4m3x2 $1, h;\n"
+                 "prmt.b32 x, $4, $5, 0x7362;\nmov.b32 {l, h}, x;\n"
+                 "cvt.rn.f16x2.e4m3x2 $2, l;\ncvt.rn.f16x2.e4m3x2 $3, h;\n}")
+if HAS_TRITON:
+    _E4M3_F16_PTX = tl.constexpr(_E4M3_F16_PTX)
+
+
+@triton.jit
+def _word_col(d, BD: tl.constexpr, WORDS: tl.constexpr):
+    """The head-dim index that column d of a tile holds: d itself, or with WORDS the word
+    order of _fp8_words (column j * BD / 4 + w holds index 4 w + j)."""
+    if WORDS:
+        return 4 * (d % (BD // 4)) + d // (BD // 4)
+    return d
+
+
+@triton.jit
+def _fp8_words(ptr, rows, kh, stride_r, stride_h, nmask, D: tl.constexpr, BD: tl.constexpr,
+               ASM: tl.constexpr):
+    """An fp8 K or V tile [BN, BD] as float16 in word order (_word_col): row r's int32 words
+    (four codes each) load 16 bytes a thread, and byte j of word w lands in column
+    j * BD / 4 + w, so that the bytes one instruction converts stay side by side. ASM: the PTX
+    above; otherwise (the interpreter) the same codes loaded one by one."""
+    W: tl.constexpr = BD // 4
+    w = tl.arange(0, W)
+    m = nmask[:, None] & (w < D // 4)[None, :]
+    if ASM:
+        words = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        x = tl.load(words + rows[:, None] * (stride_r // 4) + kh * (stride_h // 4) + w[None, :], mask=m, other=0)
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            _E4M3_F16_PTX, "=r,=r,=r,=r,r,r", [x],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        base = ptr + rows[:, None] * stride_r + kh * stride_h + 4 * w[None, :]
+        o0 = tl.load(base, mask=m, other=0.0).to(tl.float16)
+        o1 = tl.load(base + 1, mask=m, other=0.0).to(tl.float16)
+        o2 = tl.load(base + 2, mask=m, other=0.0).to(tl.float16)
+        o3 = tl.load(base + 3, mask=m, other=0.0).to(tl.float16)
+    j = tl.join(tl.join(o0, o1), tl.join(o2, o3))  # [BN, W, 2, 2]: byte 2 b + a at [., w, a, b]
+    return tl.reshape(tl.permute(j, (0, 3, 2, 1)), (rows.shape[0], BD))
+
+
 @triton.jit
 def _attend(q, acc, m_i, l_i, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, nmask, visible, kh, d, dmask,
             qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
-            FP8: tl.constexpr, IEEE: tl.constexpr):
-    """One key tile into the online softmax (base 2) of q [M, BD]; returns (acc, m, l)."""
-    kvmask = nmask[:, None] & dmask[None, :]
-    k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :], mask=kvmask, other=0.0)
-    v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :], mask=kvmask, other=0.0)
-    if FP8:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+            FP8: tl.constexpr, IEEE: tl.constexpr, WORDS: tl.constexpr = False,
+            ASM: tl.constexpr = False, D: tl.constexpr = 0, BD: tl.constexpr = 0):
+    """One key tile into the online softmax (base 2) of q [M, BD]; returns (acc, m, l).
+    WORDS (fp8 pools): K and V come from _fp8_words as float16 in word order, q is float16
+    in the same order, and acc's columns are in that order too (the caller stores them
+    through _word_col); p is scaled by each key's V scale over the tile's largest one (p' <= 1
+    keeps float16 from underflowing where V scales are small), and that largest scale
+    multiplies p' V."""
+    if WORDS:
+        k = _fp8_words(k_ptr, rows, kh, stride_kr, stride_kh, nmask, D, BD, ASM)
+        v = _fp8_words(v_ptr, rows, kh, stride_vr, stride_vh, nmask, D, BD, ASM)
+    else:
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :], mask=kvmask, other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * stride_vr + kh * stride_vh + d[None, :], mask=kvmask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
     s = _dot(q, tl.trans(k), IEEE)  # [M, BN] float32
     if FP8:
         s = s * tl.load(ks_ptr + rows * stride_sr + kh, mask=nmask, other=0.0)[None, :]
@@ -186,9 +248,14 @@ def _attend(q, acc, m_i, l_i, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, nmask, visible
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8:
-        p = p * tl.load(vs_ptr + rows * stride_sr + kh, mask=nmask, other=0.0)[None, :]
-    pv = _dot(p.to(v.dtype), v, IEEE)
+    if WORDS:
+        vs = tl.load(vs_ptr + rows * stride_sr + kh, mask=nmask, other=0.0)
+        vmax = tl.max(vs, 0)  # > 0: every tile holds a key, every scale is > 0
+        pv = _dot((p * (vs * (1.0 / vmax))[None, :]).to(tl.float16), v, IEEE) * vmax
+    else:
+        if FP8:
+            p = p * tl.load(vs_ptr + rows * stride_sr + kh, mask=nmask, other=0.0)[None, :]
+        pv = _dot(p.to(v.dtype), v, IEEE)
     return acc * alpha[:, None] + pv, m_new, l_i
 
 
@@ -212,7 +279,7 @@ def _decode_split_kernel(
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, DIRECT: tl.constexpr, FOLD: tl.constexpr, SP: tl.constexpr,
     FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    WORDS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -230,8 +297,11 @@ def _decode_split_kernel(
     h = kh * G + g
     d = tl.arange(0, BD)
     dmask = d < D
-    qmask = gmask[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + b * stride_qt + h[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    dc = _word_col(d, BD, WORDS)  # the head-dim index of q's and acc's column d
+    qmask = gmask[:, None] & (dc < D)[None, :]
+    q = tl.load(q_ptr + b * stride_qt + h[:, None] * stride_qh + dc[None, :], mask=qmask, other=0.0)
+    if WORDS:
+        q = q.to(tl.float16)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, BD], tl.float32)
@@ -242,16 +312,16 @@ def _decode_split_kernel(
         visible = gmask[:, None] & nmask[None, :]
         acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, nmask, visible,
                                 kh, d, dmask, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh,
-                                stride_sr, FP8, IEEE)
+                                stride_sr, FP8, IEEE, WORDS, ASM, D, BD)
     if DIRECT:  # S == 1
         o = _finish(acc, m_i, l_i, sinks_ptr, h, gmask, HAS_SINKS)
-        optr = out_ptr + b * stride_ot + h[:, None] * stride_oh + d[None, :]
+        optr = out_ptr + b * stride_ot + h[:, None] * stride_oh + dc[None, :]
         tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=qmask)
     else:
         H = G * tl.num_programs(1)
         row = (b * H + h) * S + sp  # [GP] partial index (b, h, sp)
         # an empty split (past the end) writes m = -inf, l = 0 and no acc: the merge skips it
-        tl.store(part_ptr + row[:, None] * BD + d[None, :], acc, mask=qmask & (start < end))
+        tl.store(part_ptr + row[:, None] * BD + dc[None, :], acc, mask=qmask & (start < end))
         tl.store(ml_ptr + row * 2, m_i, mask=gmask)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=gmask)
         if FOLD:  # the split that arrives last for (b, kh) merges its G heads: no reduce launch
@@ -309,6 +379,7 @@ def _prefill_kernel(
     G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, TPB: tl.constexpr, BB: tl.constexpr, FP8: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
+    WORDS: tl.constexpr, ASM: tl.constexpr,
 ):
     p = tl.program_id(0)
     kh = tl.program_id(1)
@@ -331,10 +402,13 @@ def _prefill_kernel(
         rmask = (r < TPB * G) & (tok < q_len)
         d = tl.arange(0, BD)
         dmask = d < D
-        qmask = rmask[:, None] & dmask[None, :]
+        dc = _word_col(d, BD, WORDS)
+        qmask = rmask[:, None] & (dc < D)[None, :]
         qrow = (q0 + tok).to(tl.int64)
-        q = tl.load(q_ptr + qrow[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+        q = tl.load(q_ptr + qrow[:, None] * stride_qt + h[:, None] * stride_qh + dc[None, :],
                     mask=qmask, other=0.0)
+        if WORDS:
+            q = q.to(tl.float16)
         qpos = ctx + tok  # [BM] cache index of each row's token
         hi = ctx + tl.minimum(t0 + TPB, q_len)  # one past the tile's last token
         lo = 0
@@ -352,9 +426,9 @@ def _prefill_kernel(
                 visible = visible & (n[None, :] > qpos[:, None] - window)
             acc, m_i, l_i = _attend(q, acc, m_i, l_i, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, nmask,
                                     visible, kh, d, dmask, qk_scale, stride_kr, stride_kh, stride_vr,
-                                    stride_vh, stride_sr, FP8, IEEE)
+                                    stride_vh, stride_sr, FP8, IEEE, WORDS, ASM, D, BD)
         o = _finish(acc, m_i, l_i, sinks_ptr, h, rmask, HAS_SINKS)
-        optr = out_ptr + qrow[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :]
+        optr = out_ptr + qrow[:, None] * stride_ot + h[:, None] * stride_oh + dc[None, :]
         tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
@@ -386,15 +460,32 @@ def _check(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_lens: 
     return H, Hkv, D
 
 
-def _common(q: torch.Tensor, pool: KVPool, scale: float, window: int | None, sinks: torch.Tensor | None):
+def fp8_words(q: torch.Tensor, pool: KVPool) -> bool:
+    """Whether an fp8 pool's tiles load as int32 words (_fp8_words): a 16-bit q, a head dim of
+    whole words, and every K / V row and head starting on a word."""
+    if not pool.is_fp8 or q.dtype == torch.float32 or pool.k.shape[-1] % 4:
+        return False
+    return all(t.data_ptr() % 4 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0
+               for t in (pool.k, pool.v))
+
+
+def _common(q: torch.Tensor, pool: KVPool, scale: float, window: int | None, sinks: torch.Tensor | None,
+            cfg: dict):
     ks = pool.k_scale if pool.is_fp8 else pool.k  # any pointer when unused
     vs = pool.v_scale if pool.is_fp8 else pool.v
     sr = pool.k_scale.stride(0) if pool.is_fp8 else 0
     args = (pool.k, pool.v, ks, vs)
     strides = (pool.k.stride(0), pool.k.stride(1), pool.v.stride(0), pool.v.stride(1), sr)
     flags = dict(FP8=pool.is_fp8, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
-                 IEEE=q.dtype == torch.float32 or interpreting())
+                 IEEE=q.dtype == torch.float32 or interpreting(),
+                 WORDS=bool(cfg.get("WORDS", True)) and fp8_words(q, pool), ASM=not interpreting())
     return args, strides, flags, scale * LOG2E, 0 if window is None else int(window)
+
+
+def _config(base: dict, fp8_base: dict, pool: KVPool, config: dict | None) -> dict:
+    """A launch config: the pool's defaults (fp8 pools: FP8_DECODE_CFG / FP8_PREFILL_CFG)
+    under the caller's keys."""
+    return {**base, **(fp8_base if pool.is_fp8 else {}), **(config or {})}
 
 
 def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -405,10 +496,10 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
     out = torch.empty_like(q) if out is None else out
     H, Hkv, D = _check(q, pool, block_tables, seq_lens, out)
     B, G = q.shape[0], H // Hkv
-    cfg = {**DECODE_CFG, **(config or {})}
+    cfg = _config(DECODE_CFG, FP8_DECODE_CFG, pool, config)
     S = num_splits or decode_splits(B, Hkv, block_tables.shape[1] * pool.block_size, q.device)
     BD = max(16, triton.next_power_of_2(D))
-    kv, strides, flags, qk_scale, win = _common(q, pool, scale, window, sinks)
+    kv, strides, flags, qk_scale, win = _common(q, pool, scale, window, sinks, cfg)
     part = torch.empty(B * H * S * BD if S > 1 else 1, dtype=torch.float32, device=q.device)
     if interpreting():  # tests: a partial the merge reads but no split wrote shows up as NaN
         part.fill_(float("nan"))
@@ -441,10 +532,10 @@ def paged_prefill(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq
     H, Hkv, D = _check(q, pool, block_tables, seq_lens, out)
     assert query_start.dtype == torch.int32 and query_start.shape == (block_tables.shape[0] + 1,)
     G = H // Hkv
-    cfg = {**PREFILL_CFG, **(config or {})}
+    cfg = _config(PREFILL_CFG, FP8_PREFILL_CFG, pool, config)
     BM = max(cfg["BM"], 16, triton.next_power_of_2(G))
     TPB = BM // G
-    kv, strides, flags, qk_scale, win = _common(q, pool, scale, window, sinks)
+    kv, strides, flags, qk_scale, win = _common(q, pool, scale, window, sinks, cfg)
     B = block_tables.shape[0]
     grid = (triton.cdiv(q.shape[0], TPB) + B, Hkv)
     _prefill_kernel[grid](

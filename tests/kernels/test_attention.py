@@ -22,8 +22,10 @@ from lowbit.engine.paged_cache import FP8_MAX, PagedKVCache, SeqSlots  # noqa: E
 from lowbit.errors import LowbitError  # noqa: E402
 from lowbit.kernels import attention_op, routes  # noqa: E402
 from lowbit.kernels.attention import (  # noqa: E402
+    _E4M3_F16_PTX,
     FP8,
     KVPool,
+    fp8_words,
     paged_decode,
     paged_prefill,
     reference_kv_write,
@@ -178,6 +180,74 @@ def test_other_compute_dtypes(dtype):
     paged_prefill(q, pool, tables, seq_lens, torch.tensor(starts, dtype=torch.int32), 0.2, 7, None,
                   out=out, config=dict(BM=16, BN=16))
     assert rel_err(out, reference_paged_attention(q, pool, tables, starts, lens, 0.2, 7)) < TOL[dtype]
+
+
+def test_fp8_word_tiles_match_elementwise_and_twin():
+    """fp8 pools load K / V as int32 words (column order permuted, q and the output permuted
+    the same way): head dim 40 (10 words, padded to 16) and 64, decode with splits and prefill,
+    against the twin and the element-by-element path (config WORDS False). Small V values
+    (scales near 1e-7) would underflow float16 without the per-tile scale normalisation."""
+    for D, vmul in ((40, 1.0), (64, 1.0), (64, 3e-5)):
+        H, Hkv = 6, 2
+        lens = [70, 3, 129]
+        pool, tables = make_pool(lens, Hkv, D, FP8, torch.bfloat16, seed=D)
+        if vmul != 1.0:
+            pool.v_scale.mul_(vmul)
+        q = torch.randn(len(lens), H, D).bfloat16()
+        assert fp8_words(q, pool)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        outs = []
+        for words in (True, False):
+            out = poisoned(len(lens), H, D, dtype=torch.bfloat16)
+            paged_decode(q, pool, tables, seq_lens, D ** -0.5, None, None, out=out, num_splits=3,
+                         config=dict(BN=16, WORDS=words))
+            outs.append(out)
+        ref = reference_paged_attention(q, pool, tables, [0, 1, 2, 3], lens, D ** -0.5)
+        assert rel_err(outs[0], ref) < TOL[torch.bfloat16], D
+        assert rel_err(outs[0], outs[1]) < TOL[torch.bfloat16], D
+        starts = [0, 5, 6, 15]  # 5, 1 and 9 new tokens
+        qp = torch.randn(starts[-1], H, D).bfloat16()
+        out = poisoned(starts[-1], H, D, dtype=torch.bfloat16)
+        paged_prefill(qp, pool, tables, seq_lens, torch.tensor(starts, dtype=torch.int32), D ** -0.5,
+                      None, None, out=out, config=dict(BM=16, BN=16))
+        assert rel_err(out, reference_paged_attention(qp, pool, tables, starts, lens, D ** -0.5)) < TOL[torch.bfloat16]
+
+
+def test_fp8_words_admission():
+    """Word tiles need a 16-bit q, whole words per head and word-aligned rows."""
+    pool, _ = make_pool([5], 2, 64, FP8, torch.bfloat16, seed=0)
+    assert fp8_words(torch.zeros(1, 4, 64, dtype=torch.bfloat16), pool)
+    assert not fp8_words(torch.zeros(1, 4, 64), pool)  # float32 q: the IEEE path keeps its precision
+    odd, _ = make_pool([5], 2, 42, FP8, torch.bfloat16, seed=0)
+    assert not fp8_words(torch.zeros(1, 4, 42, dtype=torch.bfloat16), odd)
+    shifted = KVPool(pool.k[:, :, 1:61], pool.v[:, :, 1:61], BS, pool.k_scale, pool.v_scale)  # rows start mid-word
+    assert not fp8_words(torch.zeros(1, 4, 60, dtype=torch.bfloat16), shifted)
+    bf16, _ = make_pool([5], 2, 64, torch.bfloat16, torch.bfloat16, seed=0)
+    assert not fp8_words(torch.zeros(1, 4, 64, dtype=torch.bfloat16), bf16)
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is byte (sel >> 4 i) & 7 of {b, a}."""
+    src = a | b << 32
+    return sum(((src >> 8 * ((sel >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+
+
+def test_e4m3_word_ptx_routes_bytes_in_order():
+    """The word decode's PTX, read as written: each output register's low / high half gets
+    byte j of the first / second word (output j), which is what _fp8_words' join and permute
+    assume. The conversion itself (cvt.rn.f16x2.e4m3x2: low byte to the low half) runs on the
+    GPU only: tests/gpu/test_attention_gpu.py checks the fp8 kernels against the twin."""
+    import re
+    text = str(_E4M3_F16_PTX.value if hasattr(_E4M3_F16_PTX, "value") else _E4M3_F16_PTX)
+    sels = [int(m, 16) for m in re.findall(r"prmt\.b32 x, \$4, \$5, 0x([0-9a-f]+)", text)]
+    cvts = re.findall(r"cvt\.rn\.f16x2\.e4m3x2 \$(\d), ([lh])", text)
+    assert len(sels) == 2 and [int(o) for o, _ in cvts] == [0, 1, 2, 3]
+    w0, w1 = 0x03020100, 0x13121110  # byte j of word i holds 0x10 i + j
+    for (out, half), sel in zip(cvts, [sels[0]] * 2 + [sels[1]] * 2):
+        x = _prmt(w0, w1, sel)
+        pair = (x >> (16 if half == "h" else 0)) & 0xFFFF
+        j = int(out)
+        assert (pair & 0xFF, pair >> 8) == (j, 0x10 + j), (out, hex(pair))
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
