@@ -170,6 +170,9 @@ def static(arch: int, only: list[str]) -> None:
         jobs.append((f"attention decode {kv} pool", lambda pool=pool: attention.paged_decode(
             torch.randn(1, 32, 128).bfloat16(), pool, torch.zeros(1, 4, dtype=torch.int32),
             torch.full((1,), 40, dtype=torch.int32), 0.1, num_splits=2)))
+        jobs.append((f"attention prefill {kv} pool", lambda pool=pool: attention.paged_prefill(
+            torch.randn(16, 32, 128).bfloat16(), pool, torch.zeros(1, 4, dtype=torch.int32),
+            torch.full((1,), 40, dtype=torch.int32), torch.tensor([0, 16], dtype=torch.int32), 0.1)))
     for label, fn in jobs:
         if only and not any(o in label for o in only):
             continue

@@ -538,7 +538,7 @@ def paged_prefill(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq
     kv, strides, flags, qk_scale, win = _common(q, pool, scale, window, sinks, cfg)
     B = block_tables.shape[0]
     grid = (triton.cdiv(q.shape[0], TPB) + B, Hkv)
-    _prefill_kernel[grid](
+    launch.run(_prefill_kernel, grid,
         q, *kv, block_tables, seq_lens, query_start, sinks if sinks is not None else seq_lens, out,
         qk_scale, win, q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0),
         out.stride(1), B, G=G, D=D, BD=max(16, triton.next_power_of_2(D)), BS=pool.block_size, BM=BM,
