@@ -84,8 +84,8 @@ class EngineConfig:
                                        "(its router applied to this layer's input)")
     expert_prefetch_graphs: bool = _opt(False, "with --expert-offload and prefetch: decode graph steps that copy "
                                                "their own misses also copy the next layer's likely experts, on a "
-                                               "side stream while this layer's experts run (OPT-IN: not yet "
-                                               "measured on a GPU)")
+                                               "side stream while this layer's experts run (MEASURED-NEGATIVE: "
+                                               "0.61x C1 decode on an H100, docs/SERVING.md)")
     record_routing: str | None = _opt(None, "write each step's routed expert ids to FILE (JSON lines) for "
                                             "`lowbit bench expert-cache`; steps run eagerly")
     # parallelism across the GPUs of a host (docs/DISTRIBUTED.md); processes = lcm(TP, EP)

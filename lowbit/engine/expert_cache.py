@@ -444,7 +444,7 @@ class ExpertCache:
             raise LowbitError(f"{type(model).__name__} has no MoE layer: --expert-offload and "
                               "--record-routing need a mixture-of-experts model")
         self.device, self.prefetch, self.recorder = device, prefetch and offload, recorder
-        # pre-gating inside resolve-form graph steps too (OPT-IN: not yet measured on a GPU)
+        # pre-gating inside resolve-form graph steps too (MEASURED-NEGATIVE: docs/SERVING.md)
         self.graph_prefetch = graph_prefetch and self.prefetch
         self.position = {id(m): i for i, m in enumerate(self.moes)}
         self.arena = PinnedArena(device.type == "cuda")

@@ -533,7 +533,7 @@ def test_pinned_arena_packs_stacks_into_power_of_two_chunks():
 
 
 @pytest.mark.parametrize("slots", [4, 6])
-def test_graph_form_prefetch_keeps_the_tokens_and_turns_misses_into_prefetch_hits(slots, device_read_attention):
+def test_graph_form_prefetch_keeps_the_tokens_and_turns_misses_into_prefetch_hits(slots, device_read_attention, caplog):
     """--expert-prefetch-graphs: each resolve-form decode step also admits the next layer's
     router top-k (of this layer's input) and copies it before this layer's experts run. One
     sequence (2 experts a layer, within half of 4 or 6 slots): the tokens are the resident
@@ -547,6 +547,8 @@ def test_graph_form_prefetch_keeps_the_tokens_and_turns_misses_into_prefetch_hit
                   expert_prefetch_graphs=graphs, async_scheduling=False)
         cache = _stand_in(llm)
         assert cache.graph_prefetch == graphs
+        # the flag is MEASURED-NEGATIVE on a GPU: a user who turns it on is told so
+        assert ("MEASURED-NEGATIVE" in caplog.text) == graphs
         llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=1))  # the prompt's prefill
         before = cache.totals()
         outs = llm.generate(PROMPTS[:1], sp)
