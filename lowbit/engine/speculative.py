@@ -15,7 +15,11 @@ A step with speculation, in the engine's three stages:
    graph replay per step on CUDA (lowbit.engine.draft_graphs).
 3. `verify` (the runner, after the target's forward): the target's logits at the last real
    token and at every draft go through the lossless rule (lowbit.engine.acceptance); the
-   host reads the accepted tokens once. The engine appends them, and rejected drafts' KV
+   host reads the accepted tokens once. Where every row is greedy, no row has a penalty and
+   the drafts are point masses, the rule needs only the target's argmax at each position:
+   the device computes that, the host reads it (and a model drafter's device drafts) and
+   compares, which saves the rule's twenty-odd device ops a step
+   (`_accept_on_host`). The engine appends them, and rejected drafts' KV
    slots are rolled back (num_computed_tokens stops before them, BlockManager.trim gives
    back their blocks; they were never full of computed tokens, so never in the prefix
    cache). `follow` then runs the MTP layer over the positions this step made real.
@@ -27,8 +31,8 @@ step's tokens are read) feed with the step's wall-clock, drafting time and accep
 Synthetic acceptance (`lowbit bench latency --spec-synthetic-accept P`, never on otherwise):
 `plan` pads every request's drafts to k with its last token, so each verify step carries
 k + 1 tokens even where prompt lookup finds nothing (random weights), and `verify` draws
-the verdicts on the device from a seeded generator: draft j is kept with probability P
-given drafts 0..j-1 were. The step does all its real work; the text is not the model's.
+the verdicts from a seeded generator (on the host in greedy steps, else on the device):
+draft j is kept with probability P given drafts 0..j-1 were. The step does all its real work; the text is not the model's.
 
 Draft KV: a draft model has a pool of its own with the target's block tables (same block
 ids), and tracks per request how many positions it holds. The MTP layer is cache layer
@@ -433,6 +437,7 @@ class SpecDecoder:
         self.synthetic_accept = synthetic_accept  # bench only: forced acceptance (lowbit.engine.acceptance)
         self.spans = HostSpans()  # the engine's, set by it
         self.synthetic_draws = None
+        self.synthetic_host = None  # the host rule's forced verdicts (greedy verify steps)
         if synthetic_accept is not None:
             self.synthetic_draws = torch.Generator(device=device).manual_seed(SYNTHETIC_SEED)
 
@@ -495,20 +500,25 @@ class SpecDecoder:
         # the drafts (host tokens: n-gram; else indices into the drafter's device tokens)
         P = len(picks)
         flat = [query_start[i + 1] - 1 - k + min(j, k) for i, k in zip(picks, ks) for j in range(K + 1)]
-        flat += picks + ks + self._draft_list(scheduled, picks, ks, K)
+        listed = self._draft_list(scheduled, picks, ks, K)
+        flat += picks + ks + listed
         up = to_device(flat, dev)
         index, sel, num_drafts, drafts = up.split([P * (K + 1), P, P, P * K])
         if self.drafted is not None:  # indices into the drafter's tokens (its last entry: a pad 0)
             drafts = self.drafted[0].index_select(0, drafts)
         logits = model.compute_logits(hidden[index]).view(P, K + 1, -1)
-        q, sampled = self._draft_probs(scheduled, picks, K, logits.shape[-1], dev)
-        forced = None
-        if self.synthetic_draws is not None:
-            forced = torch.rand(P, K, device=dev, generator=self.synthetic_draws) < self.synthetic_accept
-        tokens, n = accept(logits, drafts.view(P, K), num_drafts, sampling, rows[sel], steps[sel],
-                           mode, q, sampled, forced)
-        self.spans.lap("launch")
-        host = read_back(torch.cat((n[:, None], tokens), 1)).tolist()  # the step's one wait
+        ids = [scheduled[i][0].request_id for i in picks]
+        if not mode.random and not mode.penalties and not any(r in self.draft_probs for r in ids):
+            host = self._accept_on_host(logits, drafts, listed, ks, K)
+        else:
+            q, sampled = self._draft_probs(scheduled, picks, K, logits.shape[-1], dev)
+            forced = None
+            if self.synthetic_draws is not None:
+                forced = torch.rand(P, K, device=dev, generator=self.synthetic_draws) < self.synthetic_accept
+            tokens, n = accept(logits, drafts.view(P, K), num_drafts, sampling, rows[sel], steps[sel],
+                               mode, q, sampled, forced)
+            self.spans.lap("launch")
+            host = read_back(torch.cat((n[:, None], tokens), 1)).tolist()  # the step's one wait
         self.spans.lap("read wait")
         emitted = [row[1:row[0] + 2] for row in host]
         for k, row in zip(ks, host):
@@ -517,6 +527,33 @@ class SpecDecoder:
         if self.sample is not None:
             self.sample.accepted = {i: row[0] for i, row in zip(picks, host)}
         return picks, emitted, logits
+
+    def _accept_on_host(self, logits: torch.Tensor, drafts: torch.Tensor, listed: list[int],
+                        ks: list[int], K: int) -> list[list[int]]:
+        """Greedy rows, point-mass drafts, no penalties: the acceptance rule needs only the
+        target's argmax at each position (lowbit.engine.acceptance: t_j == d_j, the first t_j
+        that differs is the correction), so the device computes that and the host compares.
+        One read (the argmax, and a model drafter's device drafts), no rule ops on the device
+        and no sampler state to update. Synthetic verdicts come from a host generator.
+        Returns accept()'s rows read back: [num_accepted, tokens...] per pick."""
+        P, K1 = len(ks), K + 1
+        t = logits.argmax(-1).view(-1)  # [P * K1]
+        self.spans.lap("launch")
+        got = read_back(t if self.drafted is None else torch.cat((t, drafts))).tolist()  # the step's one wait
+        target, drafted = got[:P * K1], (got[P * K1:] if self.drafted is not None else listed)
+        forced = None
+        if self.synthetic_accept is not None:
+            if self.synthetic_host is None:
+                self.synthetic_host = torch.Generator().manual_seed(SYNTHETIC_SEED)
+            forced = (torch.rand(P, K, generator=self.synthetic_host) < self.synthetic_accept).tolist()
+        rows = []
+        for b, k in enumerate(ks):
+            d, tb = drafted[b * K:b * K + K], target[b * K1:b * K1 + K1]
+            n = 0
+            while n < k and (forced[b][n] if forced is not None else tb[n] == d[n]):
+                n += 1
+            rows.append([n] + d[:n] + [tb[n]])
+        return rows
 
     def _draft_list(self, scheduled, picks: list[int], ks: list[int], K: int) -> list[int]:
         """[P * K] per pick its drafts padded to K: the host's tokens, or with a model

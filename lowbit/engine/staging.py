@@ -3,9 +3,11 @@
 Shapes: T tokens of the step (<= max_tokens), B sequences (<= max_seqs), W block-table
 width (<= max_blocks).
 Host side, every field lives in a pinned buffer that `stage()` fills from Python lists
-(through numpy views: one slice assignment a field);
-`upload()` issues one non-blocking copy per field into persistent device buffers, the same
-buffers a captured decode graph reads, so a replay needs no further copy. The upload
+(through numpy views: one slice assignment a field); the sequence fields and the pending
+pairs are views of one small buffer. `upload()` issues non-blocking copies into persistent
+device buffers laid out the same way (one for the small buffer, one a token field, the
+drafts' pairs when there are some, the tables: five for a decode step), the same buffers a
+captured decode graph reads, so a replay needs no further copy. The upload
 records an event; the next `stage()` waits on it before it overwrites the pinned memory,
 so a copy still in flight never reads the next step's values.
 
@@ -60,19 +62,28 @@ class StepInputs:
                  device: torch.device) -> None:
         self.device, self.pad = device, padding
         pin = device.type == "cuda"
-        sizes = {**{f: max_tokens for f in self.TOKEN_FIELDS}, **{f: max_seqs for f in self.SEQ_FIELDS},
-                 "query_start": max_seqs + 1}
         dtypes = {"seq_lens": torch.int32, "query_start": torch.int32}
-        self.host = {f: torch.zeros(n, dtype=dtypes.get(f, torch.long), pin_memory=pin)
-                     for f, n in sizes.items()}
-        self.dev = {f: torch.zeros(n, dtype=dtypes.get(f, torch.long), device=device)
-                    for f, n in sizes.items()}
+        self.host = {f: torch.zeros(max_tokens, dtype=torch.long, pin_memory=pin) for f in self.TOKEN_FIELDS}
+        self.dev = {f: torch.zeros(max_tokens, dtype=torch.long, device=device) for f in self.TOKEN_FIELDS}
+        # the sequence fields and the pending pairs share one buffer on each side (typed views
+        # at fixed offsets, 8-byte aligned): `upload` sends them in one copy, the whole buffer
+        # (a few KiB), where one copy a field cost a host-to-device call each
+        small = {**{f: max_seqs for f in self.SEQ_FIELDS}, "query_start": max_seqs + 1,
+                 **{f: max_seqs for f in self.PENDING}}  # pending pairs: [K <= B]
+        offsets, nbytes = {}, 0
+        for f, n in small.items():
+            offsets[f] = nbytes
+            nbytes += -(-n * dtypes.get(f, torch.long).itemsize // 8) * 8
+        self._small_host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._small_dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        for f, n in small.items():
+            dt = dtypes.get(f, torch.long)
+            span = slice(offsets[f], offsets[f] + n * dt.itemsize)
+            self.host[f] = self._small_host[span].view(dt)
+            self.dev[f] = self._small_dev[span].view(dt)
         self.host_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
         self.block_tables = torch.full((max_seqs, max_blocks), padding.scratch_block,
                                        dtype=torch.int32, device=device)
-        for f in self.PENDING:  # [K <= B]
-            self.host[f] = torch.zeros(max_seqs, dtype=torch.long, pin_memory=pin)
-            self.dev[f] = torch.zeros(max_seqs, dtype=torch.long, device=device)
         for f in self.DRAFTS:  # [D <= T]
             self.host[f] = torch.zeros(max_tokens, dtype=torch.long, pin_memory=pin)
             self.dev[f] = torch.zeros(max_tokens, dtype=torch.long, device=device)
@@ -120,14 +131,15 @@ class StepInputs:
         self.num_tokens, self.num_seqs, self.width = n_tok, n_seq, width
 
     def upload(self) -> None:
-        """Non-blocking copies of the staged rows into the device buffers."""
+        """Non-blocking copies of the staged rows into the device buffers: the sequence fields
+        and pending pairs in one copy, each token field's rows, the drafts' pairs, the tables."""
         nb = self.device.type == "cuda"
-        for f in self.FIELDS:
-            n = self.num_tokens if f in self.TOKEN_FIELDS else self.num_seqs + (f == "query_start")
-            self.dev[f][:n].copy_(self.host[f][:n], non_blocking=nb)
-        for fields, n in ((self.PENDING, self.num_pending), (self.DRAFTS, self.num_drafts)):
-            for f in fields:
-                self.dev[f][:n].copy_(self.host[f][:n], non_blocking=nb)
+        self._small_dev.copy_(self._small_host, non_blocking=nb)
+        for f in self.TOKEN_FIELDS:
+            self.dev[f][:self.num_tokens].copy_(self.host[f][:self.num_tokens], non_blocking=nb)
+        for f in self.DRAFTS:
+            if self.num_drafts:
+                self.dev[f][:self.num_drafts].copy_(self.host[f][:self.num_drafts], non_blocking=nb)
         b, w = self.num_seqs, self.width
         self.block_tables[:b, :w].copy_(self.host_tables[:b, :w], non_blocking=nb)
         if self._uploaded is not None:

@@ -113,3 +113,31 @@ def test_penalties_count_the_drafts_before_each_position():
                        torch.tensor([1]), SampleMode(penalties=True))
     assert int(n) == 1 and tokens[0, :2].tolist() == [1, 2]  # token 1 is penalized after draft 0
     assert st.counts[0].tolist() == [0, 1, 1, 0]
+
+
+@pytest.mark.parametrize("drafted_on_device", [False, True])
+def test_greedy_rule_on_the_host_is_the_device_rule(drafted_on_device):
+    """A greedy verify step without penalties or sampled drafts reads the target's argmax and
+    compares on the host (SpecDecoder._accept_on_host); it emits what accept() emits, for
+    host drafts (n-gram) and a model drafter's device drafts, with ragged draft counts."""
+    from lowbit.engine.speculative import NgramDrafter, SpecDecoder
+
+    P, K, V = 24, 4, 7
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(P, K + 1, V, generator=g)
+    ks = torch.randint(0, K + 1, (P,), generator=g).tolist()
+    best = logits.argmax(-1)
+    drafts = torch.where(torch.rand(P, K, generator=g) < 0.6, best[:, :K], torch.randint(0, V, (P, K), generator=g))
+    for b, k in enumerate(ks):
+        drafts[b, k:] = 0  # padding past a row's drafts
+    st = state_of(P, V, temperature=0.0)
+    tokens, n = accept(logits, drafts, torch.tensor(ks), st, torch.arange(P), torch.zeros(P, dtype=torch.long),
+                       SampleMode())
+    want = [[n[b].item()] + tokens[b, :n[b] + 1].tolist() for b in range(P)]
+    spec = SpecDecoder("ngram", K, NgramDrafter(), 4096)
+    listed = drafts.view(-1).tolist()
+    if drafted_on_device:  # the drafter's flat tokens; the rule reads them back beside the argmax
+        spec.drafted = (drafts.view(-1), {})
+        listed = [-1] * len(listed)  # placeholders: the host list must not be what is compared
+    assert spec._accept_on_host(logits, drafts.view(-1), listed, ks, K) == want
+    assert any(w[0] > 0 for w in want) and any(w[0] < k for w, k in zip(want, ks))
