@@ -69,9 +69,12 @@ LOG2E = math.log2(math.e)
 DECODE_CFG = dict(BN=64, num_warps=4, num_stages=2)
 PREFILL_CFG = dict(BM=64, BN=64, num_warps=4, num_stages=2)
 # fp8 pools: word tiles (WORDS) converted in registers; with num_stages 1 the codes go from
-# the load to the conversion without a shared-memory stage of 8-bit elements (docs/KERNEL_NOTES.md)
-FP8_DECODE_CFG = dict(num_stages=1)
-FP8_PREFILL_CFG = dict(num_stages=1)
+# the load to the conversion without a shared-memory stage of 8-bit elements. BN 128 was the
+# fastest of the sweep at every fp8 point (H100: docs/BENCHMARKS.md "fp8 KV decode"). Prefill
+# keeps the element-wise path with its pipelined loads: the word path at num_stages 1 halved
+# prefill at 32,768 tokens of context (docs/KERNEL_NOTES.md).
+FP8_DECODE_CFG = dict(BN=128, num_warps=4, num_stages=1)
+FP8_PREFILL_CFG = dict(WORDS=False)
 MIN_SPLIT_TOKENS = 128  # a decode split shorter than this costs more in the reduce than it saves
 MAX_SPLITS = 128
 SPLIT_WAVES = 2  # decode programs aimed at per SM
