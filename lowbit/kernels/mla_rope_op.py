@@ -127,7 +127,8 @@ def _store_row(dst, scale_dst, x1, x2, n1, n2, m1, m2, IS_FP8: tl.constexpr, REC
     or fp8 codes with the row's scale (rope_op.kv_fp8_scale, as every pool write) at scale_dst."""
     if IS_FP8:
         s = kv_fp8_scale(tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)), RECIP)
-        x1, x2 = kv_fp8_codes(x1, tl.zeros_like(x1) + s), kv_fp8_codes(x2, tl.zeros_like(x2) + s)
+        x1, x2 = (kv_fp8_codes(x1, tl.zeros_like(x1) + s, not RECIP),
+                  kv_fp8_codes(x2, tl.zeros_like(x2) + s, not RECIP))
         tl.store(scale_dst, s)
     tl.store(dst + n1, x1, mask=m1)
     tl.store(dst + n2, x2, mask=m2)

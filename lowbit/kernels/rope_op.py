@@ -127,9 +127,15 @@ def kv_fp8_scale(amax, RECIP: tl.constexpr):
 
 
 @triton.jit
-def kv_fp8_codes(x, s):
-    """x / s (s broadcast to x's shape) rounded to float8_e4m3."""
-    return round_to(tl.math.div_rn(x, s), 3)
+def kv_fp8_codes(x, s, ROUND: tl.constexpr = True):
+    """x / s (s broadcast to x's shape) rounded to float8_e4m3. ROUND: round in float32 first
+    (round_to: the interpreter truncates its fp8 casts); on the GPU (ROUND False) the store's
+    conversion (cvt.rn.satfinite) rounds to nearest even itself, to the same codes, without
+    the dozen instructions an element that the emulation costs."""
+    q = tl.math.div_rn(x, s)
+    if ROUND:
+        q = round_to(q, 3)
+    return q
 
 
 @triton.jit
@@ -142,7 +148,7 @@ def _store_pool_rows(dst_ptr, scale_ptr, x1, x2, slot, kh, j, rows, col, stride0
         amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))  # [BH]
         s = kv_fp8_scale(amax, RECIP)
         s2 = s[:, None] + tl.zeros_like(x1)
-        x1, x2 = kv_fp8_codes(x1, s2), kv_fp8_codes(x2, s2)
+        x1, x2 = kv_fp8_codes(x1, s2, not RECIP), kv_fp8_codes(x2, s2, not RECIP)
         tl.store(scale_ptr + slot * scale_stride + kh, s, mask=rows)
     dst = dst_ptr + slot * stride0 + kh[:, None] * stride1 + j[None, :]
     tl.store(dst, x1, mask=mask)

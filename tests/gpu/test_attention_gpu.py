@@ -163,3 +163,38 @@ def test_decode_graph_replay_matches_eager(tmp_path, caplog):
         eager = engine.model.compute_logits(engine.model(ids, batch))  # rewrites the same K/V rows
     assert _rel(logits, eager) < RTOL
     assert torch.equal(tokens, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_fp8_pool_write_of_the_rope_kernel_is_the_twins(monkeypatch, norm):
+    """The fused q/k norm + RoPE + KV write into an fp8 pool at Qwen3-30B-A3B heads, 300
+    tokens: the codes (the store's own round-to-nearest-even, no float32 emulation on the
+    GPU) and the per-token-per-head scales are byte for byte reference_kv_write's from the
+    same k, v; rows no slot names keep their NaN."""
+    from lowbit.kernels.attention import FP8, KVPool, reference_kv_write
+    from lowbit.kernels.rope_op import RopeCall, qk_norm_rope, rope_cos_sin
+    from lowbit.layers.rope import RotaryEmbedding
+
+    T, H, Hkv, D, rows = 300, 32, 4, 128, 512
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qkv = (torch.randn(T, (H + 2 * Hkv) * D, generator=g, device="cuda") * 3).bfloat16()
+    rot = RotaryEmbedding(D, 1e6, 4096, None)
+    cos_sin = rope_cos_sin(rot.inv_freq, rot.attention_scaling, 4096).cuda()
+    positions = torch.randint(0, 4096, (T,), generator=g, device="cuda")
+    qw = kw = (1 + 0.2 * torch.randn(D, generator=g, device="cuda")).bfloat16() if norm else None
+
+    def pool():
+        nan8 = lambda: torch.full((rows, Hkv, D), float("nan")).to(FP8).cuda()
+        return KVPool(nan8(), nan8(), BS, torch.full((rows, Hkv), float("nan"), device="cuda"),
+                      torch.full((rows, Hkv), float("nan"), device="cuda"))
+
+    slots = torch.randperm(rows, generator=g, device="cuda")[:T]
+    got = pool()
+    monkeypatch.setenv("LOWBIT_ROUTE_ROPE", "triton_qk_norm_rope")
+    _, k, v = qk_norm_rope(RopeCall(qkv, H, Hkv, D, positions, cos_sin, qw, kw, 1e-6, got, slots), layer="t")
+    want = pool()
+    reference_kv_write(k, v, want, slots)
+    for a, b in ((got.k, want.k), (got.v, want.v)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for a, b in ((got.k_scale, want.k_scale), (got.v_scale, want.v_scale)):
+        assert torch.equal(a.nan_to_num(-1.0), b.nan_to_num(-1.0))
