@@ -227,6 +227,34 @@ def test_pending_tokens_are_filled_in_on_the_device():
     assert inputs.tokens()["input_ids"].tolist() == [5, 6, 22, 7, 11]
 
 
+def test_sequence_fields_and_pending_pairs_go_up_as_one_buffer():
+    """The sequence fields (two of them int32) and the pending pairs are typed views of one
+    buffer on each side, so `upload` sends them in one copy; each keeps its own values, and
+    a second, smaller step overwrites only what it stages."""
+    inputs = StepInputs(8, 4, 2, Padding(0, 0, 4), torch.device("cpu"))
+    small = inputs._small_dev.untyped_storage().data_ptr()
+    span = range(small, small + inputs._small_dev.numel())
+    for f in StepInputs.SEQ_FIELDS + StepInputs.PENDING:
+        assert inputs.dev[f].data_ptr() in span and inputs.host[f].data_ptr() - inputs._small_host.data_ptr() \
+            == inputs.dev[f].data_ptr() - small, f
+        assert inputs.dev[f].data_ptr() % 8 == 0
+    assert inputs.dev["seq_lens"].dtype == inputs.dev["query_start"].dtype == torch.int32
+    values = {"input_ids": [5, 6, 7], "positions": [3, 4, 9], "slot_mapping": [1, 2, 3],
+              "seq_lens": [4, 10], "rows": [2, 3], "steps": [4, 10], "query_start": [0, 2, 3],
+              "last_index": [1, 2], "sample_rows": [2, 3], "picks": [0, 1]}
+    inputs.stage(values, [[1], [1]], pending=[(1, 0)])
+    inputs.upload()
+    seqs = inputs.seqs()
+    for f in StepInputs.SEQ_FIELDS:
+        assert seqs[f].tolist() == values[f], f
+    assert inputs.dev["pending_at"][:1].tolist() == [1] and inputs.dev["pending_src"][:1].tolist() == [0]
+    values = {**{f: v[:1] for f, v in values.items()}, "query_start": [0, 1], "seq_lens": [7]}
+    inputs.stage(values, [[1]])
+    inputs.upload()
+    assert inputs.seqs()["seq_lens"].tolist() == [7] and inputs.dev["seq_lens"][1].item() == 10
+    assert inputs.seqs()["query_start"].tolist() == [0, 1] and inputs.dev["rows"][:2].tolist() == [2, 3]
+
+
 def test_the_flag_is_on_by_default_and_named_as_vllm_names_it():
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
