@@ -18,7 +18,8 @@
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
 #              $QUANT (ENGINE_FORMATS overrides the list), default routes and flags (what a user gets): pp/tg cells, batched
 #              decode, kernels per decode step from a profile, graph status, route calls;
-#              ENGINE_FORMATS="nvfp4 nvfp4+nopdl" adds a run with LOWBIT_PDL=0
+#              ENGINE_FORMATS="nvfp4 nvfp4+nopdl" adds a run with LOWBIT_PDL=0; ENGINE_KV="auto fp8"
+#              runs each format with a bf16 and an fp8 KV pool
 #   offload    expert offload at the Qwen3-30B-A3B shape, $QUANT, C1: resident, then
 #              OFFLOAD_SLOTS slots per layer (default 32 = 25 %, graphs copy their own
 #              misses), the same with --expert-prefetch-graphs (OFFLOAD_30B=0 skips the
@@ -124,15 +125,17 @@ if has engine; then
   # stream in as they come (a capped run still shows its last step), the table comes last
   # a format suffixed +nopdl runs with LOWBIT_PDL=0 (the programmatic-dependent-launch A/B)
   for spec in ${ENGINE_FORMATS:-bf16 $QUANT}; do
+   for kv in ${ENGINE_KV:-auto}; do  # ENGINE_KV="auto fp8": each format with both KV pools
     fmt=${spec%+nopdl}; pdl=1; [ "$fmt" != "$spec" ] && pdl=0
     cap=$T_ENGINE_BF16; [ "$fmt" != bf16 ] && cap=$T_ENGINE_Q
-    echo "== engine latency: $spec (default routes, cap ${cap} s)" | tee -a "$OUT/engine.log"
+    echo "== engine latency: $spec, KV $kv (default routes, cap ${cap} s)" | tee -a "$OUT/engine.log"
     q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
     LOWBIT_PDL=$pdl timeout "$cap" python3 -m lowbit bench latency x --random-weights \
-      --config "$CONFIG" "${q[@]}" $CELLS --records "$RES" --append-md "$OUT/engine.md" 2>&1 \
-      | grep --line-buffered -v "^loading" | tee -a "$OUT/engine.log"
+      --config "$CONFIG" "${q[@]}" --kv-cache-dtype "$kv" $CELLS --records "$RES" \
+      --append-md "$OUT/engine.md" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/engine.log"
     rc=${PIPESTATUS[0]}
     [ "$rc" = 124 ] && echo "engine latency $fmt: stopped by its ${cap} s cap" | tee -a "$OUT/engine.log"
+   done
   done
 fi
 
