@@ -39,6 +39,9 @@ launch except the grid bounds named below):
       bound sum_b ceil(q_len_b / TPB) <= ceil(T / TPB) + B needs only T and B, so a captured
       prefill step (lowbit.engine.prefill_graphs, T and B padded to a bucket) replays for
       any lengths that fit it.
+fp8 pools (decode; prefill with config WORDS): K / V tiles load as int32 words and convert two
+codes an instruction into float16 in word order (`_fp8_words`: column j * BD / 4 + w holds
+head-dim index 4 w + j); q is loaded, and acc stored, through the same order (`_word_col`).
 Invariants: Dk == Dv; BD = D padded to a power of two >= 16 (masked); masked loads never
 touch rows past a sequence's end (pools are torch.empty: those rows may hold anything);
 every live query row sees at least its own key, so its max logit is finite.
