@@ -8,11 +8,11 @@ Shape legend: E experts, S slots, M pairs, W words of one expert's row of one te
   dst    [P, ...] device slots (P >= S)
   pairs  [M, 2] int64 (expert, slot); a row whose expert is < 0 copies nothing
 Each program copies BLOCK words of one pair's row; rows are viewed as int32 words when their
-byte size allows (16-byte vector loads on aligned rows), else as bytes. The word tensors of a
+byte size allows (16-byte vector loads on aligned rows), else as bytes. The tensors of a
 call (a layer's w13 / w2 codes and scales, ...) go in one launch of _copy_pieces_kernel,
 up to MAX_PIECES of them, grid (pairs, pieces, blocks of the longest row): a decode graph
 gets one node a layer where it had one a tensor, and most programs find no miss and exit at
-once. Byte tensors keep a launch each. Invariant: the slot rows of one call are distinct (an
+once. Invariant: the slot rows of one call are distinct (an
 admission never gives two experts one slot).
 """
 
@@ -25,19 +25,7 @@ from lowbit.kernels.runtime import tl, triton
 BLOCK = 4096  # words a program copies: 16 KiB of int32
 
 
-@triton.jit
-def _copy_rows_kernel(src_ptr, dst_ptr, pairs_ptr, W, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    e = tl.load(pairs_ptr + 2 * i)
-    if e >= 0:
-        s = tl.load(pairs_ptr + 2 * i + 1)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < W
-        v = tl.load(src_ptr + e * W + offs, mask=m, cache_modifier=".cg")
-        tl.store(dst_ptr + s * W + offs, v, mask=m)
-
-
-MAX_PIECES = 6  # word tensors one launch of _copy_pieces_kernel copies
+MAX_PIECES = 6  # tensors one launch of _copy_pieces_kernel copies
 
 
 @triton.jit
@@ -51,8 +39,8 @@ def _copy_piece(src_ptr, dst_ptr, W, e, s, blk, BLOCK: tl.constexpr):
 @triton.jit
 def _copy_pieces_kernel(pairs_ptr, s0, d0, w0, s1, d1, w1, s2, d2, w2, s3, d3, w3, s4, d4, w4,
                         s5, d5, w5, NP: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (i, k, blk): block blk of pair i's row of word tensor k (k < NP; the unused
-    pointer arguments repeat tensor 0 and are never read)."""
+    """Program (i, k, blk): block blk (BLOCK elements: words or bytes) of pair i's row of
+    tensor k (k < NP; the unused pointer arguments repeat tensor 0 and are never read)."""
     i = tl.program_id(0)
     k = tl.program_id(1)
     blk = tl.program_id(2)
@@ -97,7 +85,7 @@ def zero_copy_refusal(device: torch.device) -> str | None:
         src = torch.arange(3 * 1030, dtype=torch.int32).view(3, 1030).pin_memory()
         dst = torch.zeros(2, 1030, dtype=torch.int32, device=device)
         try:
-            _copy_rows_kernel[(1, 1)](src, dst, torch.tensor([[2, 1]], device=device), 1030, BLOCK=2048)
+            _copy_pieces(torch.tensor([[2, 1]], device=device), [(src, dst)], block=2048)
             ok = torch.equal(dst[1].cpu(), src[2]) and not dst[0].any().item()
             _REFUSALS[key] = None if ok else "the zero-copy probe read wrong values"
         except Exception as e:  # the driver or Triton refusing a host pointer
@@ -124,17 +112,15 @@ def copy_experts(pairs: torch.Tensor, src: dict[str, torch.Tensor], dst: dict[st
             for k, d in dst.items():
                 d[s.to(d.device)] = src[k][e].to(d.device)
         return
-    words = []
-    for k, d in dst.items():
-        a, b = _words(src[k]), _words(d)
-        if a.dtype == torch.int32:
-            words.append((a, b))
-            continue
-        grid = (pairs.shape[0], triton.cdiv(a.shape[1], BLOCK))
-        _copy_rows_kernel[grid](a, b, pairs, a.shape[1], BLOCK=BLOCK)
-    for i in range(0, len(words), MAX_PIECES):
-        group = words[i:i + MAX_PIECES]
-        args = [x for a, b in group for x in (a, b, a.shape[1])]
-        args += args[:3] * (MAX_PIECES - len(group))
-        grid = (pairs.shape[0], len(group), triton.cdiv(max(a.shape[1] for a, _ in group), BLOCK))
-        _copy_pieces_kernel[grid](pairs, *args, NP=len(group), BLOCK=BLOCK)
+    pieces = [(_words(src[k]), _words(d)) for k, d in dst.items()]
+    for i in range(0, len(pieces), MAX_PIECES):
+        _copy_pieces(pairs, pieces[i:i + MAX_PIECES])
+
+
+def _copy_pieces(pairs: torch.Tensor, group: list[tuple[torch.Tensor, torch.Tensor]],
+                 block: int = BLOCK) -> None:
+    """One launch of _copy_pieces_kernel over up to MAX_PIECES (src [E, W], dst [P, W]) pairs."""
+    args = [x for a, b in group for x in (a, b, a.shape[1])]
+    args += args[:3] * (MAX_PIECES - len(group))
+    grid = (pairs.shape[0], len(group), triton.cdiv(max(a.shape[1] for a, _ in group), block))
+    _copy_pieces_kernel[grid](pairs, *args, NP=len(group), BLOCK=block)

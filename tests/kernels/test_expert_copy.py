@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="runs the Triton kern
     {"codes": ((6, 40), torch.uint8), "scales": ((6, 5), torch.bfloat16)},  # bytes, 10-byte rows
     {"w": ((5, 3, 7), torch.float32)},  # words, 21 a row
     {"codes": ((4, 4100), torch.int32)},  # two programs a row (BLOCK 4096 words)
-    # eight word tensors of different row lengths (two launches of the pieces kernel: 6 + 2)
-    # and a byte tensor beside them
+    # eight word tensors of different row lengths and a byte tensor: two launches of the
+    # pieces kernel (6 + 3), words and bytes in the same launch
     {**{f"t{i}": ((5, 3 + 5 * i), torch.int32) for i in range(7)}, "long": ((5, 4097), torch.float32),
      "odd": ((5, 7), torch.uint8)},
 ])
