@@ -436,10 +436,10 @@ class SpecDecoder:
         self.drafted: tuple[torch.Tensor, dict[str, list[int]]] | None = None
         self.synthetic_accept = synthetic_accept  # bench only: forced acceptance (lowbit.engine.acceptance)
         self.spans = HostSpans()  # the engine's, set by it
-        self.synthetic_draws = None
-        self.synthetic_host = None  # the host rule's forced verdicts (greedy verify steps)
+        self.synthetic_draws = self.synthetic_host = None  # device / host (greedy steps) verdicts
         if synthetic_accept is not None:
             self.synthetic_draws = torch.Generator(device=device).manual_seed(SYNTHETIC_SEED)
+            self.synthetic_host = torch.Generator().manual_seed(SYNTHETIC_SEED)
 
     @property
     def needs_hidden(self) -> bool:
@@ -507,8 +507,7 @@ class SpecDecoder:
         if self.drafted is not None:  # indices into the drafter's tokens (its last entry: a pad 0)
             drafts = self.drafted[0].index_select(0, drafts)
         logits = model.compute_logits(hidden[index]).view(P, K + 1, -1)
-        ids = [scheduled[i][0].request_id for i in picks]
-        if not mode.random and not mode.penalties and not any(r in self.draft_probs for r in ids):
+        if not mode.random and not mode.penalties and not self._sampled_drafts(scheduled, picks):
             host = self._accept_on_host(logits, drafts, listed, ks, K)
         else:
             q, sampled = self._draft_probs(scheduled, picks, K, logits.shape[-1], dev)
@@ -542,9 +541,7 @@ class SpecDecoder:
         got = read_back(t if self.drafted is None else torch.cat((t, drafts))).tolist()  # the step's one wait
         target, drafted = got[:P * K1], (got[P * K1:] if self.drafted is not None else listed)
         forced = None
-        if self.synthetic_accept is not None:
-            if self.synthetic_host is None:
-                self.synthetic_host = torch.Generator().manual_seed(SYNTHETIC_SEED)
+        if self.synthetic_host is not None:
             forced = (torch.rand(P, K, generator=self.synthetic_host) < self.synthetic_accept).tolist()
         rows = []
         for b, k in enumerate(ks):
@@ -576,9 +573,13 @@ class SpecDecoder:
             return []
         return self.drafted[1].get(req.request_id, [])[:len(req.draft_token_ids)]
 
+    def _sampled_drafts(self, scheduled, picks: list[int]) -> bool:
+        """Whether any pick's drafts were sampled (a distribution to accept against)."""
+        return any(scheduled[i][0].request_id in self.draft_probs for i in picks)
+
     def _draft_probs(self, scheduled, picks: list[int], K: int, V: int, dev):
         ids = [scheduled[i][0].request_id for i in picks]
-        if not K or not any(r in self.draft_probs for r in ids):
+        if not K or not self._sampled_drafts(scheduled, picks):
             return None, None
         q = torch.zeros(len(picks), K, V, device=dev)
         for b, r in enumerate(ids):
