@@ -40,7 +40,10 @@ def record() -> list:
                                     gate_w=torch.randn(E, D), gate_b=None)
         router_op._run_triton(call)
         ids = torch.randint(0, E, (T * A,), dtype=torch.int32)
-        moe_slots.sort_by_expert(ids, E, 8)
+        moe_slots.sort_by_expert(ids, E, 8)  # one launch (few blocks)
+        moe_slots.sort_by_expert(torch.randint(0, E, (2048,), dtype=torch.int32), E, 8)  # the pair
+        norm_op._run_triton(norm_op.NormCall(x, torch.ones(D).bfloat16(), 1e-6, x.clone(),
+                                             slots=moe_slots.SlotSum(torch.randn(T * A, D), ids, A, E, x.clone())))
         moe_slots.sort_for_fold(ids, E, 8, A, x.clone())
         moe_slots.combine_slots(torch.randn(T * A, D), x, A, ids, E)
     return launches

@@ -21,6 +21,8 @@ Per point (B sequences x context tokens x pool dtype):
             codes loaded and converted one by one), the path before them
   sweep     (--sweep) graph-replayed time of each launch config in SWEEP (fp8 pools: also
             num_stages 1); the best per point
+  splits    (--split-factors 0.5,2,4) graph-replayed time of the default config with the
+            split count (decode_splits: SPLIT_WAVES programs per SM) times each factor
   GB/s and % of the copy bandwidth (--copy-gbps, else measured here: read + write bytes of
   a 1 GiB device-to-device copy); rel_err: triton vs sdpa outputs.
 Inputs rotate over enough sets (>= 256 MiB of K/V in all) that no step finds its K/V in L2.
@@ -38,7 +40,14 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.bench.record import environment, md_table
-from lowbit.kernels.attention import FP8, KVPool, decode_splits, paged_decode, reference_kv_write
+from lowbit.kernels.attention import (
+    FP8,
+    MAX_SPLITS,
+    KVPool,
+    decode_splits,
+    paged_decode,
+    reference_kv_write,
+)
 from lowbit.kernels.runtime import HAS_TRITON
 
 if HAS_TRITON:  # imported here: triton's timer; the module still imports where triton (a test extra) is absent
@@ -115,7 +124,8 @@ def _graph_ms(fns: list) -> float:
 
 
 def bench_point(batch: int, context: int, copy_gbps: float, sweep: bool = False,
-                device: str = "cuda", kv: str = "bf16") -> dict:
+                device: str = "cuda", kv: str = "bf16",
+                split_factors: tuple[float, ...] = ()) -> dict:
 
     kv_bytes = batch * context * HKV * 2 * (D + 4 if kv == "fp8" else D * 2)
     sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / kv_bytes)))
@@ -123,9 +133,10 @@ def bench_point(batch: int, context: int, copy_gbps: float, sweep: bool = False,
     scale = D ** -0.5
     outs = [torch.empty(batch, H, D, device=device, dtype=torch.bfloat16) for _ in inputs]
 
-    def triton_fn(i, cfg=None):
+    def triton_fn(i, cfg=None, splits=None):
         q, tables, lens, _, _ = inputs[i]
-        return lambda: paged_decode(q, pool, tables, lens, scale, out=outs[i], config=cfg)
+        return lambda: paged_decode(q, pool, tables, lens, scale, out=outs[i], config=cfg,
+                                    num_splits=splits)
 
     def sdpa_fn(i):
         q, _, _, k, v = inputs[i]
@@ -153,6 +164,10 @@ def bench_point(batch: int, context: int, copy_gbps: float, sweep: bool = False,
         row[f"{key}_gbps"] = kv_bytes / (us * 1e-6) / 1e9 if us else None
         row[f"{key}_pct_copy"] = 100 * row[f"{key}_gbps"] / copy_gbps if us else None
     row["speedup_vs_sdpa"] = row["sdpa_us"] / row["triton_us"] if row.get("sdpa_us") else None
+    if split_factors:  # the default config at other split counts
+        counts = sorted({max(1, min(MAX_SPLITS, round(row["splits"] * f))) for f in split_factors})
+        row["splits_sweep"] = [{"splits": n, "graph_us": _graph_ms(
+            [triton_fn(i, splits=n) for i in range(sets)]) * 1e3} for n in counts]
     if sweep:  # graph-replayed time of each launch config (DECODE_CFG is the default)
         row["sweep"] = [{**cfg, "graph_us": _graph_ms([triton_fn(i, cfg) for i in range(sets)]) * 1e3}
                         for cfg in (SWEEP_FP8 if kv == "fp8" else SWEEP)]
@@ -164,7 +179,8 @@ def bench_point(batch: int, context: int, copy_gbps: float, sweep: bool = False,
 def bench_attention(out_dir: str | Path, copy_gbps: float | None = None,
                     batches: tuple[int, ...] = (1, 8, 32),
                     contexts: tuple[int, ...] = (1024, 8192, 32768), sweep: bool = False,
-                    kv_dtypes: tuple[str, ...] = ("bf16",)) -> list[dict]:
+                    kv_dtypes: tuple[str, ...] = ("bf16",),
+                    split_factors: tuple[float, ...] = ()) -> list[dict]:
     """Run every (B, context) point; write attention_bench.json and .md under out_dir."""
     assert torch.cuda.is_available(), "the attention benchmark needs a CUDA device"
     measured = copy_gbps is None
@@ -173,7 +189,7 @@ def bench_attention(out_dir: str | Path, copy_gbps: float | None = None,
     for kv in kv_dtypes:
         for b in batches:
             for c in contexts:
-                rows.append(bench_point(b, c, copy_gbps, sweep, kv=kv))
+                rows.append(bench_point(b, c, copy_gbps, sweep, kv=kv, split_factors=split_factors))
                 torch.cuda.empty_cache()  # the point's pool is garbage now
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,6 +218,10 @@ def markdown(record: dict) -> str:
         for line, r in zip(body, record["rows"]):
             c = r.get("best_config")
             line.append(f"BN {c['BN']} w{c['num_warps']} s{c['num_stages']} ({c['graph_us']:.1f})" if c else "-")
+    if any("splits_sweep" in r for r in record["rows"]):
+        head.append("splits: graph us")
+        for line, r in zip(body, record["rows"]):
+            line.append(", ".join(f"{x['splits']}: {x['graph_us']:.1f}" for x in r.get("splits_sweep", [])) or "-")
     env = record["env"]
     return (f"## Decode attention, H/Hkv = {H}/{HKV}, D = {D}, block size {BS}\n\n"
             f"{md_table(head, body)}\n\nCopy bandwidth {record['copy_gbps']:.0f} GB/s "
@@ -218,13 +238,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", default="1024,8192,32768")
     p.add_argument("--sweep", action="store_true", help="also time every launch config in SWEEP (graph replay)")
     p.add_argument("--kv-dtypes", default="bf16", help="comma-separated pool dtypes: bf16, fp8")
+    p.add_argument("--split-factors", default="", help="also time the default config at the "
+                   "default split count times each of these (e.g. 0.5,2,4; graph replay)")
     args = p.parse_args(argv)
     ints = lambda s: tuple(int(x) for x in s.split(","))
     kvs = tuple(args.kv_dtypes.split(","))
     bad = [k for k in kvs if k not in ("bf16", "fp8")]
     if bad:
         p.error(f"--kv-dtypes: unknown pool dtype {bad[0]!r} (bf16 or fp8)")
-    bench_attention(args.out, args.copy_gbps, ints(args.batches), ints(args.contexts), args.sweep, kvs)
+    try:
+        factors = tuple(float(x) for x in args.split_factors.split(",") if x)
+    except ValueError:
+        p.error(f"--split-factors: not a list of numbers: {args.split_factors!r}")
+    if any(f <= 0 for f in factors):
+        p.error("--split-factors: factors must be > 0")
+    bench_attention(args.out, args.copy_gbps, ints(args.batches), ints(args.contexts), args.sweep, kvs,
+                    factors)
     print((Path(args.out) / "attention_bench.md").read_text())
 
 

@@ -34,7 +34,7 @@ from lowbit.bench.step_profile import format_profile, profile_decode, profile_pr
 from lowbit.config import EngineConfig
 from lowbit.distributed import engine_model
 from lowbit.errors import LowbitError
-from lowbit.kernels import launch, routes
+from lowbit.kernels import launch, moe_slots, routes
 
 
 @dataclass
@@ -182,6 +182,14 @@ def prefill_graph_status(engine) -> str:
 def pdl_line(device) -> str:
     """Whether the Triton kernels launch with programmatic dependent launch (lowbit.kernels.launch)."""
     return "programmatic dependent launch " + launch.pdl_status(device)
+
+
+def slot_fusion_line() -> str:
+    """Whether the fused MoE saves its slot launches (lowbit.kernels.moe_slots.slot_fusion)."""
+    if moe_slots.slot_fusion():
+        return ("MoE slot launches fused: one-launch expert sort, combine summed by the next "
+                "RMSNorm")
+    return "MoE slot launches NOT fused: LOWBIT_SLOT_FUSION=0 (the two-launch sort and the combine launch)"
 
 
 def route_summary() -> dict:
@@ -357,6 +365,7 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw),
             "graphs": graph_status(s.llm.engine), "prefill_graphs": prefill_graph_status(s.llm.engine),
             "async": async_status(s.llm.engine), "pdl": pdl_line(s.device),
+            "slot_fusion": slot_fusion_line(),
             "launch_configs": launch.config_status() if str(s.device).startswith("cuda") else None,
             "routes": route_summary(), "step_profiles": profiles,
             "expert_cache": expert_cache_summary(s.llm.engine)}
@@ -398,7 +407,7 @@ def summary_md(rec: dict) -> str:
             f"{rec['copy_bandwidth_Bps'] / 1e9:.1f} GB/s; active weight bytes per token "
             f"{rec['weight_bytes']['active'] / 2**20:.1f} MiB; {rec['repeats']} repeats, mean ± sd")
     lines = [foot, rec.get("graphs", ""), rec.get("prefill_graphs", ""), rec.get("async", ""),
-             rec.get("pdl", ""), rec.get("launch_configs") or ""]
+             rec.get("pdl", ""), rec.get("slot_fusion", ""), rec.get("launch_configs") or ""]
     if rec.get("temperature") or rec.get("router_zipf") is not None:
         lines.append(f"tokens sampled at temperature {rec.get('temperature') or 0:g}"
                      + (f"; SYNTHETIC routing: routers biased toward Zipf({rec['router_zipf']:g}) expert "

@@ -46,7 +46,14 @@ from lowbit.kernels.decode import (
     weight_args,
 )
 from lowbit.kernels.dequant_gemm import _gemv_codes, _gemv_kernel, gated_act, split_plan
-from lowbit.kernels.moe_slots import combine_slots, flat_slots, moe_output, sort_by_expert
+from lowbit.kernels.moe_slots import (
+    SlotSum,
+    combine_slots,
+    flat_slots,
+    moe_output,
+    slot_fusion,
+    sort_by_expert,
+)
 from lowbit.kernels.runtime import (
     interpreting,
     round_for_dot,
@@ -319,8 +326,9 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
               w2: Resolved, mode: str = "decode", config: dict | None = None,
               out: torch.Tensor | None = None, *, b13: torch.Tensor | None = None,
               b2: torch.Tensor | None = None,
-              activation: MoeActivation | None = None) -> torch.Tensor:
-    """y [T, H] in x.dtype (or out's float32); mode "decode" (S <= 256) or "grouped"."""
+              activation: MoeActivation | None = None, defer: bool = False) -> torch.Tensor | SlotSum:
+    """y [T, H] in x.dtype (or out's float32); mode "decode" (S <= 256) or "grouped".
+    defer (with out None): a moe_slots.SlotSum instead of the combine launch."""
     assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
     assert bias_refusal(x, w13, w2, b13, b2) is None, bias_refusal(x, w13, w2, b13, b2)
     _check_routing(x, ids, weights)
@@ -356,6 +364,8 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
         hbuf, ys, tw, _bias_arg(b2, x), ids_flat, order, tile_end, seg_start, counts, *a2[:6],
         s, e, h, inter, w2.kp, *a2[6:], **c2, BN=cfg["BN2"], BK=cfg["BK2"],
         HAS_BIAS=b2 is not None, **common)
+    if defer and out is None and slot_fusion():
+        return SlotSum(ys, ids_flat, a_top, e, moe_output(x, None))
     return combine_slots(ys, x, a_top, ids_flat, e, out)
 
 

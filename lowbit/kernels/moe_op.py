@@ -63,6 +63,7 @@ from lowbit.kernels.moe_layout import (
     layout_of,
     with_shared_slots,
 )
+from lowbit.kernels.moe_slots import SlotSum, finish
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
 from lowbit.kernels.tc_moe import tc_moe_gemv, tc_moe_grouped, tc_moe_refusal
 from lowbit.kernels.vq_moe import vq_moe, vq_moe_refusal
@@ -101,6 +102,7 @@ class MoeCall:
     num_experts: int | None = None  # the model's E when w13 stacks fewer slots (expert cache)
     out: torch.Tensor | None = None  # [T, H] x.dtype or float32: where y is written
     shared: SharedMLP | None = None  # the block's shared experts, added to y
+    defer: bool = False  # a route that ends in the combine launch may return a SlotSum
 
     @property
     def experts(self) -> int:
@@ -171,9 +173,9 @@ def _run_shared(call: MoeCall) -> torch.Tensor:
 
 def _then_shared(run):
     """A route's run followed by the shared MLP on its own (the shared route refused)."""
-    def run_both(call: MoeCall) -> torch.Tensor:
+    def run_both(call: MoeCall) -> torch.Tensor | SlotSum:
         y = run(call)
-        return y if call.shared is None else y + call.shared.mlp(call.x)
+        return y if call.shared is None else finish(y) + call.shared.mlp(call.x)
 
     return run_both
 
@@ -222,7 +224,7 @@ def _run(mode: str):
             return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2,
                                   config=call.config("moe_gemv"), **extra)
         return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode,
-                         config=call.config(f"moe_{mode}"), **extra)
+                         config=call.config(f"moe_{mode}"), defer=call.defer, **extra)
 
     return run
 
@@ -289,7 +291,7 @@ def _run_tc(call: MoeCall) -> torch.Tensor:
     cfg = _tc_config(call)
     if t >= cfg.get("GROUPED_FROM", 1 << 30):
         return tc_moe_grouped(call.x, call.ids, call.weights, call.w13, call.w2,
-                              config=cfg.get("grouped"), out=call.out)
+                              config=cfg.get("grouped"), out=call.out, defer=call.defer)
     return tc_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2, config=cfg,
                        out=call.out)
 
@@ -343,7 +345,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                 activation: MoeActivation | None = None, num_experts: int | None = None,
                 out: torch.Tensor | None = None, shared: SharedMLP | None = None,
-                layer: str = "") -> torch.Tensor:
+                defer: bool = False, layer: str = "") -> torch.Tensor | SlotSum:
     """y [T, H] in x.dtype. See lowbit.kernels for the contract; w13 may also be a
     HybridExperts layout (then w2 is None and the ids index its experts), or w13 and w2
     HybridTensor stacks (quantized per expert group), turned into a layout once. A layout
@@ -353,7 +355,9 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     and launch configs it would pick for the model. out: [T, H] in x.dtype or float32 (not
     with hybrid layouts or shared experts), written instead of a new tensor; float32 keeps y
     unrounded (an expert cache sums groups of experts). shared: the block's shared experts,
-    added to y; the routes decide whether they ride in the routed launch."""
+    added to y; the routes decide whether they ride in the routed launch. defer: a route
+    whose last launch would be the combine may return a moe_slots.SlotSum instead, for the
+    next RMSNorm to sum (not with out or shared experts)."""
     activation = SILU if activation is None else activation
     extras = b13 is not None or b2 is not None or activation.kind != "silu"
     assert out is None or shared is None, "shared experts are added to a new tensor"
@@ -371,7 +375,8 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                        shared=shared)
         return routes.dispatch("moe", call, layer)
     call = MoeCall(x, topk_ids, topk_weights, resolve(w13), resolve(w2), b13=b13, b2=b2,
-                   activation=activation, num_experts=num_experts, out=out, shared=shared)
+                   activation=activation, num_experts=num_experts, out=out, shared=shared,
+                   defer=defer and out is None and shared is None)
     reason = bias_refusal(x, call.w13, call.w2, b13, b2)
     if reason is not None:
         raise ValueError(f"moe_experts: {reason}")

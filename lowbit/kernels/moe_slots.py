@@ -1,10 +1,14 @@
 """Slot bookkeeping of the fused MoE: the device sort of routed slots by expert (grouped
-tiles) and the ordered sum of each token's slot outputs. No host reads: CUDA-graph safe.
+tiles) and the ordered sum of each token's slot outputs, launched here (combine_slots) or
+left to the next RMSNorm (SlotSum, lowbit.kernels.norm_op). No host reads: CUDA-graph safe.
 
 Shape legend: T tokens, A experts per token (top-k), S = T * A slots, E experts, H hidden.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -98,23 +102,32 @@ def _expert_sort_kernel(ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_
 @triton.jit
 def _expert_place_kernel(ids_ptr, hist_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
                          S, E, NB, EP: tl.constexpr, BS: tl.constexpr, RB: tl.constexpr,
-                         BM: tl.constexpr, PDL: tl.constexpr):
+                         BM: tl.constexpr, FROM_IDS: tl.constexpr, PDL: tl.constexpr):
     """Program b: each slot of block b goes to order[seg_start[e] + (slots of e in blocks
     before b) + (its rank among e's slots in block b)]: a stable counting sort. Every program
     sums the [NB, E] histogram itself (no third launch); program 0 also writes counts,
-    seg_start and tile_end (cumulative tiles of BM)."""
+    seg_start and tile_end (cumulative tiles of BM). FROM_IDS: every program counts the
+    blocks' ids itself (the histogram of _expert_hist_kernel, never stored): one launch."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     ev = tl.arange(0, EP)
     em = ev < E
     total = tl.zeros([EP], tl.int32)
     before = tl.zeros([EP], tl.int32)
-    for r0 in range(0, NB, RB):
-        rows = r0 + tl.arange(0, RB)
-        h = tl.load(hist_ptr + rows[:, None] * E + ev[None, :],
-                    mask=(rows[:, None] < NB) & em[None, :], other=0)
-        total += tl.sum(h, 0)
-        before += tl.sum(tl.where(rows[:, None] < b, h, 0), 0)
+    if FROM_IDS:
+        for r in range(0, NB):
+            sr = r * BS + tl.arange(0, BS)
+            idr = tl.load(ids_ptr + sr, mask=sr < S, other=-1)
+            cnt = tl.sum((idr[:, None] == ev[None, :]).to(tl.int32), 0)
+            total += cnt
+            before += tl.where(r < b, cnt, 0)
+    else:
+        for r0 in range(0, NB, RB):
+            rows = r0 + tl.arange(0, RB)
+            h = tl.load(hist_ptr + rows[:, None] * E + ev[None, :],
+                        mask=(rows[:, None] < NB) & em[None, :], other=0)
+            total += tl.sum(h, 0)
+            before += tl.sum(tl.where(rows[:, None] < b, h, 0), 0)
     seg = tl.cumsum(total, 0) - total
     if b == 0:
         tl.store(counts_ptr + ev, total, mask=em)
@@ -151,7 +164,20 @@ def moe_output(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 # 3,172 / 5,297 tok/s against 3,429 / 6,104 with the pair; docs/BENCHMARKS.md#decode-graph),
 # so it is off: sort_for_fold uses it where asked
 ONE_PROGRAM_SORT_BLOCKS = 0
+# up to this many blocks of slots (16: 1,024 slots at 128 experts, every decode bucket to 128
+# tokens of top-8), the placement programs count all the blocks' ids themselves
+# (_expert_place_kernel FROM_IDS): one launch of NB parallel programs instead of the histogram
+# launch + the placement. Each program does NB [BS, EP] one-hot sums (<= 131,072 compares at
+# the limit), where the pair costs a launch and a round trip through memory
+ONE_LAUNCH_SORT_BLOCKS = 16
 FOLD_SORT_BLOCKS = 8  # sort_for_fold's limit (one program)
+
+
+def slot_fusion() -> bool:
+    """Whether the fused MoE saves its two slot launches where it can: the one-launch sort
+    (ONE_LAUNCH_SORT_BLOCKS) and the combine deferred into the next RMSNorm (SlotSum).
+    LOWBIT_SLOT_FUSION=0 turns both off (the A/B of docs/BENCHMARKS.md#decode-graph)."""
+    return os.environ.get("LOWBIT_SLOT_FUSION", "1") != "0"
 
 
 def _sort_blocks(s: int, e: int) -> tuple[int, int, int]:
@@ -169,7 +195,8 @@ def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
     (cumulative tiles of BM slots), seg_start int32 [E] (first sorted position of each
     expert), counts int32 [E], and the grid bound ceil(S / BM) + min(E, S), which depends on
     shapes only. A counting sort in two launches (block histograms, then placement), where
-    torch.sort + a scatter-add histogram + two cumsums took about ten. An id outside
+    torch.sort + a scatter-add histogram + two cumsums took about ten; one launch up to
+    ONE_LAUNCH_SORT_BLOCKS blocks of slots (each program counts every block). An id outside
     0..E-1 (a NaN routing row) is counted and placed nowhere: its slot is never computed.
     """
     s = ids_flat.numel()
@@ -185,13 +212,18 @@ def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
             launch.run(_expert_sort_kernel, (1,), ids_flat, order, tile_end, seg_start, counts,
                        s, e, counts, counts, 0, 1, 0, 0, EP=ep, BS=bs, BM=bm, TOKENS=False,
                        TP=16, BH=16, num_warps=4, **pdl)
+        elif nb <= ONE_LAUNCH_SORT_BLOCKS and slot_fusion():
+            launch.run(_expert_place_kernel, (nb,), ids_flat, ids_flat, order, tile_end,
+                       seg_start, counts, s, e, nb, EP=ep, BS=bs, RB=1, BM=bm, FROM_IDS=True,
+                       num_warps=4, **pdl)
         else:
             rb = max(1, min(triton.next_power_of_2(nb), 8192 // ep))
             hist = torch.empty(nb, e, dtype=torch.int32, device=dev)
             launch.run(_expert_hist_kernel, (nb,), ids_flat, hist, s, e, EP=ep, BS=bs,
                        num_warps=4, **pdl)
             launch.run(_expert_place_kernel, (nb,), ids_flat, hist, order, tile_end, seg_start,
-                       counts, s, e, nb, EP=ep, BS=bs, RB=rb, BM=bm, num_warps=4, **pdl)
+                       counts, s, e, nb, EP=ep, BS=bs, RB=rb, BM=bm, FROM_IDS=False,
+                       num_warps=4, **pdl)
     else:
         tile_end.zero_(), seg_start.zero_(), counts.zero_()
     return order, tile_end, seg_start, counts, triton.cdiv(s, bm) + min(e, s)
@@ -232,3 +264,49 @@ def combine_slots(ys: torch.Tensor, x: torch.Tensor, a_top: int, ids_flat: torch
                y.stride(0),
                BN=bnc, num_warps=4, **launch.pdl_args(ys))
     return y
+
+
+@dataclass
+class SlotSum:
+    """A fused MoE's output y [T, H] before its last launch: y[t] = the ordered sum of token
+    t's slot rows ys [t * A + j] whose expert id is inside 0..E-1, rounded once to out's dtype
+    (what combine_slots writes). A caller that asked for it (defer=True) hands it to the next
+    RMSNorm (lowbit.kernels.norm_op.rms_norm), whose kernel sums the slots itself: the combine
+    costs no launch. Anything else calls materialize()."""
+
+    ys: torch.Tensor  # [T * A, H] float32
+    ids_flat: torch.Tensor  # [T * A] int32
+    a_top: int
+    num_experts: int
+    out: torch.Tensor  # [T, H] in the activations' dtype, unit strides: where y goes
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.out.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.out.dtype
+
+    def materialize(self) -> torch.Tensor:
+        """y, written into out by the combine launch (or its twin off the GPU)."""
+        if self.ys.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+            return combine_slots(self.ys, self.out, self.a_top, self.ids_flat, self.num_experts,
+                                 self.out)
+        return self.out.copy_(reference_slot_sum(self))
+
+
+def reference_slot_sum(slots: SlotSum) -> torch.Tensor:
+    """The torch twin of combine_slots: float32 sums in slot order, one rounding."""
+    t, h = slots.out.shape
+    ys = slots.ys.view(t, slots.a_top, h)
+    named = ((slots.ids_flat >= 0) & (slots.ids_flat < slots.num_experts)).view(t, slots.a_top)
+    acc = torch.zeros(t, h, dtype=torch.float32, device=ys.device)
+    for j in range(slots.a_top):
+        acc = acc + torch.where(named[:, j, None], ys[:, j], 0.0)
+    return acc.to(slots.out.dtype)
+
+
+def finish(y: torch.Tensor | SlotSum) -> torch.Tensor:
+    """y itself, or a SlotSum's sum."""
+    return y.materialize() if isinstance(y, SlotSum) else y

@@ -9,8 +9,12 @@ Shape legend: T rows (tokens, or tokens x heads for per-head norms), D normed wi
 
 Routes, in selection order:
   triton_rmsnorm  one launch: one program per row, x and residual read once, y and r written
-                  once (no r write without a residual: r is x itself); graph-safe
-  torch           reference: the expression above (8 torch ops; admits every call)
+                  once (no r write without a residual: r is x itself); graph-safe. x may
+                  be a fused MoE's slot rows (moe_slots.SlotSum): the program sums the
+                  row's named slots in slot order and rounds once (the combine launch's
+                  result, bit for bit), then goes on as above; r is then always written
+  torch           reference: the expression above (8 torch ops; admits every call); a
+                  SlotSum is summed first by its twin (moe_slots.reference_slot_sum)
 
 Kernel `_rms_norm_kernel`, grid (T,). Memory layout: x, residual [T, D] with any row stride
 and unit element stride (leading dims of [..., D] must merge into one strided row index,
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.kernels import launch, routes
+from lowbit.kernels.moe_slots import SlotSum, reference_slot_sum
 from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.runtime import tl, triton, triton_refusal
 
@@ -49,6 +54,7 @@ class NormCall:
     eps: float
     residual: torch.Tensor | None = None  # [..., D] in x.dtype
     forced: bool = False
+    slots: SlotSum | None = None  # x is this MoE output's sum (x: its out, not yet written)
 
 
 # -- torch reference ---------------------------------------------------------------------------
@@ -60,7 +66,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def _run_torch(call: NormCall) -> tuple[torch.Tensor, torch.Tensor]:
-    r = call.x if call.residual is None else call.x + call.residual
+    x = call.x if call.slots is None else call.x.copy_(reference_slot_sum(call.slots))
+    r = x if call.residual is None else x + call.residual
     return rms_norm_reference(r, call.weight, call.eps), r
 
 
@@ -90,18 +97,28 @@ def round_to(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, D, d_float, stride_x, stride_res, eps,
-                     BLOCK_D: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
-                     HAS_RES: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, ys_ptr, ids_ptr, D, d_float, stride_x,
+                     stride_res, eps, A, E, BLOCK_D: tl.constexpr, XDT: tl.constexpr,
+                     YDT: tl.constexpr, HAS_RES: tl.constexpr, SLOTS: tl.constexpr,
+                     PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_enter(PDL)
-    r = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if SLOTS:  # x = a MoE's slot rows ys [T * A, D], summed as moe_slots._moe_combine_kernel does
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for j in range(0, A):
+            e = tl.load(ids_ptr + row * A + j)
+            named = (e >= 0) & (e < E)
+            acc += tl.load(ys_ptr + (row * A + j) * D + cols, mask=mask & named, other=0.0)
+        r = round_to(acc, XDT)
+    else:
+        r = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         r = round_to(r + res, XDT)
+    if HAS_RES or SLOTS:
         tl.store(r_ptr + row * D + cols, r, mask=mask)
     mean_sq = tl.math.div_rn(tl.sum(r * r, axis=0), d_float)
     inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
@@ -141,7 +158,18 @@ def _admit_triton(call: NormCall) -> str | None:
     reason = _tensor_refusal("x", x, x)
     if reason is None and call.residual is not None:
         reason = _tensor_refusal("residual", call.residual, x)
+    if reason is None and call.slots is not None:
+        reason = _slots_refusal(call.slots, x)
     return reason
+
+
+def _slots_refusal(slots: SlotSum, x: torch.Tensor) -> str | None:
+    ys = slots.ys
+    if x.dim() != 2 or not x.is_contiguous():
+        return f"a slot sum's output is {tuple(x.shape)} with strides {x.stride()}: the kernel writes contiguous [T, D]"
+    if ys.dtype != torch.float32 or not ys.is_contiguous() or tuple(ys.shape) != (x.shape[0] * slots.a_top, x.shape[1]):
+        return f"slot rows are {ys.dtype} {tuple(ys.shape)}: the kernel reads contiguous float32 [T * A, D]"
+    return None
 
 
 def _num_warps(block: int) -> int:
@@ -150,18 +178,23 @@ def _num_warps(block: int) -> int:
 
 
 def _run_triton(call: NormCall) -> tuple[torch.Tensor, torch.Tensor]:
-    x, w, res = call.x, call.weight, call.residual
+    x, w, res, slots = call.x, call.weight, call.residual, call.slots
     D = x.shape[-1]
     x2 = _rows(x)  # [T, D]
     y = torch.empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype), device=x.device)
+    # r: x + residual; a slot sum's own output when there is no residual (then x is r)
     r = x if res is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     res2 = x2 if res is None else _rows(res)
     if x2.shape[0] == 0:
         return y, r
     block = triton.next_power_of_2(D)
-    launch.run(_rms_norm_kernel, (x2.shape[0],), x2, res2, w, y, r, D, float(D), x2.stride(0), res2.stride(0),
-               call.eps, BLOCK_D=block, XDT=DTYPE_CODE[x.dtype], YDT=DTYPE_CODE[y.dtype],
-               HAS_RES=res is not None, num_warps=_num_warps(block), **launch.pdl_args(x))
+    ys, ids, a, e = (x2, x2, 0, 0) if slots is None else (slots.ys, slots.ids_flat, slots.a_top,
+                                                          slots.num_experts)
+    launch.run(_rms_norm_kernel, (x2.shape[0],), x2, res2, w, y, r, ys, ids, D, float(D),
+               x2.stride(0), res2.stride(0), call.eps, a, e, BLOCK_D=block,
+               XDT=DTYPE_CODE[x.dtype], YDT=DTYPE_CODE[y.dtype], HAS_RES=res is not None,
+               SLOTS=slots is not None, num_warps=_num_warps(block),
+               **launch.pdl_args(x if slots is None else ys))
     return y, r
 
 
@@ -171,7 +204,11 @@ routes.register("norm", routes.Route("torch", routes.DEFAULT, "reference (admits
                                      lambda call: None, _run_torch), reference=True)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             *, layer: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, r): r = x (+ residual), y = RMSNorm(r) * weight over the last dim (module docstring)."""
+def rms_norm(x: torch.Tensor | SlotSum, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None, *, layer: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, r): r = x (+ residual), y = RMSNorm(r) * weight over the last dim (module docstring).
+    x may be a fused MoE's SlotSum: the triton route then sums its slots in the same launch
+    (the MoE's combine costs no launch of its own), the torch route first."""
+    if isinstance(x, SlotSum):
+        return routes.dispatch("norm", NormCall(x.out, weight, eps, residual, slots=x), layer)
     return routes.dispatch("norm", NormCall(x, weight, eps, residual), layer)

@@ -26,9 +26,11 @@ from lowbit.formats.views import LutWeight
 from lowbit.kernels import launch
 from lowbit.kernels.decode import E2M1_BF16_POST, weight_args
 from lowbit.kernels.moe_slots import (
+    SlotSum,
     combine_slots,
     flat_slots,
     moe_output,
+    slot_fusion,
     sort_by_expert,
     sort_for_fold,
 )
@@ -231,7 +233,7 @@ GROUPED = {"BN": 128, "BK": 256, "num_warps": 4, "PREFETCH": True, "MB": 8, "FOL
 
 def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: LutWeight,
                    w2: LutWeight, config: dict | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, defer: bool = False) -> torch.Tensor | SlotSum:
     """The MoE layer with each expert's weights read once for all the tokens routed to it
     (nvfp4, SiLU, no biases): the slots sorted by expert on the device
     (moe_slots.sort_by_expert), FC1 on tiles of up to MB slots of one expert writing
@@ -240,7 +242,8 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     placed nowhere): five launches. Config FOLD (off, measured slower): up to 512 slots a
     one-program sort and FC2's last-arriving program per token summing its slots, three
     launches. No host read. Same contract as
-    moe.fused_moe_gemv."""
+    moe.fused_moe_gemv. defer (with out None): a moe_slots.SlotSum instead of the combine
+    launch, for the next RMSNorm to sum."""
     reason = tc_moe_refusal(x, w13, w2)
     assert reason is None, reason
     t, h = x.shape
@@ -278,4 +281,8 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
                    HAS_TIDX=a.has_tidx, BN=bn, BK=kb, MB=mb, W=nw, FC=fc,
                    PREFETCH=int(cfg["PREFETCH"]), FOLD=bool(fold) and fc == 2, num_warps=nw,
                    **launch.pdl_args(x))
-    return y if fold else combine_slots(ys, x, a_top, ids_flat, e, y)
+    if fold:
+        return y
+    if defer and out is None and slot_fusion():
+        return SlotSum(ys, ids_flat, a_top, e, y)
+    return combine_slots(ys, x, a_top, ids_flat, e, y)

@@ -18,6 +18,7 @@ from lowbit.formats.base import QuantizedTensor
 from lowbit.kernels.moe import torch_act
 from lowbit.kernels.moe_layout import SharedMLP
 from lowbit.kernels.moe_op import MoeActivation, moe_experts
+from lowbit.kernels.moe_slots import SlotSum
 from lowbit.kernels.router_op import RouterSpec, route
 from lowbit.layers.linear import Linear, set_quantized
 from lowbit.layers.loading import expert_loader
@@ -52,9 +53,10 @@ class Experts(nn.Module):
         return None if self.activation == "silu" else MoeActivation(self.activation, self.limit or 0.0)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                shared: SharedMLP | None = None) -> torch.Tensor:
+                shared: SharedMLP | None = None, defer: bool = False) -> torch.Tensor | SlotSum:
         return moe_experts(x, ids, w, self.w13, self.w2, b13=self.b13, b2=self.b2,
-                           activation=self._activation(), shared=shared, layer=self.prefix)
+                           activation=self._activation(), shared=shared, defer=defer,
+                           layer=self.prefix)
 
 
 class SparseMoE(nn.Module):
@@ -80,11 +82,13 @@ class SparseMoE(nn.Module):
         g = self.gate
         self._gate32 = (g.weight.float(), None if g.bias is None else g.bias.float())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, D]
+    def forward(self, x: torch.Tensor, defer_combine: bool = False) -> torch.Tensor | SlotSum:
+        """y [T, D] of x [T, D]; defer_combine: the fused MoE may return its slot rows unsummed
+        (a SlotSum), for a caller whose next op is an RMSNorm (lowbit.kernels.norm_op)."""
         g = self.gate
         w32, b32 = getattr(self, "_gate32", None) or (g.weight.float(), None if g.bias is None else g.bias.float())
         ids, w = route(x, w32, b32, self.spec, self.e_score_correction_bias, layer=f"{self.experts.prefix}.router")
         if self.expert_hook is not None:  # routed experts read through the device slot table
             y = self.expert_hook(self, x, ids, w)
             return y if self.shared_experts is None else y + self.shared_experts(x)
-        return self.experts(x, ids, w, self.shared)
+        return self.experts(x, ids, w, self.shared, defer=defer_combine)

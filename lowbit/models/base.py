@@ -58,8 +58,8 @@ class CausalLM(nn.Module):
         """input_ids [T] -> final hidden states [T, D]."""
         h = self.model.embed_tokens(input_ids)
         residual = None
-        for layer in self.model.layers:
-            h, residual = layer(h, residual, batch)
+        for layer in self.model.layers:  # a MoE's output may stay unsummed until the next norm
+            h, residual = layer(h, residual, batch, defer_combine=True)
         return self.model.norm.add_norm(h, residual)[0]
 
     def prepare_for_serving(self) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lowbit.kernels.attention_op import layer_pool
+from lowbit.kernels.moe_slots import SlotSum
 from lowbit.kernels.rope_op import RopeCall, qk_norm_rope
 from lowbit.kernels.weights import concat_rows
 from lowbit.layers.attention import AttnSpec, attention
@@ -119,10 +120,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(D, eps)
         self.post_attention_layernorm = RMSNorm(D, eps)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, batch):
+    def forward(self, h: torch.Tensor | SlotSum, residual: torch.Tensor | None, batch,
+                defer_combine: bool = False):
+        """(h, residual) -> (this layer's MLP output, the residual). defer_combine: a sparse
+        MoE's output may come back as a SlotSum, which the next add_norm sums in its own
+        launch (h may be one here for the same reason)."""
         x, residual = self.input_layernorm.add_norm(h, residual)
         h = self.self_attn(x, batch)
         x, residual = self.post_attention_layernorm.add_norm(h, residual)
+        if defer_combine and isinstance(self.mlp, SparseMoE):
+            return self.mlp(x, defer_combine=True), residual
         return self.mlp(x), residual
 
 

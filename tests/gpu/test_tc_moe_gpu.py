@@ -147,3 +147,45 @@ def test_tc_moe_grouped_folded_sum_equals_combine_launch(t):
         torch.cuda.synchronize()
         ref = reference_moe(x.float(), ids, wts, w13, w2, dot_dtype=torch.bfloat16)
         assert rel_err(y, ref) < 1e-3, seed
+
+
+@pytest.mark.parametrize("t", [8, 64])
+def test_tc_moe_grouped_slot_sum_in_the_norm_equals_combine_launch(t):
+    """defer=True: the grouped MoE returns its slot rows (SlotSum) and the next RMSNorm sums
+    them in its own launch. The norm's (y, r) equal the combine launch + the add-norm bit for
+    bit, with a NaN routing row and a slot placed nowhere, and in a graph as the routing
+    changes."""
+    from lowbit.kernels.moe_slots import SlotSum
+    from lowbit.kernels.norm_op import rms_norm
+    from lowbit.kernels.tc_moe import tc_moe_grouped
+
+    e, top, h, inter = 64, 8, 2048, 768
+    w13, w2 = _stack(2 * inter, h, e, seed=9, tables=2), _stack(h, inter, e, seed=10)
+    g = torch.Generator(device=DEV).manual_seed(t)
+    ids = torch.rand(t, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32)
+    ids[1] = e
+    ids[3, 2] = -1
+    wts = torch.rand(t, top, device=DEV, generator=g)
+    x = _x(t, h, seed=t)
+    res = _x(t, h, seed=t + 1)
+    gain = (1 + 0.1 * torch.randn(h, device=DEV, generator=g)).bfloat16()
+
+    def both():
+        slots = tc_moe_grouped(x, ids, wts, w13, w2, defer=True)
+        assert isinstance(slots, SlotSum)
+        fused = rms_norm(slots, gain, 1e-6, res)
+        plain = rms_norm(tc_moe_grouped(x, ids, wts, w13, w2), gain, 1e-6, res)
+        return fused, plain
+
+    for (fy, fr), (py, pr) in [both()]:
+        assert torch.equal(fy, py) and torch.equal(fr, pr)
+        assert torch.isfinite(fy).all()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (fy, fr), (py, pr) = both()
+    for _ in range(2):
+        ids.copy_(torch.rand(t, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(fy, py) and torch.equal(fr, pr)

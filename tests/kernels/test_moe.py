@@ -115,18 +115,19 @@ def test_grouped_sort_has_no_host_read():
     assert torch.equal(flat[order.long()], torch.sort(flat).values) and tiles == 4 + 6
 
 
-@pytest.mark.parametrize("one_program", [False, True])
+@pytest.mark.parametrize("mode", ["pair", "one_launch", "one_program"])
 @pytest.mark.parametrize("s,e,bm", [(1, 8, 16), (51, 60, 16), (4096, 128, 64), (1000, 256, 32),
                                     (5, 512, 16), (300, 7, 64)])
-def test_counting_sort_is_torch_stable_sort(s, e, bm, one_program, monkeypatch):
-    """The counting sort (two launches, or one program for few slots: both forced here)
-    against torch.sort(stable=True) and bincount on fresh random ids, odd slot and expert
-    counts, several blocks; then with ids outside 0..E-1 (a NaN routing row): those slots
-    are counted and placed nowhere, the rest still sort."""
+def test_counting_sort_is_torch_stable_sort(s, e, bm, mode, monkeypatch):
+    """The counting sort (two launches; one launch whose programs count every block; one
+    program: each forced here) against torch.sort(stable=True) and bincount on fresh random
+    ids, odd slot and expert counts, several blocks; then with ids outside 0..E-1 (a NaN
+    routing row): those slots are counted and placed nowhere, the rest still sort."""
     from lowbit.kernels import moe_slots
     from lowbit.kernels.moe_slots import sort_by_expert
 
-    monkeypatch.setattr(moe_slots, "ONE_PROGRAM_SORT_BLOCKS", 1 << 20 if one_program else 0)
+    monkeypatch.setattr(moe_slots, "ONE_PROGRAM_SORT_BLOCKS", 1 << 20 if mode == "one_program" else 0)
+    monkeypatch.setattr(moe_slots, "ONE_LAUNCH_SORT_BLOCKS", 1 << 20 if mode == "one_launch" else 0)
 
     g = torch.Generator().manual_seed(s * 7 + e)
     ids = torch.randint(0, e, (s,), generator=g).to(torch.int32)

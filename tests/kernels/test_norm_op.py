@@ -190,3 +190,44 @@ def test_auto_on_cpu_runs_torch_and_forced_refusal_raises(monkeypatch):
     monkeypatch.setenv("LOWBIT_ROUTE_NORM", TRITON)
     with pytest.raises(LowbitError, match="float64"):
         norm_op.rms_norm(x.double(), w.double(), EPS)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_slot_sum_is_the_combine_launch_then_the_norm(monkeypatch, residual):
+    """A fused MoE's unsummed slot rows (moe_slots.SlotSum) go into the norm: the Triton
+    route sums each token's named slots in order in its own launch, and its (y, r) equal the
+    combine launch followed by the norm bit for bit; a slot placed nowhere (id outside
+    0..E-1, its row NaN) is never read; without a residual r is the slot sum, written into
+    the SlotSum's out. The torch route sums with the twin and agrees to the norm's ulps.
+    (The twin stands for the combine launch in bf16: the interpreter truncates the launch's
+    bf16 store, where the GPU rounds, as the twin does; in float32 the two are equal.)"""
+    from lowbit.kernels.moe_slots import SlotSum, combine_slots, reference_slot_sum
+
+    t, a, e, d = 7, 3, 9, 300
+    g = torch.Generator().manual_seed(11)
+    ys = guarded(torch.randn(t * a, d, generator=g) * 2)
+    ids = torch.randint(0, e, (t * a,), generator=g).to(torch.int32)
+    ids[4], ids[10] = e, -1
+    ys[4], ys[10] = float("nan"), float("nan")
+    _, w, res = _data(t, d, torch.bfloat16, residual, seed=12)
+
+    def slots():
+        return SlotSum(ys, ids, a, e, guarded(torch.full((t, d), float("nan")).bfloat16()))
+
+    monkeypatch.setenv("LOWBIT_ROUTE_NORM", TRITON)
+    routes.reset_counters()
+    f32 = SlotSum(ys, ids, a, e, torch.empty(t, d))
+    assert torch.equal(combine_slots(ys, torch.empty(t, d), a, ids, e), reference_slot_sum(f32))
+    summed = reference_slot_sum(slots())
+    want_y, want_r = norm_op.rms_norm(summed, w, EPS, res)
+    s = slots()
+    got_y, got_r = norm_op.rms_norm(s, w, EPS, res)
+    assert torch.equal(got_y, want_y) and torch.equal(got_r, want_r)
+    if not residual:
+        assert got_r is s.out and torch.equal(s.out, summed)
+    monkeypatch.setenv("LOWBIT_ROUTE_NORM", "torch")
+    ref_y, ref_r = norm_op.rms_norm(slots(), w, EPS, res)
+    assert torch.equal(ref_r, want_r)
+    assert_ulp_close(got_y, ref_y, max_frac=2e-2)
+    calls = {c["route"]: c["count"] for c in routes.counters()["route_calls"] if c["op"] == "norm"}
+    assert calls == {TRITON: 2, "torch": 1}, calls
