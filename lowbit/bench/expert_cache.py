@@ -4,7 +4,8 @@ The trace comes from `--record-routing FILE` (the engine's real routing), or is 
 (`--zipf S`): each step, each layer and each token picks top-k distinct experts with
 probability proportional to 1 / rank**S, over a per-layer random ranking of the experts
 (seeded), so that every layer has its own hot set. Each policy is reported beside Belady's
-offline optimum at the same slot count, and with --prefetch, the gain of admitting the
+offline optimum at the same slot count and beside A0 (evict the expert the trace uses least:
+the best online policy on a trace whose steps are drawn independently, as --zipf's are), and with --prefetch, the gain of admitting the
 experts the previous layer's pre-gating predicted (recorded traces only).
 """
 
@@ -83,14 +84,17 @@ def popularity(trace: RoutingTrace) -> dict:
 
 
 def compare(trace: RoutingTrace, slots: list[int], policies: list[str], prefetch: bool) -> list[dict]:
-    """One row per (slots, policy): hit rate, and its share of Belady's at those slots."""
+    """One row per (slots, policy): hit rate, and its share of Belady's and of A0's at those
+    slots (A0: the best online policy when the steps' experts are drawn independently)."""
     rows = []
     for n in slots:
         best = simulate(trace, n, "belady").hit_rate
+        a0 = simulate(trace, n, "a0").hit_rate
         for p in policies:
-            r = simulate(trace, n, p, prefetch=prefetch and p != "belady")
+            r = simulate(trace, n, p, prefetch=prefetch and p not in ("belady", "a0"))
             rows.append({"slots": n, "policy": p, "hit_rate": round(r.hit_rate, 4),
                          "of_belady": round(r.hit_rate / best, 4) if best else None,
+                         "of_a0": round(r.hit_rate / a0, 4) if a0 else None,
                          "misses_per_step": round(r.misses / max(1, len(trace.steps)), 3),
                          "copies_per_step": round((r.misses + r.prefetched) / max(1, len(trace.steps)), 3),
                          "prefetch_hits": r.prefetch_hits})
@@ -180,8 +184,10 @@ def main(args: argparse.Namespace) -> int:
           + ("-" if fit is None else f"{fit['mean']:.2f} (layers {fit['min']:.2f}-{fit['max']:.2f})")
           + f"; the most picked quarter of the experts takes {top['mean']:.1%} of the picks "
           f"(layers {top['min']:.1%}-{top['max']:.1%})")
-    headers = ["slots", "policy", "hit rate", "of Belady", "misses/step", "copies/step", "prefetch hits"]
+    headers = ["slots", "policy", "hit rate", "of Belady", "of A0", "misses/step", "copies/step",
+               "prefetch hits"]
     print(md_table(headers, [[r["slots"], r["policy"], f"{r['hit_rate']:.1%}",
                               "-" if r["of_belady"] is None else f"{r['of_belady']:.1%}",
+                              "-" if r["of_a0"] is None else f"{r['of_a0']:.1%}",
                               r["misses_per_step"], r["copies_per_step"], r["prefetch_hits"]] for r in rows]))
     return 0

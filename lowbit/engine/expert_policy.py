@@ -14,6 +14,11 @@ go to the lowest expert id):
             filling `HOT_SHARE` of the slots are pinned; the default
   belady    the offline optimum (evict the expert used furthest in the future): the
             simulator's yardstick, it needs the whole trace
+  a0        evict the expert the whole trace uses least (its counts known in advance): the
+            best demand policy when each step's experts are drawn independently of the
+            steps before (the independent reference model; Aho, Denning and Ullman's A0).
+            The simulator's second yardstick: on such a trace no online policy beats it,
+            however far it stays under Belady, who also knows the order of the draws
 
 A routing trace is JSON lines: a header {"num_experts", "top_k", "moe_layers"}, then one
 line per step {"step": n, "ids": [per MoE layer: [per token: expert ids]]} and, when the
@@ -121,9 +126,20 @@ class Belady(Policy):
         return max(candidates, key=lambda e: (self.next_use(e), -e))
 
 
+class A0(Policy):
+    """Evict the least used expert of the whole trace (`counts`, known in advance)."""
+
+    def __init__(self, num_slots: int, num_experts: int, counts: list[int]) -> None:
+        super().__init__(num_slots, num_experts)
+        self.counts = counts
+
+    def victim(self, candidates: Sequence[int]) -> int:
+        return min(candidates, key=lambda e: (self.counts[e], self.last_use[e], e))
+
+
 POLICIES = {"lru": LRU, "lfu": LFU, "hot-lru": HotLRU}
 DEFAULT_POLICY = "hot-lru"
-SIM_POLICIES = (*POLICIES, "belady")
+SIM_POLICIES = (*POLICIES, "a0", "belady")
 
 
 def make_policy(name: str, num_slots: int, num_experts: int) -> Policy:
@@ -253,7 +269,12 @@ def simulate(trace: RoutingTrace, slots: int, policy: str, prefetch: bool = Fals
     per_layer = []
     for layer in range(n_layers):
         accesses, E = _accesses(trace, layer, slots), trace.num_experts
-        pol = Belady(slots, E, _future(accesses, E)) if policy == "belady" else make_policy(policy, slots, E)
+        if policy == "belady":
+            pol = Belady(slots, E, _future(accesses, E))
+        elif policy == "a0":
+            pol = A0(slots, E, [len(uses) for uses in _future(accesses, E)])
+        else:
+            pol = make_policy(policy, slots, E)
         cache = SlotMap(slots, pol)
         last_step = -1
         for t, group in accesses:

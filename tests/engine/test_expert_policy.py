@@ -49,6 +49,21 @@ def test_belady_bounds_every_policy():
         assert len(r.per_layer) == 3
 
 
+def test_a0_evicts_the_least_used_expert_of_the_whole_trace():
+    """A0 knows each expert's count over the trace in advance: 0 0 0 1 2 1 2 through 2
+    slots keeps expert 0 (used most) and churns the other slot, where LRU evicts 0 at step 5;
+    on an independent draw (Zipf) it beats the online policies and stays under Belady."""
+    trace = one_layer([0, 0, 0, 1, 2, 0, 1, 2, 0])
+    a0, lru = simulate(trace, 2, "a0"), simulate(trace, 2, "lru")
+    assert (a0.hits, a0.misses) == (4, 5)  # hits: 0 0 at steps 2-3, then 0 at steps 6 and 9
+    assert (lru.hits, lru.misses) == (2, 7)
+    trace = zipf_trace(32, 4, 4, 600, 1.0, seed=3)
+    best, a0 = simulate(trace, 8, "belady").hit_rate, simulate(trace, 8, "a0").hit_rate
+    assert a0 < best
+    for policy in ("lru", "lfu", "hot-lru"):
+        assert simulate(trace, 8, policy).hit_rate < a0, policy
+
+
 def test_lfu_and_hot_lru_keep_the_frequent_expert():
     """Expert 0 is used often, then 1 and 2 once each; a third expert must evict one."""
     for cls in (LFU, HotLRU):
@@ -138,6 +153,8 @@ def test_bench_expert_cache_cli(tmp_path, capsys):
                      "--json"]) == 0
     rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows["lru"]["hit_rate"] == 0.0 and rows["belady"]["hit_rate"] == pytest.approx(1 / 3, abs=1e-4)
+    # every expert is used as often: A0 falls back to least recently used and hits nothing
+    assert "of_a0" in rows["lru"] and rows["lru"]["of_a0"] is None
     assert cli_main(["bench", "expert-cache", "--trace", str(path), "--policy", "mru"]) == 2
     assert "unknown policy 'mru'" in capsys.readouterr().err
     assert cli_main(["bench", "expert-cache", "--trace", str(path), "--slots", "0"]) == 2
