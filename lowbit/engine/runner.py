@@ -328,6 +328,7 @@ class ModelRunner:
             self.spec_graph_steps += 1
         else:
             hidden = self.model(input_ids, batch)
+        self.spans.lap("launch")
         out = self._prompt_logprobs_all(scheduled, batch, hidden)
         emitted: dict[str, list[int]] = {}
         if reqs:

@@ -507,6 +507,7 @@ class SpecDecoder:
         if self.drafted is not None:  # indices into the drafter's tokens (its last entry: a pad 0)
             drafts = self.drafted[0].index_select(0, drafts)
         logits = model.compute_logits(hidden[index]).view(P, K + 1, -1)
+        self.spans.lap("logits")
         if not mode.random and not mode.penalties and not self._sampled_drafts(scheduled, picks):
             host = self._accept_on_host(logits, drafts, listed, ks, K)
         else:
@@ -516,7 +517,7 @@ class SpecDecoder:
                 forced = torch.rand(P, K, device=dev, generator=self.synthetic_draws) < self.synthetic_accept
             tokens, n = accept(logits, drafts.view(P, K), num_drafts, sampling, rows[sel], steps[sel],
                                mode, q, sampled, forced)
-            self.spans.lap("launch")
+            self.spans.lap("accept")
             host = read_back(torch.cat((n[:, None], tokens), 1)).tolist()  # the step's one wait
         self.spans.lap("read wait")
         emitted = [row[1:row[0] + 2] for row in host]
@@ -537,7 +538,7 @@ class SpecDecoder:
         Returns accept()'s rows read back: [num_accepted, tokens...] per pick."""
         P, K1 = len(ks), K + 1
         t = logits.argmax(-1).view(-1)  # [P * K1]
-        self.spans.lap("launch")
+        self.spans.lap("accept")
         got = read_back(t if self.drafted is None else torch.cat((t, drafts))).tolist()  # the step's one wait
         target, drafted = got[:P * K1], (got[P * K1:] if self.drafted is not None else listed)
         forced = None
