@@ -63,7 +63,7 @@ from lowbit.kernels.moe_layout import (
     layout_of,
     with_shared_slots,
 )
-from lowbit.kernels.moe_slots import SlotSum, finish
+from lowbit.kernels.moe_slots import SlotSum
 from lowbit.kernels.runtime import fp8_refusal, triton_refusal
 from lowbit.kernels.tc_moe import tc_moe_gemv, tc_moe_grouped, tc_moe_refusal
 from lowbit.kernels.vq_moe import vq_moe, vq_moe_refusal
@@ -175,7 +175,12 @@ def _then_shared(run):
     """A route's run followed by the shared MLP on its own (the shared route refused)."""
     def run_both(call: MoeCall) -> torch.Tensor | SlotSum:
         y = run(call)
-        return y if call.shared is None else finish(y) + call.shared.mlp(call.x)
+        if call.shared is None:
+            return y
+        if isinstance(y, SlotSum):  # the next norm adds the shared MLP's output after the sum
+            y.extra = call.shared.mlp(call.x)
+            return y
+        return y + call.shared.mlp(call.x)
 
     return run_both
 
@@ -357,7 +362,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     unrounded (an expert cache sums groups of experts). shared: the block's shared experts,
     added to y; the routes decide whether they ride in the routed launch. defer: a route
     whose last launch would be the combine may return a moe_slots.SlotSum instead, for the
-    next RMSNorm to sum (not with out or shared experts)."""
+    next RMSNorm to sum (not with out; shared experts' output rides along as its extra)."""
     activation = SILU if activation is None else activation
     extras = b13 is not None or b2 is not None or activation.kind != "silu"
     assert out is None or shared is None, "shared experts are added to a new tensor"
@@ -376,7 +381,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         return routes.dispatch("moe", call, layer)
     call = MoeCall(x, topk_ids, topk_weights, resolve(w13), resolve(w2), b13=b13, b2=b2,
                    activation=activation, num_experts=num_experts, out=out, shared=shared,
-                   defer=defer and out is None and shared is None)
+                   defer=defer and out is None)
     reason = bias_refusal(x, call.w13, call.w2, b13, b2)
     if reason is not None:
         raise ValueError(f"moe_experts: {reason}")

@@ -279,6 +279,9 @@ class SlotSum:
     a_top: int
     num_experts: int
     out: torch.Tensor  # [T, H] in the activations' dtype, unit strides: where y goes
+    # [T, H] in out's dtype, added to the rounded sum and rounded again (the block's shared
+    # experts: y = routed + shared, as the unfused op adds them)
+    extra: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -289,24 +292,22 @@ class SlotSum:
         return self.out.dtype
 
     def materialize(self) -> torch.Tensor:
-        """y, written into out by the combine launch (or its twin off the GPU)."""
+        """y, written into out by the combine launch (or its twin off the GPU), plus extra."""
         if self.ys.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-            return combine_slots(self.ys, self.out, self.a_top, self.ids_flat, self.num_experts,
-                                 self.out)
+            y = combine_slots(self.ys, self.out, self.a_top, self.ids_flat, self.num_experts, self.out)
+            return y if self.extra is None else y.add_(self.extra)
         return self.out.copy_(reference_slot_sum(self))
 
 
 def reference_slot_sum(slots: SlotSum) -> torch.Tensor:
-    """The torch twin of combine_slots: float32 sums in slot order, one rounding."""
+    """The torch twin of combine_slots: float32 sums in slot order, one rounding (then
+    extra added, rounded again)."""
     t, h = slots.out.shape
     ys = slots.ys.view(t, slots.a_top, h)
     named = ((slots.ids_flat >= 0) & (slots.ids_flat < slots.num_experts)).view(t, slots.a_top)
     acc = torch.zeros(t, h, dtype=torch.float32, device=ys.device)
     for j in range(slots.a_top):
         acc = acc + torch.where(named[:, j, None], ys[:, j], 0.0)
-    return acc.to(slots.out.dtype)
+    y = acc.to(slots.out.dtype)
+    return y if slots.extra is None else y + slots.extra
 
-
-def finish(y: torch.Tensor | SlotSum) -> torch.Tensor:
-    """y itself, or a SlotSum's sum."""
-    return y.materialize() if isinstance(y, SlotSum) else y

@@ -12,7 +12,8 @@ Routes, in selection order:
                   once (no r write without a residual: r is x itself); graph-safe. x may
                   be a fused MoE's slot rows (moe_slots.SlotSum): the program sums the
                   row's named slots in slot order and rounds once (the combine launch's
-                  result, bit for bit), then goes on as above; r is then always written
+                  result, bit for bit), adds its extra (shared experts) and rounds again,
+                  then goes on as above; r is then always written
   torch           reference: the expression above (8 torch ops; admits every call); a
                   SlotSum is summed first by its twin (moe_slots.reference_slot_sum)
 
@@ -97,10 +98,10 @@ def round_to(x, DT: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, ys_ptr, ids_ptr, D, d_float, stride_x,
-                     stride_res, eps, A, E, BLOCK_D: tl.constexpr, XDT: tl.constexpr,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, ys_ptr, ids_ptr, ex_ptr, D, d_float,
+                     stride_x, stride_res, eps, A, E, BLOCK_D: tl.constexpr, XDT: tl.constexpr,
                      YDT: tl.constexpr, HAS_RES: tl.constexpr, SLOTS: tl.constexpr,
-                     PDL: tl.constexpr):
+                     EXTRA: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -113,6 +114,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, ys_ptr, ids_ptr, D, d_
             named = (e >= 0) & (e < E)
             acc += tl.load(ys_ptr + (row * A + j) * D + cols, mask=mask & named, other=0.0)
         r = round_to(acc, XDT)
+        if EXTRA:  # the shared experts' output, added to the rounded sum as the op adds it
+            ex = tl.load(ex_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+            r = round_to(r + ex, XDT)
     else:
         r = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
@@ -169,6 +173,9 @@ def _slots_refusal(slots: SlotSum, x: torch.Tensor) -> str | None:
         return f"a slot sum's output is {tuple(x.shape)} with strides {x.stride()}: the kernel writes contiguous [T, D]"
     if ys.dtype != torch.float32 or not ys.is_contiguous() or tuple(ys.shape) != (x.shape[0] * slots.a_top, x.shape[1]):
         return f"slot rows are {ys.dtype} {tuple(ys.shape)}: the kernel reads contiguous float32 [T * A, D]"
+    ex = slots.extra
+    if ex is not None and (ex.shape != x.shape or ex.dtype != x.dtype or not ex.is_contiguous()):
+        return f"the slot sum's extra is {ex.dtype} {tuple(ex.shape)}: the kernel reads contiguous {x.dtype} {tuple(x.shape)}"
     return None
 
 
@@ -190,10 +197,12 @@ def _run_triton(call: NormCall) -> tuple[torch.Tensor, torch.Tensor]:
     block = triton.next_power_of_2(D)
     ys, ids, a, e = (x2, x2, 0, 0) if slots is None else (slots.ys, slots.ids_flat, slots.a_top,
                                                           slots.num_experts)
-    launch.run(_rms_norm_kernel, (x2.shape[0],), x2, res2, w, y, r, ys, ids, D, float(D),
-               x2.stride(0), res2.stride(0), call.eps, a, e, BLOCK_D=block,
-               XDT=DTYPE_CODE[x.dtype], YDT=DTYPE_CODE[y.dtype], HAS_RES=res is not None,
-               SLOTS=slots is not None, num_warps=_num_warps(block),
+    extra = slots.extra if slots is not None and slots.extra is not None else None
+    launch.run(_rms_norm_kernel, (x2.shape[0],), x2, res2, w, y, r, ys, ids,
+               x2 if extra is None else extra, D, float(D), x2.stride(0), res2.stride(0), call.eps,
+               a, e, BLOCK_D=block, XDT=DTYPE_CODE[x.dtype], YDT=DTYPE_CODE[y.dtype],
+               HAS_RES=res is not None, SLOTS=slots is not None, EXTRA=extra is not None,
+               num_warps=_num_warps(block),
                **launch.pdl_args(x if slots is None else ys))
     return y, r
 

@@ -192,13 +192,15 @@ def test_auto_on_cpu_runs_torch_and_forced_refusal_raises(monkeypatch):
         norm_op.rms_norm(x.double(), w.double(), EPS)
 
 
-@pytest.mark.parametrize("residual", [False, True])
-def test_slot_sum_is_the_combine_launch_then_the_norm(monkeypatch, residual):
+@pytest.mark.parametrize("residual,extra", [(False, False), (True, False), (True, True)])
+def test_slot_sum_is_the_combine_launch_then_the_norm(monkeypatch, residual, extra):
     """A fused MoE's unsummed slot rows (moe_slots.SlotSum) go into the norm: the Triton
     route sums each token's named slots in order in its own launch, and its (y, r) equal the
     combine launch followed by the norm bit for bit; a slot placed nowhere (id outside
     0..E-1, its row NaN) is never read; without a residual r is the slot sum, written into
-    the SlotSum's out. The torch route sums with the twin and agrees to the norm's ulps.
+    the SlotSum's out. An extra (shared experts' output) is added to the rounded sum and
+    rounded again, as the op adds it. The torch route sums with the twin and agrees to the
+    norm's ulps.
     (The twin stands for the combine launch in bf16: the interpreter truncates the launch's
     bf16 store, where the GPU rounds, as the twin does; in float32 the two are equal.)"""
     from lowbit.kernels.moe_slots import SlotSum, combine_slots, reference_slot_sum
@@ -211,14 +213,18 @@ def test_slot_sum_is_the_combine_launch_then_the_norm(monkeypatch, residual):
     ys[4], ys[10] = float("nan"), float("nan")
     _, w, res = _data(t, d, torch.bfloat16, residual, seed=12)
 
+    shared = guarded(torch.randn(t, d, generator=g).bfloat16()) if extra else None
+
     def slots():
-        return SlotSum(ys, ids, a, e, guarded(torch.full((t, d), float("nan")).bfloat16()))
+        return SlotSum(ys, ids, a, e, guarded(torch.full((t, d), float("nan")).bfloat16()), shared)
 
     monkeypatch.setenv("LOWBIT_ROUTE_NORM", TRITON)
     routes.reset_counters()
     f32 = SlotSum(ys, ids, a, e, torch.empty(t, d))
     assert torch.equal(combine_slots(ys, torch.empty(t, d), a, ids, e), reference_slot_sum(f32))
     summed = reference_slot_sum(slots())
+    if extra:
+        assert torch.equal(summed, reference_slot_sum(SlotSum(ys, ids, a, e, torch.empty(t, d).bfloat16())) + shared)
     want_y, want_r = norm_op.rms_norm(summed, w, EPS, res)
     s = slots()
     got_y, got_r = norm_op.rms_norm(s, w, EPS, res)

@@ -1,6 +1,8 @@
 """DeepSeek-V3 / V2 against transformers, and the V3 MTP draft head (which transformers
 drops on load and never saves) against a hand-written tensor set."""
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -233,3 +235,35 @@ def test_serving_layout_gives_the_same_logits(v2_dir, v3_dir, version, fmt):
         assert mlp.gate_up_proj is not None
         assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up_proj.weight.data_ptr()  # a view, no copy
     torch.testing.assert_close(logits(), before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 on the CPU")
+def test_moe_combine_and_shared_experts_deferred_into_the_next_norm(v3_dir, monkeypatch):
+    """On the grouped MoE route a MoE layer with shared experts hands its unsummed slot rows
+    and the shared MLP's output (a SlotSum with its extra) to the next RMSNorm: no combine
+    launch, and the logits equal those with the combine launch (LOWBIT_SLOT_FUSION=0) bit for
+    bit, with the norm on its Triton route and on the torch route."""
+    from lowbit.kernels import moe as moe_kernels
+
+    lm = load_model(v3_dir, dtype="float32").model
+    ids = torch.randint(0, lm.config.vocab_size, (11,), generator=torch.Generator().manual_seed(8))
+    combines = []
+    real = moe_kernels.combine_slots
+    monkeypatch.setattr(moe_kernels, "combine_slots", lambda *a, **k: combines.append(1) or real(*a, **k))
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_moe_grouped")
+
+    def logits() -> torch.Tensor:
+        cache = ContiguousKVCache(lm.num_cache_layers, 1, len(ids))
+        with torch.no_grad():
+            return torch.cat([lm.compute_logits(lm(ids[a:b], ForwardBatch.build([b - a], [a], [0], cache)))
+                              for a, b in ((0, 7), (7, 11))])
+
+    for norm in ("triton_rmsnorm", "torch"):
+        monkeypatch.setenv("LOWBIT_ROUTE_NORM", norm)
+        got = {}
+        for fusion in ("0", "1"):
+            monkeypatch.setenv("LOWBIT_SLOT_FUSION", fusion)
+            combines.clear()
+            got[fusion] = logits()
+            assert len(combines) == (0 if fusion == "1" else 4), (norm, fusion, len(combines))
+        assert torch.equal(got["0"], got["1"]), norm
