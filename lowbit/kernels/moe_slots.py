@@ -102,12 +102,14 @@ def _expert_sort_kernel(ids_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_
 @triton.jit
 def _expert_place_kernel(ids_ptr, hist_ptr, order_ptr, tile_end_ptr, seg_start_ptr, counts_ptr,
                          S, E, NB, EP: tl.constexpr, BS: tl.constexpr, RB: tl.constexpr,
-                         BM: tl.constexpr, FROM_IDS: tl.constexpr, PDL: tl.constexpr):
+                         BM: tl.constexpr, FROM_IDS: tl.constexpr, NBC: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program b: each slot of block b goes to order[seg_start[e] + (slots of e in blocks
     before b) + (its rank among e's slots in block b)]: a stable counting sort. Every program
     sums the [NB, E] histogram itself (no third launch); program 0 also writes counts,
     seg_start and tile_end (cumulative tiles of BM). FROM_IDS: every program counts the
-    blocks' ids itself (the histogram of _expert_hist_kernel, never stored): one launch."""
+    NBC (= NB) blocks' ids itself (the histogram of _expert_hist_kernel, never stored): one
+    launch, the blocks' loads unrolled so that they are in flight together."""
     pdl_enter(PDL)
     b = tl.program_id(0)
     ev = tl.arange(0, EP)
@@ -115,10 +117,10 @@ def _expert_place_kernel(ids_ptr, hist_ptr, order_ptr, tile_end_ptr, seg_start_p
     total = tl.zeros([EP], tl.int32)
     before = tl.zeros([EP], tl.int32)
     if FROM_IDS:
-        for r in range(0, NB):
+        for r in tl.static_range(NBC):
             sr = r * BS + tl.arange(0, BS)
             idr = tl.load(ids_ptr + sr, mask=sr < S, other=-1)
-            cnt = tl.sum((idr[:, None] == ev[None, :]).to(tl.int32), 0)
+            cnt = tl.histogram(idr, EP, mask=(idr >= 0) & (idr < E))
             total += cnt
             before += tl.where(r < b, cnt, 0)
     else:
@@ -215,7 +217,7 @@ def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
         elif nb <= ONE_LAUNCH_SORT_BLOCKS and slot_fusion():
             launch.run(_expert_place_kernel, (nb,), ids_flat, ids_flat, order, tile_end,
                        seg_start, counts, s, e, nb, EP=ep, BS=bs, RB=1, BM=bm, FROM_IDS=True,
-                       num_warps=4, **pdl)
+                       NBC=nb, num_warps=4, **pdl)
         else:
             rb = max(1, min(triton.next_power_of_2(nb), 8192 // ep))
             hist = torch.empty(nb, e, dtype=torch.int32, device=dev)
@@ -223,7 +225,7 @@ def sort_by_expert(ids_flat: torch.Tensor, e: int, bm: int):
                        num_warps=4, **pdl)
             launch.run(_expert_place_kernel, (nb,), ids_flat, hist, order, tile_end, seg_start,
                        counts, s, e, nb, EP=ep, BS=bs, RB=rb, BM=bm, FROM_IDS=False,
-                       num_warps=4, **pdl)
+                       NBC=1, num_warps=4, **pdl)
     else:
         tile_end.zero_(), seg_start.zero_(), counts.zero_()
     return order, tile_end, seg_start, counts, triton.cdiv(s, bm) + min(e, s)

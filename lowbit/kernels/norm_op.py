@@ -99,7 +99,7 @@ def round_to(x, DT: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, ys_ptr, ids_ptr, ex_ptr, D, d_float,
-                     stride_x, stride_res, eps, A, E, BLOCK_D: tl.constexpr, XDT: tl.constexpr,
+                     stride_x, stride_res, eps, E, A: tl.constexpr, BLOCK_D: tl.constexpr, XDT: tl.constexpr,
                      YDT: tl.constexpr, HAS_RES: tl.constexpr, SLOTS: tl.constexpr,
                      EXTRA: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -109,7 +109,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, ys_ptr, ids_ptr, ex_pt
     pdl_enter(PDL)
     if SLOTS:  # x = a MoE's slot rows ys [T * A, D], summed as moe_slots._moe_combine_kernel does
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for j in range(0, A):
+        for j in tl.static_range(A):  # unrolled: the A row loads are in flight together
             e = tl.load(ids_ptr + row * A + j)
             named = (e >= 0) & (e < E)
             acc += tl.load(ys_ptr + (row * A + j) * D + cols, mask=mask & named, other=0.0)
@@ -200,7 +200,7 @@ def _run_triton(call: NormCall) -> tuple[torch.Tensor, torch.Tensor]:
     extra = slots.extra if slots is not None and slots.extra is not None else None
     launch.run(_rms_norm_kernel, (x2.shape[0],), x2, res2, w, y, r, ys, ids,
                x2 if extra is None else extra, D, float(D), x2.stride(0), res2.stride(0), call.eps,
-               a, e, BLOCK_D=block, XDT=DTYPE_CODE[x.dtype], YDT=DTYPE_CODE[y.dtype],
+               e, A=a, BLOCK_D=block, XDT=DTYPE_CODE[x.dtype], YDT=DTYPE_CODE[y.dtype],
                HAS_RES=res is not None, SLOTS=slots is not None, EXTRA=extra is not None,
                num_warps=_num_warps(block),
                **launch.pdl_args(x if slots is None else ys))
