@@ -19,7 +19,11 @@ A step with speculation, in the engine's three stages:
    the drafts are point masses, the rule needs only the target's argmax at each position:
    the device computes that, the host reads it (and a model drafter's device drafts) and
    compares, which saves the rule's twenty-odd device ops a step
-   (`_accept_on_host`). The engine appends them, and rejected drafts' KV
+   (`_accept_on_host`). Where the verify replayed a HIDDEN prefill graph of at most
+   VERIFY_ARGMAX_TOKENS tokens, that graph already wrote every row's argmax: the host reads
+   it whole and picks the verify rows itself, so nothing is launched after the replay (no
+   row gather, no lm_head, no upload) unless a pick wants log-probabilities. The engine
+   appends them, and rejected drafts' KV
    slots are rolled back (num_computed_tokens stops before them, BlockManager.trim gives
    back their blocks; they were never full of computed tokens, so never in the prefix
    cache). `follow` then runs the MTP layer over the positions this step made real.
@@ -437,6 +441,7 @@ class SpecDecoder:
         self.synthetic_accept = synthetic_accept  # bench only: forced acceptance (lowbit.engine.acceptance)
         self.spans = HostSpans()  # the engine's, set by it
         self.synthetic_draws = self.synthetic_host = None  # device / host (greedy steps) verdicts
+        self.graph_argmax_steps = 0  # verify steps that read the HIDDEN graph's argmax alone
         if synthetic_accept is not None:
             self.synthetic_draws = torch.Generator(device=device).manual_seed(SYNTHETIC_SEED)
             self.synthetic_host = torch.Generator().manual_seed(SYNTHETIC_SEED)
@@ -490,26 +495,37 @@ class SpecDecoder:
         return min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
 
     def verify(self, scheduled: list[tuple[Request, int]], query_start: list[int], hidden: torch.Tensor,
-               model: torch.nn.Module, sampling, rows: torch.Tensor, steps: torch.Tensor, mode):
+               model: torch.nn.Module, sampling, rows: torch.Tensor, steps: torch.Tensor, mode,
+               argmax: torch.Tensor | None = None):
         """The target's tokens for every request that caught up (step 3): returns (picks,
-        emitted tokens per pick, logits [P, K1, V] for log-probabilities)."""
+        emitted tokens per pick, logits [P, K1, V] for log-probabilities, or None where no
+        pick asked for them and the verify graph's argmax [T'] (`argmax`) was enough)."""
         picks = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n == r.num_known_tokens]
         ks = [len(scheduled[i][0].draft_token_ids) for i in picks]
         K, dev = max(ks), hidden.device
-        # every host list goes up in one non-blocking copy: rows of the logits, picks, k, and
-        # the drafts (host tokens: n-gram; else indices into the drafter's device tokens)
         P = len(picks)
         flat = [query_start[i + 1] - 1 - k + min(j, k) for i, k in zip(picks, ks) for j in range(K + 1)]
         listed = self._draft_list(scheduled, picks, ks, K)
-        flat += picks + ks + listed
-        up = to_device(flat, dev)
+        greedy = not mode.random and not mode.penalties and not self._sampled_drafts(scheduled, picks)
+        if greedy and argmax is not None and not any(scheduled[i][0].params.logprobs is not None for i in picks):
+            # the graph wrote every row's argmax: read it whole and pick the rows on the host
+            drafts = None
+            if self.drafted is not None:  # the drafter's device tokens at the listed indices
+                drafts = self.drafted[0].index_select(0, to_device(listed, dev))
+            self.spans.lap("logits")
+            self.graph_argmax_steps += 1
+            host = self._accept_on_host(argmax, drafts, listed, ks, K, rows_of=flat)
+            return picks, self._emit(picks, ks, host), None
+        # every host list goes up in one non-blocking copy: rows of the logits, picks, k, and
+        # the drafts (host tokens: n-gram; else indices into the drafter's device tokens)
+        up = to_device(flat + picks + ks + listed, dev)
         index, sel, num_drafts, drafts = up.split([P * (K + 1), P, P, P * K])
         if self.drafted is not None:  # indices into the drafter's tokens (its last entry: a pad 0)
             drafts = self.drafted[0].index_select(0, drafts)
         logits = model.compute_logits(hidden[index]).view(P, K + 1, -1)
         self.spans.lap("logits")
-        if not mode.random and not mode.penalties and not self._sampled_drafts(scheduled, picks):
-            host = self._accept_on_host(logits, drafts, listed, ks, K)
+        if greedy:
+            host = self._accept_on_host(logits.argmax(-1).view(-1), drafts, listed, ks, K)
         else:
             q, sampled = self._draft_probs(scheduled, picks, K, logits.shape[-1], dev)
             forced = None
@@ -519,34 +535,43 @@ class SpecDecoder:
                                mode, q, sampled, forced)
             self.spans.lap("accept")
             host = read_back(torch.cat((n[:, None], tokens), 1)).tolist()  # the step's one wait
-        self.spans.lap("read wait")
+            self.spans.lap("read wait")
+        return picks, self._emit(picks, ks, host), logits
+
+    def _emit(self, picks: list[int], ks: list[int], host: list[list[int]]) -> list[list[int]]:
+        """The tokens each pick emits from accept()'s rows [num_accepted, tokens...]; the
+        acceptance statistics and the draft-length sample take the counts."""
         emitted = [row[1:row[0] + 2] for row in host]
         for k, row in zip(ks, host):
             if k:
                 self.stats.record(k, row[0])
         if self.sample is not None:
             self.sample.accepted = {i: row[0] for i, row in zip(picks, host)}
-        return picks, emitted, logits
+        return emitted
 
-    def _accept_on_host(self, logits: torch.Tensor, drafts: torch.Tensor, listed: list[int],
-                        ks: list[int], K: int) -> list[list[int]]:
+    def _accept_on_host(self, target: torch.Tensor, drafts: torch.Tensor | None, listed: list[int],
+                        ks: list[int], K: int, rows_of: list[int] | None = None) -> list[list[int]]:
         """Greedy rows, point-mass drafts, no penalties: the acceptance rule needs only the
         target's argmax at each position (lowbit.engine.acceptance: t_j == d_j, the first t_j
         that differs is the correction), so the device computes that and the host compares.
         One read (the argmax, and a model drafter's device drafts), no rule ops on the device
         and no sampler state to update. Synthetic verdicts come from a host generator.
-        Returns accept()'s rows read back: [num_accepted, tokens...] per pick."""
+        target: the argmax [P * K1] of the verify rows, or with rows_of (the rows' indices)
+        the argmax of every row of the step. Returns accept()'s rows read back:
+        [num_accepted, tokens...] per pick."""
         P, K1 = len(ks), K + 1
-        t = logits.argmax(-1).view(-1)  # [P * K1]
         self.spans.lap("accept")
-        got = read_back(t if self.drafted is None else torch.cat((t, drafts))).tolist()  # the step's one wait
-        target, drafted = got[:P * K1], (got[P * K1:] if self.drafted is not None else listed)
+        n_t = target.shape[0]
+        got = read_back(target if self.drafted is None else torch.cat((target, drafts))).tolist()  # the step's one wait
+        self.spans.lap("read wait")
+        target_host = got[:n_t] if rows_of is None else [got[i] for i in rows_of]
+        drafted = got[n_t:] if self.drafted is not None else listed
         forced = None
         if self.synthetic_host is not None:
             forced = (torch.rand(P, K, generator=self.synthetic_host) < self.synthetic_accept).tolist()
         rows = []
         for b, k in enumerate(ks):
-            d, tb = drafted[b * K:b * K + K], target[b * K1:b * K1 + K1]
+            d, tb = drafted[b * K:b * K + K], target_host[b * K1:b * K1 + K1]
             n = 0
             while n < k and (forced[b][n] if forced is not None else tb[n] == d[n]):
                 n += 1

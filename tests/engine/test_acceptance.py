@@ -139,5 +139,11 @@ def test_greedy_rule_on_the_host_is_the_device_rule(drafted_on_device):
     if drafted_on_device:  # the drafter's flat tokens; the rule reads them back beside the argmax
         spec.drafted = (drafts.view(-1), {})
         listed = [-1] * len(listed)  # placeholders: the host list must not be what is compared
-    assert spec._accept_on_host(logits, drafts.view(-1), listed, ks, K) == want
+    assert spec._accept_on_host(best.view(-1), drafts.view(-1), listed, ks, K) == want
     assert any(w[0] > 0 for w in want) and any(w[0] < k for w, k in zip(want, ks))
+    # a verify graph's argmax of every row of the step (rows shuffled among 3 * P * (K + 1)
+    # others), the verify rows picked on the host by their indices
+    step = torch.randint(0, V, (3 * P * (K + 1),), generator=g)
+    rows_of = torch.randperm(step.shape[0], generator=g)[:P * (K + 1)]
+    step[rows_of] = best.view(-1)
+    assert spec._accept_on_host(step, drafts.view(-1), listed, ks, K, rows_of=rows_of.tolist()) == want

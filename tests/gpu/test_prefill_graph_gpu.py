@@ -115,7 +115,10 @@ def test_verify_steps_do_not_sync_before_their_read(moe_dir, synthetic):
     req = spec.add_request(prompt, params)
     spec.step()  # the prompt (a prefill step)
     verified, accepted = spec.runner.spec_graph_steps, spec.spec.stats.num_accepted
+    from_graph = spec.spec.graph_argmax_steps
     finish_without_syncs(spec)
+    # greedy rows with point-mass drafts read the verify graph's argmax alone (no eager logits)
+    assert spec.spec.graph_argmax_steps - from_graph == spec.runner.spec_graph_steps - verified
     if synthetic is not None:
         assert spec.runner.spec_graph_steps > verified + 5
         assert spec.spec.stats.num_accepted > accepted
