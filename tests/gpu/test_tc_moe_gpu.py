@@ -108,6 +108,20 @@ def test_tc_moe_grouped_matches_twin(t, mb):
     assert rel_err(y, ref) < 1e-2, (t, mb)
 
 
+def _dead_slot_case(t: int, seed: int):
+    """Qwen3-30B-A3B-like stacks (64 experts, top-8) and t tokens whose routing has a NaN row
+    (token 1 names no expert) and a slot placed nowhere (token 3's third):
+    (w13, w2, ids, wts, x, generator)."""
+    e, top, h, inter = 64, 8, 2048, 768
+    w13, w2 = _stack(2 * inter, h, e, seed=seed, tables=2), _stack(h, inter, e, seed=seed + 1)
+    g = torch.Generator(device=DEV).manual_seed(t)
+    ids = torch.rand(t, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32)
+    ids[1] = e
+    ids[3, 2] = -1
+    wts = torch.rand(t, top, device=DEV, generator=g)
+    return w13, w2, ids, wts, _x(t, h, seed=t), g
+
+
 @pytest.mark.parametrize("t", [5, 64])
 def test_tc_moe_grouped_folded_sum_equals_combine_launch(t):
     """Config FOLD (up to 512 slots): the grouped FC2 sums each token's slots itself (its
@@ -117,14 +131,8 @@ def test_tc_moe_grouped_folded_sum_equals_combine_launch(t):
     from lowbit.kernels.moe import reference_moe
     from lowbit.kernels.tc_moe import tc_moe_grouped
 
-    e, top, h, inter = 64, 8, 2048, 768
-    w13, w2 = _stack(2 * inter, h, e, seed=7, tables=2), _stack(h, inter, e, seed=8)
-    g = torch.Generator(device=DEV).manual_seed(t)
-    ids = torch.rand(t, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32)
-    ids[1] = e
-    ids[3, 2] = -1
-    wts = torch.rand(t, top, device=DEV, generator=g)
-    x = _x(t, h, seed=t)
+    e, top, h = 64, 8, 2048
+    w13, w2, ids, wts, x, g = _dead_slot_case(t, seed=7)
     folded = poisoned(t, h, dtype=torch.float32, device=DEV)
     tc_moe_grouped(x, ids, wts, w13, w2, config=dict(FOLD=True), out=folded)
     launched = poisoned(t, h, dtype=torch.float32, device=DEV)
@@ -159,14 +167,8 @@ def test_tc_moe_grouped_slot_sum_in_the_norm_equals_combine_launch(t):
     from lowbit.kernels.norm_op import rms_norm
     from lowbit.kernels.tc_moe import tc_moe_grouped
 
-    e, top, h, inter = 64, 8, 2048, 768
-    w13, w2 = _stack(2 * inter, h, e, seed=9, tables=2), _stack(h, inter, e, seed=10)
-    g = torch.Generator(device=DEV).manual_seed(t)
-    ids = torch.rand(t, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32)
-    ids[1] = e
-    ids[3, 2] = -1
-    wts = torch.rand(t, top, device=DEV, generator=g)
-    x = _x(t, h, seed=t)
+    e, top, h = 64, 8, 2048
+    w13, w2, ids, wts, x, g = _dead_slot_case(t, seed=9)
     res = _x(t, h, seed=t + 1)
     gain = (1 + 0.1 * torch.randn(h, device=DEV, generator=g)).bfloat16()
 

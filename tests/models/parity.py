@@ -89,3 +89,25 @@ def assert_bf16_parity(hf_model, path, vocab: int, n_tokens: int = 23) -> tuple[
     assert err <= 2 * err_hf + 0.02, f"bf16 max |logit diff| {err:.3f}, transformers' bf16 {err_hf:.3f}"
     assert top1 >= top1_hf - 0.1, f"bf16 top-1 {top1:.3f}, transformers' bf16 {top1_hf:.3f}"
     return err, err_hf
+
+
+def assert_combine_deferred_exactly(monkeypatch, logits: Callable[[], torch.Tensor], combines_each: int) -> None:
+    """The model's MoE layers on the grouped route, the combine deferred into the next norm
+    (lowbit.kernels.moe_slots.SlotSum) or launched (LOWBIT_SLOT_FUSION=0): no combine launch
+    when deferred, `combines_each` a run when not, and the same logits bit for bit, with the
+    norm on its Triton route and on the torch route."""
+    from lowbit.kernels import moe as moe_kernels
+
+    combines = []
+    real = moe_kernels.combine_slots
+    monkeypatch.setattr(moe_kernels, "combine_slots", lambda *a, **k: combines.append(1) or real(*a, **k))
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_moe_grouped")
+    for norm in ("triton_rmsnorm", "torch"):
+        monkeypatch.setenv("LOWBIT_ROUTE_NORM", norm)
+        got = {}
+        for fusion in ("0", "1"):
+            monkeypatch.setenv("LOWBIT_SLOT_FUSION", fusion)
+            combines.clear()
+            got[fusion] = logits()
+            assert len(combines) == (0 if fusion == "1" else combines_each), (norm, fusion, len(combines))
+        assert torch.equal(got["0"], got["1"]), norm

@@ -18,7 +18,7 @@ from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.kv_cache import ContiguousKVCache
 from lowbit.errors import LowbitError
 from lowbit.models.config import load_config
-from tests.models.parity import assert_parity, save_tiny
+from tests.models.parity import assert_combine_deferred_exactly, assert_parity, save_tiny
 
 V3_VOCAB, V2_VOCAB = 107, 109
 INIT = 0.1  # weights large enough that attention is far from uniform (a wrong scale shows)
@@ -243,14 +243,8 @@ def test_moe_combine_and_shared_experts_deferred_into_the_next_norm(v3_dir, monk
     and the shared MLP's output (a SlotSum with its extra) to the next RMSNorm: no combine
     launch, and the logits equal those with the combine launch (LOWBIT_SLOT_FUSION=0) bit for
     bit, with the norm on its Triton route and on the torch route."""
-    from lowbit.kernels import moe as moe_kernels
-
     lm = load_model(v3_dir, dtype="float32").model
     ids = torch.randint(0, lm.config.vocab_size, (11,), generator=torch.Generator().manual_seed(8))
-    combines = []
-    real = moe_kernels.combine_slots
-    monkeypatch.setattr(moe_kernels, "combine_slots", lambda *a, **k: combines.append(1) or real(*a, **k))
-    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_moe_grouped")
 
     def logits() -> torch.Tensor:
         cache = ContiguousKVCache(lm.num_cache_layers, 1, len(ids))
@@ -258,12 +252,4 @@ def test_moe_combine_and_shared_experts_deferred_into_the_next_norm(v3_dir, monk
             return torch.cat([lm.compute_logits(lm(ids[a:b], ForwardBatch.build([b - a], [a], [0], cache)))
                               for a, b in ((0, 7), (7, 11))])
 
-    for norm in ("triton_rmsnorm", "torch"):
-        monkeypatch.setenv("LOWBIT_ROUTE_NORM", norm)
-        got = {}
-        for fusion in ("0", "1"):
-            monkeypatch.setenv("LOWBIT_SLOT_FUSION", fusion)
-            combines.clear()
-            got[fusion] = logits()
-            assert len(combines) == (0 if fusion == "1" else 4), (norm, fusion, len(combines))
-        assert torch.equal(got["0"], got["1"]), norm
+    assert_combine_deferred_exactly(monkeypatch, logits, combines_each=4)

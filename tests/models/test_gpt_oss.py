@@ -14,7 +14,7 @@ from lowbit.errors import LowbitError
 from lowbit.kernels import routes
 from lowbit.kernels.runtime import interpreting
 from lowbit.models.config import ArchConfig
-from tests.models.parity import assert_parity, save_tiny
+from tests.models.parity import assert_combine_deferred_exactly, assert_parity, save_tiny
 
 VOCAB = 103
 LIMIT = 7.0  # transformers' bf16 GptOssExperts hard-codes 7.0 (the published swiglu_limit)
@@ -138,22 +138,8 @@ def test_moe_combine_deferred_into_the_next_norm(tmp_path, monkeypatch):
     RMSNorm (the final norm included), whose launch sums them: no combine launch runs, and the
     logits equal those with the combine launch (LOWBIT_SLOT_FUSION=0) bit for bit, with the
     norm on its Triton route and on the torch route."""
-    from lowbit.kernels import moe as moe_kernels
-
     save_tiny(GptOssForCausalLM, config(layers=2), tmp_path, randomize=("bias", "sinks"),
               prepare=big_experts)
     lm = load_model(tmp_path, dtype="float32", quantization="mxfp4").model
     ids = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(2))
-    combines = []
-    real = moe_kernels.combine_slots
-    monkeypatch.setattr(moe_kernels, "combine_slots", lambda *a, **k: combines.append(1) or real(*a, **k))
-    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_moe_grouped")
-    for norm in ("triton_rmsnorm", "torch"):
-        monkeypatch.setenv("LOWBIT_ROUTE_NORM", norm)
-        got = {}
-        for fusion in ("0", "1"):
-            monkeypatch.setenv("LOWBIT_SLOT_FUSION", fusion)
-            combines.clear()
-            got[fusion] = _logits(lm, ids, (5,))
-            assert len(combines) == (0 if fusion == "1" else 4), (norm, fusion, len(combines))
-        assert torch.equal(got["0"], got["1"]), norm
+    assert_combine_deferred_exactly(monkeypatch, lambda: _logits(lm, ids, (5,)), combines_each=4)
