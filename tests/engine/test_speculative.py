@@ -200,6 +200,30 @@ def test_demo_greedy_is_the_same_with_speculation(demo, method, draft_4096):
 
 
 @needs_demo
+@pytest.mark.parametrize("method", ["ngram", "draft-random"])
+def test_demo_greedy_is_the_same_reading_every_rows_argmax(demo, method, draft_4096, monkeypatch):
+    """A verify step that replayed a HIDDEN graph of few tokens gets the argmax of every row of
+    the step (CUDA only; stood in for here by the same argmax computed eagerly) and picks the
+    verify rows on the host: greedy output is still the output without speculation, for host
+    (n-gram) and device (draft model) drafts, and every verify step took that path."""
+    kw = {} if method == "ngram" else {"speculative_model": draft_4096}
+    llm = spec_llm(demo, method.split("-")[0], **kw)
+    spec = llm.engine.spec
+    real, calls = spec.verify, []
+
+    def verify(scheduled, query_start, hidden, model, *args, argmax=None, **kwargs):
+        calls.append(hidden.shape[0])
+        return real(scheduled, query_start, hidden, model, *args,
+                    argmax=model.compute_logits(hidden).argmax(-1), **kwargs)
+
+    monkeypatch.setattr(spec, "verify", verify)
+    assert outputs(llm, PROMPTS, GREEDY) == plain_outputs(demo, PROMPTS, GREEDY)
+    assert calls and spec.graph_argmax_steps == len(calls)
+    assert spec.stats.num_drafts > 0 and (spec.stats.num_accepted > 0 or method != "ngram")
+    assert_idle(llm)
+
+
+@needs_demo
 def test_demo_greedy_is_the_same_with_adaptive_k(demo):
     """--speculative-adaptive on the wall-clock: steps with 0 to 3 drafts mix (warm-up takes
     each in turn, then the engine's choice and its exploration), and greedy output is still
