@@ -13,7 +13,9 @@ Two schedules, both nvfp4 experts with SiLU and no biases, CUDA-graph safe (no h
                   with up row r in one thread and writes bf16(SiLU(gate) * up) [S, I]; FC2
                   writes each slot's output times its routing weight [S, H]; combine_slots
                   sums a token's in order, skipping slots placed nowhere (five launches;
-                  config FOLD, off: three, FC2 summing each token's slots itself).
+                  up to 1,024 slots the sort is one, and with defer the next RMSNorm sums
+                  the slots (moe_slots.SlotSum): three; config FOLD, off: three, FC2 summing
+                  each token's slots itself).
 Reference twin: moe.reference_moe with dot_dtype=torch.bfloat16 (exact nvfp4 tiles: the
 weights are not rounded; x and the activation are).
 """
@@ -239,7 +241,8 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     (moe_slots.sort_by_expert), FC1 on tiles of up to MB slots of one expert writing
     bf16(SiLU(gate) * up) [S, I], FC2 writing each slot's output times its routing weight
     [S, H], then the ordered sum per token (moe_slots.combine_slots, which skips a slot
-    placed nowhere): five launches. Config FOLD (off, measured slower): up to 512 slots a
+    placed nowhere): five launches, three with the one-launch sort and defer. Config FOLD
+    (off, measured slower): up to 512 slots a
     one-program sort and FC2's last-arriving program per token summing its slots, three
     launches. No host read. Same contract as
     moe.fused_moe_gemv. defer (with out None): a moe_slots.SlotSum instead of the combine
