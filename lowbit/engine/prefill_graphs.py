@@ -22,9 +22,10 @@ _prefill_kernel); every other op's shapes are T, B and the weights'.
 Speculative verify steps (lowbit.engine.speculative) replay graphs of the same buckets in
 mode HIDDEN: embedding and every layer, writing the final hidden states [T', H] into one
 buffer; up to VERIFY_ARGMAX_TOKENS tokens the graph also runs lm_head over every row and
-writes each row's argmax [T'], which is all a greedy verify with point-mass drafts reads (its
-acceptance then runs on the host, with no launch after the replay). Otherwise the verify's
-logits over each window and its acceptance run after the replay.
+writes the logits [T', V] and each row's argmax [T']. The argmax is all a greedy verify with
+point-mass drafts reads (its acceptance then runs on the host, with no launch after the
+replay); any other verify gathers its windows' rows of the logits. Above that size the
+verify's logits over each window and its acceptance run after the replay.
 
 A bucket is captured at its first step (a warm-up step first, with torch's sync debug
 mode set to error, as the decode graphs do). At most `max_graphs` are kept: past that,
@@ -51,8 +52,9 @@ log = logging.getLogger("lowbit")
 
 MAX_GRAPHS = 48
 HIDDEN = "hidden"  # the mode of a verify step's graph: hidden states out, no sampling
-# HIDDEN graphs up to this many tokens also write every row's argmax (lm_head over T' rows:
-# a k = 3 verify at batch 1 runs 4; 64 rows of float32 logits at Qwen3's vocabulary are 39 MB)
+# HIDDEN graphs up to this many tokens also write every row's logits and argmax (lm_head over
+# T' rows: a k = 3 verify at batch 1 runs 4; 64 rows of float32 logits at Qwen3's vocabulary
+# are 39 MB, the buffer they share)
 VERIFY_ARGMAX_TOKENS = 64
 
 
@@ -88,6 +90,7 @@ class PrefillGraphs:
         self.logits: torch.Tensor | None = None  # [max B', V] float32
         self.hidden: torch.Tensor | None = None  # [max T', H]: HIDDEN graphs' output
         self.argmax: torch.Tensor | None = None  # [VERIFY_ARGMAX_TOKENS]: their rows' argmax
+        self.verify_logits: torch.Tensor | None = None  # [VERIFY_ARGMAX_TOKENS, V] float32
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
         """(T', B') a step of num_tokens over num_seqs pads to, or None (too large)."""
@@ -133,11 +136,15 @@ class PrefillGraphs:
                                           device=self.device)
             self.hidden[:t].copy_(hidden)
             if t <= VERIFY_ARGMAX_TOKENS:
+                logits = self.model.compute_logits(hidden)  # [t, V]
                 if self.argmax is None:
                     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-                        raise AssertionError("the argmax buffer is allocated in the warm-up")
+                        raise AssertionError("the verify buffers are allocated in the warm-up")
                     self.argmax = torch.zeros(VERIFY_ARGMAX_TOKENS, dtype=torch.long, device=self.device)
-                self.argmax[:t].copy_(self.model.compute_logits(hidden).argmax(-1))
+                    self.verify_logits = torch.zeros(VERIFY_ARGMAX_TOKENS, logits.shape[1],
+                                                     dtype=logits.dtype, device=self.device)
+                self.verify_logits[:t].copy_(logits)
+                self.argmax[:t].copy_(logits.argmax(-1))
             return
         logits = self.model.compute_logits(hidden.index_select(0, seq["last_index"]))  # [b, V] float32
         if self.logits is None or self.logits.shape[1] != logits.shape[1]:
@@ -188,11 +195,13 @@ class PrefillGraphs:
         self.replays += 1
         return self.hidden[:t]
 
-    def verify_argmax(self, bucket: tuple[int, int]) -> torch.Tensor | None:
-        """The argmax [T'] of every row's logits that the last HIDDEN replay of `bucket`
+    def verify_rows(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(argmax [T'], logits [T', V]) of every row that the last HIDDEN replay of `bucket`
         wrote, or None where its graph does not (more than VERIFY_ARGMAX_TOKENS tokens)."""
         t = bucket[0]
-        return self.argmax[:t] if t <= VERIFY_ARGMAX_TOKENS and self.argmax is not None else None
+        if t > VERIFY_ARGMAX_TOKENS or self.argmax is None:
+            return None
+        return self.argmax[:t], self.verify_logits[:t]
 
     def status(self) -> str:
         shapes = sorted({(t, b) for t, b, _ in self.graphs})

@@ -323,10 +323,10 @@ class ModelRunner:
         """A verify step: the target over every window (a HIDDEN prefill graph's replay where
         the step's bucket has one), the acceptance rule over the requests that caught up, then
         the drafter's follow-up over the positions made real."""
-        argmax = None
+        graph_rows = None
         if self._prefill_bucket is not None and self.prefill_graphs.ready(self._prefill_bucket, HIDDEN):
             hidden = self.prefill_graphs.run_hidden(self._prefill_bucket)[:batch.num_tokens]
-            argmax = self.prefill_graphs.verify_argmax(self._prefill_bucket)
+            graph_rows = self.prefill_graphs.verify_rows(self._prefill_bucket)
             self.spec_graph_steps += 1
         else:
             hidden = self.model(input_ids, batch)
@@ -337,7 +337,7 @@ class ModelRunner:
             seq = self.inputs.seqs()
             picks, tokens, logits = self.spec.verify(scheduled, batch.query_start, hidden, self.model,
                                                      self.sampling, seq["rows"], seq["steps"], mode,
-                                                     argmax=argmax)
+                                                     graph_rows=graph_rows)
             for b, (i, toks) in enumerate(zip(picks, tokens)):
                 req = scheduled[i][0]
                 emitted[req.request_id] = toks

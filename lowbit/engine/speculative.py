@@ -20,9 +20,10 @@ A step with speculation, in the engine's three stages:
    the device computes that, the host reads it (and a model drafter's device drafts) and
    compares, which saves the rule's twenty-odd device ops a step
    (`_accept_on_host`). Where the verify replayed a HIDDEN prefill graph of at most
-   VERIFY_ARGMAX_TOKENS tokens, that graph already wrote every row's argmax: the host reads
-   it whole and picks the verify rows itself, so nothing is launched after the replay (no
-   row gather, no lm_head, no upload) unless a pick wants log-probabilities. The engine
+   VERIFY_ARGMAX_TOKENS tokens, that graph already wrote every row's logits and argmax: a
+   greedy step reads the argmax whole and picks the verify rows itself, so nothing is
+   launched after the replay (no row gather, no lm_head, no upload) unless a pick wants
+   log-probabilities; any other step gathers its rows of the graph's logits. The engine
    appends them, and rejected drafts' KV
    slots are rolled back (num_computed_tokens stops before them, BlockManager.trim gives
    back their blocks; they were never full of computed tokens, so never in the prefix
@@ -496,10 +497,11 @@ class SpecDecoder:
 
     def verify(self, scheduled: list[tuple[Request, int]], query_start: list[int], hidden: torch.Tensor,
                model: torch.nn.Module, sampling, rows: torch.Tensor, steps: torch.Tensor, mode,
-               argmax: torch.Tensor | None = None):
+               graph_rows: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The target's tokens for every request that caught up (step 3): returns (picks,
         emitted tokens per pick, logits [P, K1, V] for log-probabilities, or None where no
-        pick asked for them and the verify graph's argmax [T'] (`argmax`) was enough)."""
+        pick asked for them and the verify graph's argmax was enough). graph_rows: (argmax [T'],
+        logits [T', V]) of every row of the step, where the verify graph wrote them."""
         picks = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n == r.num_known_tokens]
         ks = [len(scheduled[i][0].draft_token_ids) for i in picks]
         K, dev = max(ks), hidden.device
@@ -507,6 +509,7 @@ class SpecDecoder:
         flat = [query_start[i + 1] - 1 - k + min(j, k) for i, k in zip(picks, ks) for j in range(K + 1)]
         listed = self._draft_list(scheduled, picks, ks, K)
         greedy = not mode.random and not mode.penalties and not self._sampled_drafts(scheduled, picks)
+        argmax, row_logits = graph_rows if graph_rows is not None else (None, None)
         if greedy and argmax is not None and not any(scheduled[i][0].params.logprobs is not None for i in picks):
             # the graph wrote every row's argmax: read it whole and pick the rows on the host
             drafts = None
@@ -522,7 +525,10 @@ class SpecDecoder:
         index, sel, num_drafts, drafts = up.split([P * (K + 1), P, P, P * K])
         if self.drafted is not None:  # indices into the drafter's tokens (its last entry: a pad 0)
             drafts = self.drafted[0].index_select(0, drafts)
-        logits = model.compute_logits(hidden[index]).view(P, K + 1, -1)
+        if row_logits is not None:  # the graph's logits of every row: gather the windows'
+            logits = row_logits.index_select(0, index).view(P, K + 1, -1)
+        else:
+            logits = model.compute_logits(hidden[index]).view(P, K + 1, -1)
         self.spans.lap("logits")
         if greedy:
             host = self._accept_on_host(logits.argmax(-1).view(-1), drafts, listed, ks, K)

@@ -201,25 +201,34 @@ def test_demo_greedy_is_the_same_with_speculation(demo, method, draft_4096):
 
 @needs_demo
 @pytest.mark.parametrize("method", ["ngram", "draft-random"])
-def test_demo_greedy_is_the_same_reading_every_rows_argmax(demo, method, draft_4096, monkeypatch):
-    """A verify step that replayed a HIDDEN graph of few tokens gets the argmax of every row of
-    the step (CUDA only; stood in for here by the same argmax computed eagerly) and picks the
-    verify rows on the host: greedy output is still the output without speculation, for host
-    (n-gram) and device (draft model) drafts, and every verify step took that path."""
+def test_demo_speculation_reading_every_rows_logits(demo, method, draft_4096, monkeypatch):
+    """A verify step that replayed a HIDDEN graph of few tokens gets the logits and argmax of
+    every row of the step (CUDA only; stood in for here by the same rows computed eagerly).
+    Greedy steps read the argmax alone and pick the verify rows on the host: the output is
+    still the output without speculation, for host (n-gram) and device (draft model) drafts,
+    and every verify step took that path. Sampled steps gather their rows of the logits: the
+    same output as the verify computing its own logits (same seed)."""
     kw = {} if method == "ngram" else {"speculative_model": draft_4096}
     llm = spec_llm(demo, method.split("-")[0], **kw)
     spec = llm.engine.spec
     real, calls = spec.verify, []
 
-    def verify(scheduled, query_start, hidden, model, *args, argmax=None, **kwargs):
+    def verify(scheduled, query_start, hidden, model, *args, graph_rows=None, **kwargs):
         calls.append(hidden.shape[0])
-        return real(scheduled, query_start, hidden, model, *args,
-                    argmax=model.compute_logits(hidden).argmax(-1), **kwargs)
+        logits = model.compute_logits(hidden)
+        return real(scheduled, query_start, hidden, model, *args, graph_rows=(logits.argmax(-1), logits),
+                    **kwargs)
 
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True)
+    want = outputs(llm, PROMPTS, sampled)  # the verify computes its own logits
     monkeypatch.setattr(spec, "verify", verify)
     assert outputs(llm, PROMPTS, GREEDY) == plain_outputs(demo, PROMPTS, GREEDY)
     assert calls and spec.graph_argmax_steps == len(calls)
     assert spec.stats.num_drafts > 0 and (spec.stats.num_accepted > 0 or method != "ngram")
+    calls.clear()
+    greedy_steps = spec.graph_argmax_steps
+    assert outputs(llm, PROMPTS, sampled) == want
+    assert calls and spec.graph_argmax_steps == greedy_steps  # sampled: the logits' gather
     assert_idle(llm)
 
 
