@@ -34,17 +34,22 @@ def _moe_combine_kernel(ys_ptr, y_ptr, ids_ptr, H, A, E, stride_yt, BN: tl.const
 
 
 @triton.jit
-def _expert_hist_kernel(ids_ptr, hist_ptr, S, E, EP: tl.constexpr, BS: tl.constexpr,
-                        PDL: tl.constexpr):
-    """Program b: hist [b, :E] = how many of slots b * BS .. + BS name each expert (ids
-    outside 0..E-1 are counted nowhere)."""
-    pdl_enter(PDL)
-    b = tl.program_id(0)
+def _block_counts(ids_ptr, b, S, E, EP: tl.constexpr, BS: tl.constexpr):
+    """[EP] int32: how many of slots b * BS .. + BS name each expert (ids outside 0..E-1 are
+    counted nowhere)."""
     sl = b * BS + tl.arange(0, BS)
     ids = tl.load(ids_ptr + sl, mask=sl < S, other=-1)
+    return tl.histogram(ids, EP, mask=(ids >= 0) & (ids < E))
+
+
+@triton.jit
+def _expert_hist_kernel(ids_ptr, hist_ptr, S, E, EP: tl.constexpr, BS: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Program b: hist [b, :E] = _block_counts of block b."""
+    pdl_enter(PDL)
+    b = tl.program_id(0)
     ev = tl.arange(0, EP)
-    cnt = tl.sum((ids[:, None] == ev[None, :]).to(tl.int32), 0)
-    tl.store(hist_ptr + b * E + ev, cnt, mask=ev < E)
+    tl.store(hist_ptr + b * E + ev, _block_counts(ids_ptr, b, S, E, EP, BS), mask=ev < E)
 
 
 @triton.jit
@@ -118,9 +123,7 @@ def _expert_place_kernel(ids_ptr, hist_ptr, order_ptr, tile_end_ptr, seg_start_p
     before = tl.zeros([EP], tl.int32)
     if FROM_IDS:
         for r in tl.static_range(NBC):
-            sr = r * BS + tl.arange(0, BS)
-            idr = tl.load(ids_ptr + sr, mask=sr < S, other=-1)
-            cnt = tl.histogram(idr, EP, mask=(idr >= 0) & (idr < E))
+            cnt = _block_counts(ids_ptr, r, S, E, EP, BS)
             total += cnt
             before += tl.where(r < b, cnt, 0)
     else:
@@ -169,8 +172,8 @@ ONE_PROGRAM_SORT_BLOCKS = 0
 # up to this many blocks of slots (16: 1,024 slots at 128 experts, every decode bucket to 128
 # tokens of top-8), the placement programs count all the blocks' ids themselves
 # (_expert_place_kernel FROM_IDS): one launch of NB parallel programs instead of the histogram
-# launch + the placement. Each program does NB [BS, EP] one-hot sums (<= 131,072 compares at
-# the limit), where the pair costs a launch and a round trip through memory
+# launch + the placement. Each program counts NB blocks of BS ids (<= 1,024 ids at the
+# limit), where the pair costs a launch and a round trip through memory
 ONE_LAUNCH_SORT_BLOCKS = 16
 FOLD_SORT_BLOCKS = 8  # sort_for_fold's limit (one program)
 
@@ -274,7 +277,8 @@ class SlotSum:
     t's slot rows ys [t * A + j] whose expert id is inside 0..E-1, rounded once to out's dtype
     (what combine_slots writes). A caller that asked for it (defer=True) hands it to the next
     RMSNorm (lowbit.kernels.norm_op.rms_norm), whose kernel sums the slots itself: the combine
-    costs no launch. Anything else calls materialize()."""
+    costs no launch. Only a caller whose next op is that norm asks for one (CausalLM.forward's
+    decoder layers)."""
 
     ys: torch.Tensor  # [T * A, H] float32
     ids_flat: torch.Tensor  # [T * A] int32
@@ -284,21 +288,6 @@ class SlotSum:
     # [T, H] in out's dtype, added to the rounded sum and rounded again (the block's shared
     # experts: y = routed + shared, as the unfused op adds them)
     extra: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.out.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.out.dtype
-
-    def materialize(self) -> torch.Tensor:
-        """y, written into out by the combine launch (or its twin off the GPU), plus extra."""
-        if self.ys.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-            y = combine_slots(self.ys, self.out, self.a_top, self.ids_flat, self.num_experts, self.out)
-            return y if self.extra is None else y.add_(self.extra)
-        return self.out.copy_(reference_slot_sum(self))
 
 
 def reference_slot_sum(slots: SlotSum) -> torch.Tensor:
