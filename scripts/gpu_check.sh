@@ -9,7 +9,8 @@
 #   tunetc     tensor-core nvfp4 gemv / MoE per-slot sweep (scripts/tune_tc_gemv.py), merged
 #              the same way ("tc_gemv", "tc_moe")
 #   prefetchab each shipped tensor-core gemv / per-slot MoE config against the same with
-#              PREFETCH 2 (scripts/tune_tc_gemv.py --prefetch-ab), the faster merged the same way
+#              PREFETCH 2 and with the shared-memory ring (RING 3 / 4 / 6 at WAVES 1 / 2 / 4;
+#              scripts/tune_tc_gemv.py --prefetch-ab), the fastest merged the same way
 #   tunemoe    grouped MoE tile sweep at T = 32, 64, 512, 2048 (scripts/tune_kernels.py
 #              --grouped; TUNEMOE_FORMATS, default dense,nvfp4), merged the same way ("moe_grouped")
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
@@ -106,7 +107,7 @@ if has tunetc; then
 fi
 
 if has prefetchab; then
-  echo "== tensor-core gemv: PREFETCH 2 against the shipped configs"
+  echo "== tensor-core gemv: PREFETCH 2 and the cp.async ring against the shipped configs"
   timeout "${T_PREFETCHAB:-240}" python3 scripts/tune_tc_gemv.py --out "$OUT" --prefetch-ab \
     --m "${TC_M:-1,4,8,16}" --moe-t "${TC_MOE_T:-1,4,16,32}" 2>&1 | tee "$OUT/prefetch_ab.log" | tail -40
   merge_tuned "$OUT/tc_tuned.json"

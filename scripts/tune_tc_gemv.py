@@ -3,8 +3,9 @@
   python scripts/tune_tc_gemv.py --out DIR [--m 1,4,8,16] [--moe-t 1,4,16,32]
   python scripts/tune_tc_gemv.py --out DIR --prefetch-ab
       Times each shipped config (the device file's "tc_gemv" / "tc_moe" entries at each M /
-      token count) against the same config with PREFETCH 2 (two K steps in flight) and
-      writes DIR/tc_tuned.json with the faster of the two (PREFETCH 2 only where it wins by
+      token count) against the same config with PREFETCH 2 (two K steps in registers) and
+      with the shared-memory ring (RING 3 / 4 / 6 K steps by cp.async, at WAVES 1 / 2 / 4),
+      and writes DIR/tc_tuned.json with the fastest (a challenger only where it wins by
       more than 2 %).
   python scripts/tune_tc_gemv.py --static
       No GPU needed (run without TRITON_INTERPRET): compiles the linear, per-slot MoE and
@@ -92,6 +93,8 @@ def _static_one(kernel, consts: dict, types: dict) -> dict:
     return {"loop": n, "ops": dict(ops), "regs": int(re.search(r"REG:(\d+)", res).group(1)),
             "pdl_waits": ptx.count("griddepcontrol.wait"),
             "loads_before_wait": len(re.findall(r"ld\.global", head)),
+            "async_before_wait": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", head)),
+            "ldgsts": len(re.findall(r"LDGSTS", sass)),
             "stack": int(stack.group(1)) if stack else -1,
             "ldg128": len(re.findall(r"LDG\.E\.128", sass)),
             "ldg_u8": len(re.findall(r"LDG\.E\.U8", sass))}
@@ -100,7 +103,7 @@ def _static_one(kernel, consts: dict, types: dict) -> dict:
 def static() -> None:
     from lowbit.kernels import tc_gemv, tc_moe
 
-    lin = dict(HAS_TIDX=True, HAS_BIAS=False, BN=64, BK=256, MB=8, W=4, SPLIT=True, PREFETCH=1,
+    lin = dict(HAS_TIDX=True, HAS_BIAS=False, BN=64, BK=256, MB=8, W=4, SPLIT=True, PREFETCH=1, RING=0,
                PDL=True)
     grp = dict(EP=128, HAS_TIDX=True, BN=128, BK=256, MB=8, W=4, PREFETCH=1, PDL=True,
                FOLD=False)
@@ -112,6 +115,10 @@ def static() -> None:
                                            TYPES),
            "moe_fc2_prefetch2": _static_one(tc_gemv._tc_gemv_kernel,
                                             dict(lin, MOE=2, PREFETCH=2), dict(TYPES, x_ptr="*fp32")),
+           "linear_ring4": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=0, RING=4), TYPES),
+           "moe_fc1_ring4": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=1, RING=4), TYPES),
+           "moe_fc2_ring4": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=2, RING=4),
+                                        dict(TYPES, x_ptr="*fp32")),
            "grouped_fc1": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=1), TYPES),
            "grouped_fc2": _static_one(tc_moe._tc_moe_grouped_kernel,
                                       dict(grp, FC=2, BN=64, FOLD=True), dict(TYPES, y_ptr="*fp32")),
@@ -120,13 +127,41 @@ def static() -> None:
     print(json.dumps(out))
 
 
-def _ab(fns_for, cfg: dict) -> tuple[dict, float, float]:
-    """(the kept config, us with it as shipped, us with PREFETCH 2)."""
+RING_VARIANTS = [dict(RING=r, WAVES=w) for r in (3, 4, 6) for w in (1, 2, 4)]
+
+
+def _variants(cfg: dict) -> dict[str, dict]:
+    """The A/B's challengers of a shipped config: two K steps in registers (PREFETCH 2), and
+    the shared-memory ring (RING r) at a few split widths (WAVES: fewer splits give each
+    program more steps to keep in flight)."""
+    out = {"prefetch2": dict(cfg, PREFETCH=2)}
+    for v in RING_VARIANTS:
+        out[f"ring{v['RING']}_w{v['WAVES']}"] = dict(cfg, **v)
+    return out
+
+
+def _ab(fns_for, cfg: dict) -> tuple[dict, float, dict]:
+    """(the kept config, us with it as shipped, us of each challenger): a challenger replaces
+    the shipped config only where it wins by more than 2 %."""
     from lowbit.bench.kernels import timed
 
     base = timed(fns_for(cfg))["us"]
-    deep = timed(fns_for(dict(cfg, PREFETCH=2)))["us"]
-    return (dict(cfg, PREFETCH=2) if deep < 0.98 * base else cfg), base, deep
+    times, kept, best = {}, cfg, 0.98 * base
+    for name, c in _variants(cfg).items():
+        try:
+            times[name] = t = timed(fns_for(c))["us"]
+        except Exception as exc:  # noqa: BLE001 - a config the compiler rejects (shared memory)
+            print(f"  skip {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        if t < best:
+            kept, best = c, t
+    return kept, base, times
+
+
+def _ab_line(label: str, base: float, times: dict, kept: dict) -> str:
+    best = min(times, key=times.get) if times else "-"
+    return (f"{label}: {base:.1f} us shipped; " + ", ".join(f"{k} {v:.1f}" for k, v in times.items())
+            + f"; best {best}; kept {kept}")
 
 
 def shipped_table(kernel: str, key: str) -> dict:
@@ -151,12 +186,12 @@ def prefetch_ab(a) -> None:
         for m in (int(v) for v in a.m.split(",")):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             cfg0 = dict(DEFAULT, **launch.lookup("tc_gemv", "nvfp4", n, k, m))
-            kept, base, deep = _ab(lambda c, x=x, ws=ws: [functools.partial(tc_gemv, x, w, config=c)
-                                                          for w in ws], cfg0)
+            kept, base, times = _ab(lambda c, x=x, ws=ws: [functools.partial(tc_gemv, x, w, config=c)
+                                                           for w in ws], cfg0)
             table[str(m)] = kept
             out["ab"].append({"kernel": "tc_gemv", "shape": f"{n}x{k}", "m": m, "config": cfg0,
-                              "us": base, "us_prefetch2": deep})
-            print(f"tc_gemv {n}x{k} M={m}: {base:.1f} us shipped, {deep:.1f} us PREFETCH 2", flush=True)
+                              "us": base, "us_variants": times, "kept": kept})
+            print(_ab_line(f"tc_gemv {n}x{k} M={m}", base, times, kept), flush=True)
     e, top, h, inter = 128, 8, 2048, 768
     w13 = resolve(random_lut_view(2 * inter, h, lead=(e,), device=dev, **kw))
     w2 = resolve(random_lut_view(h, inter, lead=(e,), device=dev, seed=1, **kw))
@@ -177,11 +212,10 @@ def prefetch_ab(a) -> None:
                 return [functools.partial(tc_moe_gemv, *b, w13, w2, config=pair) for b in bs]
             res[which] = _ab(fns, fc1 if which == "fc1" else fc2)
         table[str(t_)] = dict(shipped, fc1=res["fc1"][0], fc2=res["fc2"][0])
-        for which, (_, base, deep) in res.items():
+        for which, (kept, base, times) in res.items():
             out["ab"].append({"kernel": f"tc_moe {which}", "shape": f"{e}x{h}", "m": t_,
-                              "us": base, "us_prefetch2": deep})
-            print(f"tc_moe T={t_} {which} changed: {base:.1f} us shipped, {deep:.1f} us PREFETCH 2",
-                  flush=True)
+                              "us": base, "us_variants": times, "kept": kept})
+            print(_ab_line(f"tc_moe T={t_} {which} changed", base, times, kept), flush=True)
     path = Path(a.out) / "tc_tuned.json"
     path.write_text(json.dumps(out, indent=1))
     print("->", path)

@@ -43,7 +43,7 @@ from lowbit.kernels.runtime import HAS_TRITON, capability, semaphore, sm_count
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     HAS_GLUON = HAS_TRITON
 except ImportError:  # no triton, or a triton without Gluon
@@ -96,6 +96,18 @@ if HAS_GLUON:
         return gl.DistributedLinearLayout(reg, lane, warp, [], [BN, BKS])
 
     @gluon.constexpr_function
+    def _scale_copy_layout(BN, BKS, W):
+        """Scale bytes [BN, BKS] four to a thread, for cp.async (which copies 4, 8 or 16
+        bytes; _scale_layout gives a thread 2 contiguous bytes)."""
+        t1 = min(32, BKS // 4)
+        return gl.BlockedLayout([1, 4], [32 // t1, t1], [W, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _scale_ptr_layout(BN, BKS, W, RING):
+        """The layout of the scale pointers: the copy layout when they go through the ring."""
+        return _scale_copy_layout(BN, BKS, W) if RING else _scale_layout(BN, BKS, W)
+
+    @gluon.constexpr_function
     def _x_layout(BK, MB, W):
         """Real x^T [BK, MB]: a thread holds 32 contiguous k of activation row lane // 4
         (replicated over the warps)."""
@@ -145,6 +157,46 @@ if HAS_GLUON:
         return xa, xb
 
     @gluon.jit
+    def _mma_step(acc, codes, sc, xa, xb, BN: gl.constexpr, BK: gl.constexpr, MB: gl.constexpr,
+                  W: gl.constexpr, MOE: gl.constexpr):
+        """acc + one K step: the step's code words (LC), scale bytes (LS) and activations (x^T
+        in LX; MOE 2: FC1's gate and up halves in a 1-D layout) decoded and multiplied."""
+        mma: gl.constexpr = _mma_layout(W)
+        LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        LX: gl.constexpr = _x_layout(BK, MB, W)
+        G: gl.constexpr = BK // 128
+        if MOE == 2:  # the activation once per k (not per thread of LX), then broadcast
+            v = _silu_mul(xa.to(gl.float32), xb.to(gl.float32))
+            v = gl.convert_layout(v.to(gl.bfloat16), gl.SliceLayout(1, LX))
+            xv = gl.broadcast(v[:, None], gl.full([BK, MB], 0.0, gl.bfloat16, layout=LX))[0]
+        else:
+            xv = xa
+        # word wr = 16 G + 4 tig + c; element e of its 8 decoded values is code
+        # 4 (e % 2) + e // 2 (the PTX's output order); the scale of a word is that of
+        # block wr // 2
+        w8 = gl.join(codes, codes)
+        w8 = gl.join(w8, w8)
+        w8 = gl.join(w8, w8)  # [BN, BK/8, 2, 2, 2]: the word 8 times (pack 8: one asm a word)
+        w = gl.inline_asm_elementwise(_E2M1_PTX_C, _E2M1_CONSTRAINTS_C, [w8],
+                                      dtype=gl.bfloat16, is_pure=True, pack=8)
+        s = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_2_118).to(gl.bfloat16)
+        s = gl.reshape(gl.join(s, s), [BN, BK // 8])
+        s = gl.join(s, s)
+        s = gl.join(s, s)
+        s = gl.join(s, s)  # [BN, BK/8, 2, 2, 2]
+        w = w * gl.convert_layout(s, w.type.layout)
+        # (G, tig, c, e2, e1, e0) -> position 128 G + 32 c + 8 tig + 4 e2 + 2 e1 + e0
+        w = gl.reshape(w, [BN, G, 4, 4, 2, 2, 2])
+        w = gl.permute(w, [0, 1, 3, 2, 4, 5, 6])
+        a = gl.convert_layout(gl.reshape(w, [BN, BK]), LA)
+        # x: real k = 128 G + 32 tig + 8 c + 4 e0 + 2 e2 + e1, to the same positions
+        xv = gl.reshape(xv, [G, 4, 4, 2, 2, 2, MB])
+        xv = gl.permute(xv, [0, 2, 1, 4, 5, 3, 6])
+        b = gl.convert_layout(gl.reshape(xv, [BK, MB]), LB)
+        return mma_v2(a, b, acc)
+
+    @gluon.jit
     def _mainloop(cptr, sptr, xptr, hrow, k0, k1, K, BN: gl.constexpr, BK: gl.constexpr,
                   MB: gl.constexpr, W: gl.constexpr, MOE: gl.constexpr, PREFETCH: gl.constexpr,
                   PDL: gl.constexpr):
@@ -156,11 +208,7 @@ if HAS_GLUON:
         before the wait for the kernel that writes x, so they are in flight while that kernel
         finishes."""
         mma: gl.constexpr = _mma_layout(W)
-        LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-        LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-        LX: gl.constexpr = _x_layout(BK, MB, W)
         L1: gl.constexpr = gl.BlockedLayout([max(BK // (32 * W), 1)], [32], [W], [0])
-        G: gl.constexpr = BK // 128
         acc = gl.zeros([BN, MB], gl.float32, layout=mma)
         k0 = gl.multiple_of(k0, BK)
         # the step after k0 (k0 again when the range is one step: in bounds, unused)
@@ -179,35 +227,7 @@ if HAS_GLUON:
             kn = gl.multiple_of(gl.minimum(kk + PREFETCH * BK, k1 - BK), BK)
             if PREFETCH > 0:  # its loads are in flight while this tile is decoded
                 codes_f, sc_f, xa_f, xb_f = _tile_loads(cptr, sptr, xptr, hrow, kn, K, BK, MOE, L1)
-            if MOE == 2:  # the activation once per k (not per thread of LX), then broadcast
-                v = _silu_mul(xa.to(gl.float32), xb.to(gl.float32))
-                v = gl.convert_layout(v.to(gl.bfloat16), gl.SliceLayout(1, LX))
-                xv = gl.broadcast(v[:, None], gl.full([BK, MB], 0.0, gl.bfloat16, layout=LX))[0]
-            else:
-                xv = xa
-            # word wr = 16 G + 4 tig + c; element e of its 8 decoded values is code
-            # 4 (e % 2) + e // 2 (the PTX's output order); the scale of a word is that of
-            # block wr // 2
-            w8 = gl.join(codes, codes)
-            w8 = gl.join(w8, w8)
-            w8 = gl.join(w8, w8)  # [BN, BK/8, 2, 2, 2]: the word 8 times (pack 8: one asm a word)
-            w = gl.inline_asm_elementwise(_E2M1_PTX_C, _E2M1_CONSTRAINTS_C, [w8],
-                                          dtype=gl.bfloat16, is_pure=True, pack=8)
-            s = (sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_2_118).to(gl.bfloat16)
-            s = gl.reshape(gl.join(s, s), [BN, BK // 8])
-            s = gl.join(s, s)
-            s = gl.join(s, s)
-            s = gl.join(s, s)  # [BN, BK/8, 2, 2, 2]
-            w = w * gl.convert_layout(s, w.type.layout)
-            # (G, tig, c, e2, e1, e0) -> position 128 G + 32 c + 8 tig + 4 e2 + 2 e1 + e0
-            w = gl.reshape(w, [BN, G, 4, 4, 2, 2, 2])
-            w = gl.permute(w, [0, 1, 3, 2, 4, 5, 6])
-            a = gl.convert_layout(gl.reshape(w, [BN, BK]), LA)
-            # x: real k = 128 G + 32 tig + 8 c + 4 e0 + 2 e2 + e1, to the same positions
-            xv = gl.reshape(xv, [G, 4, 4, 2, 2, 2, MB])
-            xv = gl.permute(xv, [0, 2, 1, 4, 5, 3, 6])
-            b = gl.convert_layout(gl.reshape(xv, [BK, MB]), LB)
-            acc = mma_v2(a, b, acc)
+            acc = _mma_step(acc, codes, sc, xa, xb, BN, BK, MB, W, MOE)
             if PREFETCH == 2:
                 codes, sc, xa, xb = codes_n, sc_n, xa_n, xb_n
                 codes_n, sc_n, xa_n, xb_n = codes_f, sc_f, xa_f, xb_f
@@ -218,12 +238,105 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
+    def _live(ptr, live):
+        """A mask of ptr's shape and layout, everywhere `live` (a scalar)."""
+        lay: gl.constexpr = ptr.type.layout
+        return gl.zeros(ptr.shape, gl.int32, layout=lay) < live.to(gl.int32)
+
+    @gluon.jit
+    def _ring_copy_weights(c_s, s_s, cptr, sptr, kc, live, BK: gl.constexpr):
+        """cp.async of one K step's code words and scale bytes into a ring slot (zero bytes
+        read when not live: a step past the program's range)."""
+        async_copy.async_copy_global_to_shared(c_s, cptr + gl.multiple_of(kc // 8, BK // 8),
+                                               mask=_live(cptr, live))
+        async_copy.async_copy_global_to_shared(s_s, sptr + gl.multiple_of(kc // 16, BK // 16),
+                                               mask=_live(sptr, live))
+
+    @gluon.jit
+    def _ring_copy_x(xa_s, xb_s, xptr, hrow, kc, K, live, BK: gl.constexpr, MOE: gl.constexpr,
+                     L1: gl.constexpr):
+        """cp.async of one K step's activations into a ring slot: x^T [BK, MB] into xa_s
+        (MOE 0, 1), or FC1's gate and up halves [BK] into xa_s and xb_s (MOE 2)."""
+        if MOE == 2:
+            hk = hrow + kc + gl.arange(0, BK, layout=L1)
+            async_copy.async_copy_global_to_shared(xa_s, hk, mask=_live(hk, live))
+            async_copy.async_copy_global_to_shared(xb_s, hk + K, mask=_live(hk, live))
+        else:
+            async_copy.async_copy_global_to_shared(xa_s, xptr + kc, mask=_live(xptr, live))
+
+    @gluon.jit
+    def _mainloop_ring(cptr, sptr, xptr, hrow, k0, k1, K, BN: gl.constexpr, BK: gl.constexpr,
+                       MB: gl.constexpr, W: gl.constexpr, MOE: gl.constexpr, RING: gl.constexpr,
+                       PDL: gl.constexpr):
+        """_mainloop with the loads in a shared-memory ring of RING K steps (cp.async): RING - 1
+        steps' bytes are in flight while one is decoded, without holding registers. cptr is in
+        the code layout (LC); sptr in a copy layout of 4 bytes a thread (_scale_copy_layout),
+        read back in LS; x as in _mainloop. PDL: the first RING - 1 steps' codes and scales are
+        requested before the wait, their activations after it.
+        Every thread waits for its own copies (wait_group), then a barrier makes all of them
+        visible; the barrier also orders the reads of the slot a step overwrites (read the
+        step before) before that step's copies."""
+        mma: gl.constexpr = _mma_layout(W)
+        LC: gl.constexpr = _code_layout(BN, BK // 8, W)
+        LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
+        LX: gl.constexpr = _x_layout(BK, MB, W)
+        L1: gl.constexpr = gl.BlockedLayout([max(BK // (32 * W), 1)], [32], [W], [0])
+        S3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        S2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        c_s = gl.allocate_shared_memory(gl.int32, [RING, BN, BK // 8], S3)
+        s_s = gl.allocate_shared_memory(gl.uint8, [RING, BN, BK // 16], S3)
+        if MOE == 2:  # FC1's float32 gate and up halves
+            xa_s = gl.allocate_shared_memory(gl.float32, [RING, BK], S2)
+            xb_s = gl.allocate_shared_memory(gl.float32, [RING, BK], S2)
+        else:  # x^T, k contiguous
+            xa_s = gl.allocate_shared_memory(xptr.dtype.element_ty, [RING, BK, MB],
+                                             gl.SwizzledSharedLayout(1, 1, 1, [0, 1]))
+            xb_s = xa_s
+        acc = gl.zeros([BN, MB], gl.float32, layout=mma)
+        k0 = gl.multiple_of(k0, BK)
+        steps = (k1 - k0) // BK
+        for i in gl.static_range(RING - 1):
+            _ring_copy_weights(c_s.index(i), s_s.index(i), cptr, sptr,
+                               k0 + gl.minimum(i, steps - 1) * BK, i < steps, BK)
+            async_copy.commit_group()
+        _pdl_enter(PDL)
+        for i in gl.static_range(RING - 1):
+            _ring_copy_x(xa_s.index(i), xb_s.index(i), xptr, hrow,
+                         k0 + gl.minimum(i, steps - 1) * BK, K, i < steps, BK, MOE, L1)
+            async_copy.commit_group()
+        for j in range(0, steps):
+            # groups committed after step j's: the prologue's later ones, or the RING - 2
+            # steps issued since
+            async_copy.wait_group(RING - 2)
+            gl.thread_barrier()
+            jn = j + RING - 1
+            kn = k0 + gl.minimum(jn, steps - 1) * BK
+            _ring_copy_weights(c_s.index(jn % RING), s_s.index(jn % RING), cptr, sptr, kn,
+                               jn < steps, BK)
+            _ring_copy_x(xa_s.index(jn % RING), xb_s.index(jn % RING), xptr, hrow, kn, K,
+                         jn < steps, BK, MOE, L1)
+            async_copy.commit_group()
+            slot = j % RING
+            codes = c_s.index(slot).load(LC)
+            sc = s_s.index(slot).load(LS)
+            if MOE == 2:
+                xa = xa_s.index(slot).load(L1)
+                xb = xb_s.index(slot).load(L1)
+            else:
+                xa = xa_s.index(slot).load(LX)
+                xb = xa
+            acc = _mma_step(acc, codes, sc, xa, xb, BN, BK, MB, W, MOE)
+        async_copy.wait_group(0)
+        return acc
+
+    @gluon.jit
     def _tc_gemv_kernel(x_ptr, y_ptr, bias_ptr, ws_ptr, sem_ptr, codes_ptr, scales_ptr, ab_ptr,
                         M, N, K, stride_xm, stride_ym, stride_cn, stride_sn, gpost, k_split,
                         SPLIT_K, ids_ptr, tw_ptr, A, stride_ce, stride_se, tidx_ptr, stride_te,
                         HAS_TIDX: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                         MB: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
-                        MOE: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr):
+                        MOE: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr,
+                        RING: gl.constexpr = 0):
         # MOE 0: y [M, N] = x [M, K] @ W^T. MOE 1 (expert FC1) / 2 (expert FC2): program axis 2
         # is a routed slot s of M = S; the weight is expert ids[s] of a stack, the activation
         # row x[s // A] (FC1) or SiLU(h[s, :K]) * h[s, K:] (FC2, h = FC1's float32 output);
@@ -235,7 +348,7 @@ if HAS_GLUON:
         pid_m = gl.program_id(2)
         mma: gl.constexpr = _mma_layout(W)
         LC: gl.constexpr = _code_layout(BN, BK // 8, W)
-        LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
+        LS: gl.constexpr = _scale_ptr_layout(BN, BK // 16, W, RING)
         LX: gl.constexpr = _x_layout(BK, MB, W)
 
         if MOE == 1:  # the expert id is written by the router, the kernel before: wait
@@ -269,8 +382,12 @@ if HAS_GLUON:
 
         k0 = pid_k * k_split
         k1 = gl.minimum(k0 + k_split, K)
-        acc = _mainloop(cptr, sptr, xptr, hrow, k0, k1, K, BN, BK, MB, W, MOE, PREFETCH,
-                        PDL if MOE != 1 else False)
+        if RING:
+            acc = _mainloop_ring(cptr, sptr, xptr, hrow, k0, k1, K, BN, BK, MB, W, MOE, RING,
+                                 PDL if MOE != 1 else False)
+        else:
+            acc = _mainloop(cptr, sptr, xptr, hrow, k0, k1, K, BN, BK, MB, W, MOE, PREFETCH,
+                            PDL if MOE != 1 else False)
         ro = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         if HAS_TIDX:  # per-row code tables (merged projections): alpha of the row's table
             t = gl.load(tidx_ptr + gl.minimum(ro, N - 1))
@@ -393,7 +510,7 @@ def _launch(x, y, bias, w, m, n, k, cfg, slots=1, moe=0, ids=None, tw=None, a_to
                x if tw is None else tw, a_top, a.stride_ce // 4, a.stride_se, a.tidx, a.stride_te,
                HAS_TIDX=a.has_tidx, HAS_BIAS=bias is not None, BN=bn, BK=bk, MB=mb, W=cfg["num_warps"],
                SPLIT=split > 1, MOE=moe, PREFETCH=int(cfg.get("PREFETCH", True)),
-               num_warps=cfg["num_warps"], **launch.pdl_args(x))
+               RING=int(cfg.get("RING", 0)), num_warps=cfg["num_warps"], **launch.pdl_args(x))
 
 
 def tc_gemv(x: torch.Tensor, w: LutWeight, bias: torch.Tensor | None = None,

@@ -45,7 +45,9 @@ def test_tc_gemv_matches_twin(n, k, tables):
     bias = torch.randn(n, device=DEV)
     for m in (1, 2, 5, 8, 9, 16):
         x = _x(m, k, seed=m)
-        for cfg in (None, dict(BN=64, BK=128, SPLIT=3), dict(BN=128, BK=256, SPLIT=1)):
+        for cfg in (None, dict(BN=64, BK=128, SPLIT=3), dict(BN=128, BK=256, SPLIT=1),
+                    dict(BN=64, BK=128, SPLIT=3, RING=3), dict(BN=128, BK=256, SPLIT=1, RING=4),
+                    dict(BN=64, BK=256, SPLIT=1, RING=2, num_warps=4)):
             out = poisoned(m, n, dtype=torch.float32, device=DEV)
             tc_gemv(x, w, bias, config=cfg, out=out)
             assert rel_err(out, reference_linear(x.float(), w, bias)) < 1e-4, (n, k, m, cfg)
@@ -54,7 +56,10 @@ def test_tc_gemv_matches_twin(n, k, tables):
     assert rel_err(y, reference_linear(x.float(), w)) < 1e-2
 
 
-def test_tc_gemv_split_k_is_deterministic():
+@pytest.mark.parametrize("ring", [0, 4])
+def test_tc_gemv_split_k_is_deterministic(ring):
+    """Split-K sums in split order, so repeats are bit-identical; the shared-memory ring (RING)
+    changes where the bytes wait, not the sums: the same bits as registers."""
     from lowbit.kernels.tc_gemv import tc_gemv
 
     w = _weight(4096, 14336, seed=6)
@@ -62,9 +67,12 @@ def test_tc_gemv_split_k_is_deterministic():
     outs = []
     for _ in range(3):
         out = poisoned(3, 4096, dtype=torch.float32, device=DEV)
-        tc_gemv(x, w, config=dict(BN=64, BK=256, SPLIT=7), out=out)
+        tc_gemv(x, w, config=dict(BN=64, BK=256, SPLIT=7, RING=ring), out=out)
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    out = poisoned(3, 4096, dtype=torch.float32, device=DEV)
+    tc_gemv(x, w, config=dict(BN=64, BK=256, SPLIT=7, RING=0 if ring else 3), out=out)
+    assert torch.equal(out, outs[0])
 
 
 def test_tc_gemv_graph_replay():

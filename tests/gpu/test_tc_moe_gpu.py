@@ -28,7 +28,8 @@ def _stack(n: int, k: int, e: int, seed: int, tables: int = 1):
                                        table=guarded(v.table), table_index=guarded(v.table_index)))
 
 
-@pytest.mark.parametrize("cfg", [None, dict(BN=64, BK=128, SPLIT=3)])
+@pytest.mark.parametrize("cfg", [None, dict(BN=64, BK=128, SPLIT=3), dict(BN=64, BK=128, SPLIT=3, RING=3),
+                                 dict(BN=128, BK=256, RING=4)])
 def test_tc_moe_gemv_matches_twin(cfg):
     from lowbit.kernels.moe import reference_moe
     from lowbit.kernels.tc_moe import tc_moe_gemv, tc_moe_refusal

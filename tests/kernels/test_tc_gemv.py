@@ -69,7 +69,19 @@ def test_kernels_compile_for_sm90_without_shared_memory_in_the_loop():
     assert out.returncode == 0, out.stderr[-2000:]
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(stats) == {"linear", "moe_fc1", "moe_fc2", "grouped_fc1", "grouped_fc2",
-                          "grouped_fc1_mb32", "linear_prefetch2", "moe_fc2_prefetch2"}
+                          "grouped_fc1_mb32", "linear_prefetch2", "moe_fc2_prefetch2",
+                          "linear_ring4", "moe_fc1_ring4", "moe_fc2_ring4"}
+    ring = {name: stats.pop(name) for name in list(stats) if name.endswith("_ring4")}
+    for name, st in ring.items():
+        # RING: every global load of the K loop is a cp.async into shared memory (LDGSTS), read
+        # back with LDS; the plain gemv and FC2 request the first three steps' codes and
+        # scales before the wait (BN 64 x BK 256 over 128 threads: four 16-byte copies of
+        # codes and two 4-byte copies of scales a step), FC1 waits for the routing first
+        assert st["ops"].get("HMMA", 0) >= 16 and st["ops"].get("LDGSTS", 0) > 0, (name, st)
+        assert st["ops"].get("LDG", 0) == 0 and st["ops"].get("LDS", 0) > 0, (name, st)
+        assert st["stack"] == 0 and st["pdl_waits"] == 1, (name, st)
+        assert st["regs"] < stats[name.replace("_ring4", "")]["regs"], (name, st)  # nothing held
+        assert st["async_before_wait"] == (0 if name == "moe_fc1_ring4" else 18), (name, st)
     for name, st in stats.items():
         assert st["loop"] > 100 and st["ops"].get("HMMA", 0) >= 16, (name, st)
         assert st["ldg128"] > 0 and st["ldg_u8"] == 0, (name, st)
