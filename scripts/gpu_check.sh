@@ -109,7 +109,7 @@ fi
 if has prefetchab; then
   echo "== tensor-core gemv: PREFETCH 2 and the cp.async ring against the shipped configs"
   timeout "${T_PREFETCHAB:-240}" python3 scripts/tune_tc_gemv.py --out "$OUT" --prefetch-ab \
-    --m "${TC_M:-1,4,8,16}" --moe-t "${TC_MOE_T:-1,4,16,32}" 2>&1 | tee "$OUT/prefetch_ab.log" | tail -40
+    --m "${TC_M:-1,4,8,16}" --moe-t "${TC_MOE_T:-1,4,16,32}" --grouped-t "${TC_GROUPED_T:-16,32,64}" 2>&1 | tee "$OUT/prefetch_ab.log" | tail -40
   merge_tuned "$OUT/tc_tuned.json"
 fi
 

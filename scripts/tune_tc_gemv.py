@@ -106,7 +106,7 @@ def static() -> None:
     lin = dict(HAS_TIDX=True, HAS_BIAS=False, BN=64, BK=256, MB=8, W=4, SPLIT=True, PREFETCH=1, RING=0,
                PDL=True)
     grp = dict(EP=128, HAS_TIDX=True, BN=128, BK=256, MB=8, W=4, PREFETCH=1, PDL=True,
-               FOLD=False)
+               FOLD=False, RING=0)
     out = {"linear": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=0), TYPES),
            "moe_fc1": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=1), TYPES),
            "moe_fc2": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=2),
@@ -122,6 +122,8 @@ def static() -> None:
            "grouped_fc1": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=1), TYPES),
            "grouped_fc2": _static_one(tc_moe._tc_moe_grouped_kernel,
                                       dict(grp, FC=2, BN=64, FOLD=True), dict(TYPES, y_ptr="*fp32")),
+           "grouped_fc1_ring4": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=1, RING=4),
+                                            TYPES),
            "grouped_fc1_mb32": _static_one(tc_moe._tc_moe_grouped_kernel,
                                            dict(grp, FC=1, MB=32, BK=128), TYPES)}
     print(json.dumps(out))
@@ -130,24 +132,27 @@ def static() -> None:
 RING_VARIANTS = [dict(RING=r, WAVES=w) for r in (3, 4, 6) for w in (1, 2, 4)]
 
 
-def _variants(cfg: dict) -> dict[str, dict]:
+def _variants(cfg: dict, grouped: bool = False) -> dict[str, dict]:
     """The A/B's challengers of a shipped config: two K steps in registers (PREFETCH 2), and
     the shared-memory ring (RING r) at a few split widths (WAVES: fewer splits give each
-    program more steps to keep in flight)."""
+    program more steps to keep in flight; the expert-grouped kernel does not split K)."""
     out = {"prefetch2": dict(cfg, PREFETCH=2)}
     for v in RING_VARIANTS:
-        out[f"ring{v['RING']}_w{v['WAVES']}"] = dict(cfg, **v)
+        if grouped:
+            out[f"ring{v['RING']}"] = dict(cfg, RING=v["RING"])
+        else:
+            out[f"ring{v['RING']}_w{v['WAVES']}"] = dict(cfg, **v)
     return out
 
 
-def _ab(fns_for, cfg: dict) -> tuple[dict, float, dict]:
+def _ab(fns_for, cfg: dict, grouped: bool = False) -> tuple[dict, float, dict]:
     """(the kept config, us with it as shipped, us of each challenger): a challenger replaces
     the shipped config only where it wins by more than 2 %."""
     from lowbit.bench.kernels import timed
 
     base = timed(fns_for(cfg))["us"]
     times, kept, best = {}, cfg, 0.98 * base
-    for name, c in _variants(cfg).items():
+    for name, c in _variants(cfg, grouped).items():
         try:
             times[name] = t = timed(fns_for(c))["us"]
         except Exception as exc:  # noqa: BLE001 - a config the compiler rejects (shared memory)
@@ -172,7 +177,7 @@ def shipped_table(kernel: str, key: str) -> dict:
 def prefetch_ab(a) -> None:
     from lowbit.bench.kernels import copies_for, payload_bytes
     from lowbit.kernels.tc_gemv import DEFAULT, tc_gemv
-    from lowbit.kernels.tc_moe import tc_moe_gemv
+    from lowbit.kernels.tc_moe import GROUPED, tc_moe_gemv, tc_moe_grouped
 
     dev = "cuda"
     kw = BENCH_LUT_FORMATS["nvfp4"]
@@ -216,6 +221,21 @@ def prefetch_ab(a) -> None:
             out["ab"].append({"kernel": f"tc_moe {which}", "shape": f"{e}x{h}", "m": t_,
                               "us": base, "us_variants": times, "kept": kept})
             print(_ab_line(f"tc_moe T={t_} {which} changed", base, times, kept), flush=True)
+    for t_ in (int(v) for v in a.grouped_t.split(",") if v):
+        shipped = launch.lookup("tc_moe", "nvfp4", e, h, t_)
+        if t_ < shipped.get("GROUPED_FROM", 1 << 30):
+            continue
+        g = torch.Generator(device=dev).manual_seed(t_)
+        batches = [(torch.randn(t_, h, device=dev, dtype=torch.bfloat16),
+                    torch.rand(t_, e, device=dev, generator=g).topk(top, -1).indices.to(torch.int32),
+                    torch.rand(t_, top, device=dev, generator=g)) for _ in range(8)]
+        cfg0 = dict(GROUPED, **shipped.get("grouped", {}))
+        kept, base, times = _ab(lambda c, bs=batches: [functools.partial(tc_moe_grouped, *b, w13, w2, config=c)
+                                                       for b in bs], cfg0, grouped=True)
+        table[str(t_)] = dict(shipped, grouped=kept)
+        out["ab"].append({"kernel": "tc_moe grouped", "shape": f"{e}x{h}", "m": t_, "config": cfg0,
+                          "us": base, "us_variants": times, "kept": kept})
+        print(_ab_line(f"tc_moe grouped T={t_}", base, times, kept), flush=True)
     path = Path(a.out) / "tc_tuned.json"
     path.write_text(json.dumps(out, indent=1))
     print("->", path)
@@ -230,6 +250,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--m", default="1,4,8,16")
     ap.add_argument("--moe-t", default="1,4,16,32")
+    ap.add_argument("--grouped-t", default="16,32,64", help="--prefetch-ab: expert-grouped token counts")
     ap.add_argument("--static", action="store_true")
     ap.add_argument("--prefetch-ab", action="store_true")
     a = ap.parse_args()

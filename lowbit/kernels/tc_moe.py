@@ -53,9 +53,10 @@ if HAS_GLUON:
     from lowbit.kernels.tc_gemv import (
         _code_layout,
         _mainloop,
+        _mainloop_ring,
         _mma_layout,
         _pdl_enter,
-        _scale_layout,
+        _scale_ptr_layout,
         _silu_mul,
         _x_layout,
     )
@@ -77,7 +78,8 @@ if HAS_GLUON:
                                stride_ce, stride_se, stride_te, gpost, EP: gl.constexpr,
                                HAS_TIDX: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                                MB: gl.constexpr, W: gl.constexpr, FC: gl.constexpr,
-                               PREFETCH: gl.constexpr, FOLD: gl.constexpr, PDL: gl.constexpr):
+                               PREFETCH: gl.constexpr, FOLD: gl.constexpr, PDL: gl.constexpr,
+                               RING: gl.constexpr = 0):
         # Program (pid_n, p): tile p of the slots sorted by expert (moe_slots.sort_by_expert,
         # tiles of MB slots), one expert e, its slots as the MMA's B columns: the expert's
         # weights are read once for up to MB tokens. FC 1: rows [pid_n * BN/2, + BN/2) of the
@@ -92,7 +94,7 @@ if HAS_GLUON:
         p = gl.program_id(1)
         mma: gl.constexpr = _mma_layout(W)
         LC: gl.constexpr = _code_layout(BN, BK // 8, W)
-        LS: gl.constexpr = _scale_layout(BN, BK // 16, W)
+        LS: gl.constexpr = _scale_ptr_layout(BN, BK // 16, W, RING)
         LX: gl.constexpr = _x_layout(BK, MB, W)
         LE: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
         _pdl_enter(PDL)  # the tile map is written by the expert sort
@@ -128,7 +130,10 @@ if HAS_GLUON:
         kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LX))
         xptr = x_ptr + xrow.to(gl.int64)[None, :] * stride_xm + kx[:, None]
         k1 = K * valid.to(gl.int32)  # an empty tile runs no K step
-        acc = _mainloop(cptr, sptr, xptr, x_ptr, k1 * 0, k1, K, BN, BK, MB, W, 0, PREFETCH, False)
+        if RING:
+            acc = _mainloop_ring(cptr, sptr, xptr, x_ptr, k1 * 0, k1, K, BN, BK, MB, W, 0, RING, False)
+        else:
+            acc = _mainloop(cptr, sptr, xptr, x_ptr, k1 * 0, k1, K, BN, BK, MB, W, 0, PREFETCH, False)
 
         ro = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         if FC == 1:
@@ -282,7 +287,8 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
                    xin.stride(0), yout.stride(0), a.stride_cn // 4, a.stride_sn,
                    a.stride_ce // 4, a.stride_se, a.stride_te, a.g * E2M1_BF16_POST, EP=ep,
                    HAS_TIDX=a.has_tidx, BN=bn, BK=kb, MB=mb, W=nw, FC=fc,
-                   PREFETCH=int(cfg["PREFETCH"]), FOLD=bool(fold) and fc == 2, num_warps=nw,
+                   PREFETCH=int(cfg["PREFETCH"]), FOLD=bool(fold) and fc == 2,
+                   RING=int(cfg.get("RING", 0)), num_warps=nw,
                    **launch.pdl_args(x))
     if fold:
         return y

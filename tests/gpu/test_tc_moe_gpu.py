@@ -78,10 +78,12 @@ def test_tc_moe_gemv_graph_replay_and_refusals():
     assert "biases" in tc_moe_refusal(x, w13, w2, b13=torch.zeros(e, 2 * inter, device=DEV))
 
 
-@pytest.mark.parametrize("t,mb", [(3, 8), (16, 8), (64, 8), (64, 16), (300, 32)])
-def test_tc_moe_grouped_matches_twin(t, mb):
+@pytest.mark.parametrize("t,mb,ring", [(3, 8, 0), (16, 8, 0), (64, 8, 0), (64, 16, 0), (300, 32, 0),
+                                       (16, 8, 3), (64, 16, 4)])
+def test_tc_moe_grouped_matches_twin(t, mb, ring):
     """Each expert read once for all its tokens: skewed routings put more than one 8-slot
-    tile on an expert; per-row tables on the gate + up stack."""
+    tile on an expert; per-row tables on the gate + up stack; ring: the K steps through
+    the shared-memory ring (config RING)."""
     from lowbit.kernels.moe import reference_moe
     from lowbit.kernels.tc_moe import tc_moe_grouped
 
@@ -93,7 +95,7 @@ def test_tc_moe_grouped_matches_twin(t, mb):
     wts = torch.rand(t, top, device=DEV, generator=g)
     x = _x(t, h, seed=t)
     out = poisoned(t, h, dtype=torch.float32, device=DEV)
-    cfg = dict(MB=mb, BK=128 if mb > 16 else 256)  # MB 32 spills at BK 256
+    cfg = dict(MB=mb, BK=128 if mb > 16 else 256, RING=ring)  # MB 32 spills at BK 256
     tc_moe_grouped(x, ids, wts, w13, w2, config=cfg, out=out)
     ref = reference_moe(x.float(), ids, wts, w13, w2, dot_dtype=torch.bfloat16)
     assert rel_err(out, ref) < 1e-3, (t, mb)
