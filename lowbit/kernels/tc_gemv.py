@@ -272,7 +272,9 @@ if HAS_GLUON:
         steps' bytes are in flight while one is decoded, without holding registers. cptr is in
         the code layout (LC); sptr in a copy layout of 4 bytes a thread (_scale_copy_layout),
         read back in LS; x as in _mainloop. PDL: the first RING - 1 steps' codes and scales are
-        requested before the wait, their activations after it.
+        requested before the wait, their activations after it. A step past the range (or every
+        step of an empty range: the grouped kernel's tiles past the last) copies zero bytes
+        from an address inside the range's first step.
         Every thread waits for its own copies (wait_group), then a barrier makes all of them
         visible; the barrier also orders the reads of the slot a step overwrites (read the
         step before) before that step's copies."""
@@ -297,12 +299,12 @@ if HAS_GLUON:
         steps = (k1 - k0) // BK
         for i in gl.static_range(RING - 1):
             _ring_copy_weights(c_s.index(i), s_s.index(i), cptr, sptr,
-                               k0 + gl.minimum(i, steps - 1) * BK, i < steps, BK)
+                               k0 + gl.maximum(gl.minimum(i, steps - 1), 0) * BK, i < steps, BK)
             async_copy.commit_group()
         _pdl_enter(PDL)
         for i in gl.static_range(RING - 1):
             _ring_copy_x(xa_s.index(i), xb_s.index(i), xptr, hrow,
-                         k0 + gl.minimum(i, steps - 1) * BK, K, i < steps, BK, MOE, L1)
+                         k0 + gl.maximum(gl.minimum(i, steps - 1), 0) * BK, K, i < steps, BK, MOE, L1)
             async_copy.commit_group()
         for j in range(0, steps):
             # groups committed after step j's: the prologue's later ones, or the RING - 2
