@@ -10,7 +10,8 @@
 #              the same way ("tc_gemv", "tc_moe")
 #   prefetchab each shipped tensor-core gemv / per-slot MoE config against the same with
 #              PREFETCH 2 and with the shared-memory ring (RING 3 / 4 / 6 at WAVES 1 / 2 / 4;
-#              scripts/tune_tc_gemv.py --prefetch-ab), the fastest merged the same way
+#              scripts/tune_tc_gemv.py --prefetch-ab; TC_M, TC_MOE_T, TC_GROUPED_T, TC_SHAPES narrow
+#              it), the fastest merged the same way
 #   tunemoe    grouped MoE tile sweep at T = 32, 64, 512, 2048 (scripts/tune_kernels.py
 #              --grouped; TUNEMOE_FORMATS, default dense,nvfp4), merged the same way ("moe_grouped")
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
@@ -109,7 +110,7 @@ fi
 if has prefetchab; then
   echo "== tensor-core gemv: PREFETCH 2 and the cp.async ring against the shipped configs"
   timeout "${T_PREFETCHAB:-240}" python3 scripts/tune_tc_gemv.py --out "$OUT" --prefetch-ab \
-    --m "${TC_M:-1,4,8,16}" --moe-t "${TC_MOE_T:-1,4,16,32}" --grouped-t "${TC_GROUPED_T:-16,32,64}" 2>&1 | tee "$OUT/prefetch_ab.log" | tail -40
+    --m "${TC_M:-1,4,8,16}" --moe-t "${TC_MOE_T:-1,4,16,32}" --grouped-t "${TC_GROUPED_T:-16,32,64}" --shapes "${TC_SHAPES:-}" 2>&1 | tee "$OUT/prefetch_ab.log" | tail -40
   merge_tuned "$OUT/tc_tuned.json"
 fi
 

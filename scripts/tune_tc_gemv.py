@@ -176,6 +176,13 @@ def _ab_line(label: str, base: float, times: dict, kept: dict) -> str:
             + f"; best {best}; kept {kept}")
 
 
+def _shapes(a) -> list[tuple[int, int]]:
+    """--shapes N1xK1,N2xK2 (default: SHAPES)."""
+    if not a.shapes:
+        return list(SHAPES)
+    return [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+
+
 def shipped_table(kernel: str, key: str) -> dict:
     """A copy of this device's config entry (its own file, else the one it borrows)."""
     return json.loads(json.dumps(launch._device(None).get(kernel, {}).get(key, {})))
@@ -189,7 +196,7 @@ def prefetch_ab(a) -> None:
     dev = "cuda"
     kw = BENCH_LUT_FORMATS["nvfp4"]
     out = {"device": torch.cuda.get_device_name(0), "tc_gemv": {}, "tc_moe": {}, "ab": []}
-    for n, k in SHAPES:
+    for n, k in _shapes(a):
         w0 = resolve(random_lut_view(n, k, device=dev, **kw))
         ws = [w0] + [resolve(random_lut_view(n, k, device=dev, seed=i, **kw))
                      for i in range(1, copies_for(payload_bytes(w0)))]
@@ -257,6 +264,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--m", default="1,4,8,16")
     ap.add_argument("--moe-t", default="1,4,16,32")
+    ap.add_argument("--shapes", default="", help="linear shapes NxK,... (default: the bench and engine shapes)")
     ap.add_argument("--grouped-t", default="16,32,64", help="--prefetch-ab: expert-grouped token counts")
     ap.add_argument("--static", action="store_true")
     ap.add_argument("--prefetch-ab", action="store_true")
@@ -270,7 +278,7 @@ def main() -> None:
     dev = "cuda"
     kw = BENCH_LUT_FORMATS["nvfp4"]
     out = {"device": torch.cuda.get_device_name(0), "tc_gemv": {}, "tc_moe": {}}
-    for n, k in SHAPES:
+    for n, k in _shapes(a):
         w0 = resolve(random_lut_view(n, k, device=dev, **kw))
         ws = [w0] + [resolve(random_lut_view(n, k, device=dev, seed=i, **kw))
                      for i in range(1, copies_for(payload_bytes(w0)))]
