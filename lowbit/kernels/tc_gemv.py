@@ -33,6 +33,9 @@ Reference twin: dequant_gemm.reference_linear (exact tiles: no weight rounding).
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from lowbit.formats.views import LutWeight
@@ -476,6 +479,43 @@ def _device_refusal(x: torch.Tensor) -> str | None:
 
 
 DEFAULT = {"BN": 64, "BK": 256, "num_warps": 4, "WAVES": 4}
+RING_SMEM_SLACK = 8 << 10  # shared memory the compiler may add to a RING kernel's own (layout conversions)
+log = logging.getLogger("lowbit")
+
+
+def ring_bytes(ring: int, bn: int, bk: int, mb: int, moe: int, x_size: int) -> int:
+    """Shared memory of a RING config's ring: `ring` K steps of code words (BN x BK / 2 bytes),
+    scale bytes (BN x BK / 16) and activations (x^T [BK, MB] of x_size bytes, or FC2's float32
+    gate and up halves)."""
+    x = 2 * bk * 4 if moe == 2 else bk * mb * x_size
+    return ring * (bn * bk // 2 + bn * bk // 16 + x)
+
+
+@functools.cache
+def _smem_limit(index: int) -> int:
+    """Shared memory a block may opt into on this device (227 KiB on sm_90)."""
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+@functools.cache
+def _warn_ring(ring: int, why: str) -> None:
+    log.warning("tc_gemv: config RING %d refused (%s); the K loop keeps its loads in registers", ring, why)
+
+
+def admitted_ring(ring: int, bn: int, bk: int, mb: int, moe: int, x_size: int, limit: int) -> int:
+    """The config's RING, or 0 (the register loop, PREFETCH) where it cannot run: fewer than
+    two slots, or a ring whose shared memory (plus RING_SMEM_SLACK) passes `limit` bytes.
+    A refusal is logged as a warning once per reason."""
+    if not ring:
+        return 0
+    if ring < 2:
+        _warn_ring(ring, "a ring needs at least 2 slots")
+        return 0
+    need = ring_bytes(ring, bn, bk, mb, moe, x_size) + RING_SMEM_SLACK
+    if need > limit:
+        _warn_ring(ring, f"{need} bytes of shared memory at BN {bn}, BK {bk}, MB {mb} > the device's {limit}")
+        return 0
+    return ring
 
 
 def split_for(n_tiles: int, k_steps: int, waves: int, sms: int) -> int:
@@ -504,6 +544,8 @@ def _launch(x, y, bias, w, m, n, k, cfg, slots=1, moe=0, ids=None, tw=None, a_to
     parts = split if split > 1 or moe == 2 else 1
     ws = torch.empty(parts, m, n, dtype=torch.float32, device=x.device)
     sem = semaphore(x.device, grid_n * slots)
+    ring = admitted_ring(int(cfg.get("RING", 0)), bn, bk, mb, moe, x.element_size(),
+                         _smem_limit(x.device.index or 0))
     launch.run(_tc_gemv_kernel, (grid_n, split, slots),
                x, y, x if bias is None else bias, ws, sem, a.codes.view(torch.int32),
                a.scales.view(torch.uint8),
@@ -512,7 +554,7 @@ def _launch(x, y, bias, w, m, n, k, cfg, slots=1, moe=0, ids=None, tw=None, a_to
                x if tw is None else tw, a_top, a.stride_ce // 4, a.stride_se, a.tidx, a.stride_te,
                HAS_TIDX=a.has_tidx, HAS_BIAS=bias is not None, BN=bn, BK=bk, MB=mb, W=cfg["num_warps"],
                SPLIT=split > 1, MOE=moe, PREFETCH=int(cfg.get("PREFETCH", True)),
-               RING=int(cfg.get("RING", 0)), num_warps=cfg["num_warps"], **launch.pdl_args(x))
+               RING=ring, num_warps=cfg["num_warps"], **launch.pdl_args(x))
 
 
 def tc_gemv(x: torch.Tensor, w: LutWeight, bias: torch.Tensor | None = None,

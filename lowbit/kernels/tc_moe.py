@@ -44,6 +44,8 @@ from lowbit.kernels.tc_gemv import (
     _device_refusal,
     _launch,
     _shape_refusal,
+    _smem_limit,
+    admitted_ring,
 )
 
 if HAS_GLUON:
@@ -279,6 +281,8 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
                                        (2, w2, act, ys, h, inter, bn2)):
         a = weight_args(w)
         kb = bk if k % bk == 0 else BK_UNIT
+        ring = admitted_ring(int(cfg.get("RING", 0)), bn, kb, mb, 0, xin.element_size(),
+                             _smem_limit(x.device.index or 0))
         grid_n = -(-n // (bn // 2 if fc == 1 else bn))
         launch.run(_tc_moe_grouped_kernel, (grid_n, tiles),
                    xin, yout, a.codes.view(torch.int32), a.scales.view(torch.uint8), a.ab,
@@ -288,7 +292,7 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
                    a.stride_ce // 4, a.stride_se, a.stride_te, a.g * E2M1_BF16_POST, EP=ep,
                    HAS_TIDX=a.has_tidx, BN=bn, BK=kb, MB=mb, W=nw, FC=fc,
                    PREFETCH=int(cfg["PREFETCH"]), FOLD=bool(fold) and fc == 2,
-                   RING=int(cfg.get("RING", 0)), num_warps=nw,
+                   RING=ring, num_warps=nw,
                    **launch.pdl_args(x))
     if fold:
         return y

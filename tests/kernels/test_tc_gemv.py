@@ -98,3 +98,29 @@ def test_kernels_compile_for_sm90_without_shared_memory_in_the_loop():
     for name in ("linear", "moe_fc2"):
         one, two = stats[name]["loads_before_wait"], stats[f"{name}_prefetch2"]["loads_before_wait"]
         assert two >= 2 * one - 1 and two > one, (name, one, two)
+
+
+def test_ring_admission_falls_back_to_registers_with_a_warning(caplog):
+    """A RING config runs only where its shared memory fits the device (and has two slots or
+    more); otherwise the launch keeps the register loop and says why, once."""
+    import logging
+
+    from lowbit.kernels.tc_gemv import RING_SMEM_SLACK, _warn_ring, admitted_ring, ring_bytes
+
+    # BN 64, BK 256, MB 8, bf16 x: 4 x (8 KiB codes + 1 KiB scales + 4 KiB x)
+    assert ring_bytes(4, 64, 256, 8, 0, 2) == 4 * (8192 + 1024 + 4096)
+    assert ring_bytes(3, 64, 256, 8, 2, 4) == 3 * (8192 + 1024 + 2 * 256 * 4)  # FC2: gate, up
+    h100 = 227 << 10
+    assert admitted_ring(0, 128, 512, 16, 0, 2, h100) == 0
+    assert admitted_ring(4, 64, 256, 8, 0, 2, h100) == 4
+    need = ring_bytes(6, 128, 512, 16, 0, 2) + RING_SMEM_SLACK
+    assert need > h100
+    _warn_ring.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="lowbit"):
+        assert admitted_ring(6, 128, 512, 16, 0, 2, h100) == 0
+        assert admitted_ring(1, 64, 256, 8, 0, 2, h100) == 0
+    text = caplog.text
+    assert f"{need} bytes of shared memory" in text and "RING 6 refused" in text
+    assert "at least 2 slots" in text
+    # exactly at the limit still runs
+    assert admitted_ring(6, 128, 512, 16, 0, 2, need) == 6
