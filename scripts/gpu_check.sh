@@ -73,8 +73,8 @@ fi
 
 merge_tuned() {  # the stages after a sweep use what it found
   [ -s "$1" ] || return 0
-  python3 - "$1" <<'PY'
-import json, sys
+  python3 - "$1" "$RES" <<'PY'
+import json, shutil, sys
 from lowbit.kernels import launch
 tuned = json.load(open(sys.argv[1]))
 path = launch.CONFIG_DIR / f"{launch.slug(tuned['device'])}.json"
@@ -83,6 +83,7 @@ cur = json.loads(path.read_text()) if path.exists() else dict(launch._device(tun
 for table in ("gemv", "gemm", "choice", "moe_gemv", "moe_grouped", "tc_gemv", "tc_moe"):
     cur.setdefault(table, {}).update(tuned.get(table, {}))
 path.write_text(json.dumps(cur, indent=1))
+shutil.copy(path, sys.argv[2])  # the merged file comes back in results.tar.gz, ready to ship
 print("configs ->", path)
 PY
 }
