@@ -21,7 +21,8 @@
 #   engine     lowbit bench latency at the Qwen3-30B-A3B shape, random weights, bf16 and
 #              $QUANT (ENGINE_FORMATS overrides the list), default routes and flags (what a user gets): pp/tg cells, batched
 #              decode, kernels per decode step from a profile, graph status, route calls;
-#              ENGINE_FORMATS="nvfp4 nvfp4+nopdl" adds a run with LOWBIT_PDL=0 (+noslots:
+#              ENGINE_FORMATS="nvfp4 nvfp4+nopdl" adds a run with LOWBIT_PDL=0 (+noring:
+#              LOWBIT_TC_RING=0; +noslots:
 #              LOWBIT_SLOT_FUSION=0); ENGINE_KV="auto fp8"
 #              runs each format with a bf16 and an fp8 KV pool
 #   offload    expert offload at the Qwen3-30B-A3B shape, $QUANT, C1: resident, then
@@ -129,15 +130,17 @@ if has engine; then
   # one log for both formats ($OUT holds at most 8 files): the [latency] progress lines
   # stream in as they come (a capped run still shows its last step), the table comes last
   # a format suffixed +nopdl runs with LOWBIT_PDL=0 (the programmatic-dependent-launch A/B),
-  # +noslots with LOWBIT_SLOT_FUSION=0 (the MoE's two-launch sort and combine launch); both: +noslots+nopdl
+  # +noslots with LOWBIT_SLOT_FUSION=0 (the MoE's two-launch sort and combine launch); both: +noslots+nopdl;
+  # a last suffix +noring runs with LOWBIT_TC_RING=0 (tuned RING configs on their register loop)
   for spec in ${ENGINE_FORMATS:-bf16 $QUANT}; do
    for kv in ${ENGINE_KV:-auto}; do  # ENGINE_KV="auto fp8": each format with both KV pools
-    fmt=${spec%+nopdl}; pdl=1; [ "$fmt" != "$spec" ] && pdl=0
+    plain=${spec%+noring}; ring=1; [ "$plain" != "$spec" ] && ring=0
+    fmt=${plain%+nopdl}; pdl=1; [ "$fmt" != "$plain" ] && pdl=0
     base=${fmt%+noslots}; slots=1; [ "$base" != "$fmt" ] && slots=0; fmt=$base
     cap=$T_ENGINE_BF16; [ "$fmt" != bf16 ] && cap=$T_ENGINE_Q
     echo "== engine latency: $spec, KV $kv (default routes, cap ${cap} s)" | tee -a "$OUT/engine.log"
     q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
-    LOWBIT_PDL=$pdl LOWBIT_SLOT_FUSION=$slots timeout "$cap" python3 -m lowbit bench latency x --random-weights \
+    LOWBIT_PDL=$pdl LOWBIT_SLOT_FUSION=$slots LOWBIT_TC_RING=$ring timeout "$cap" python3 -m lowbit bench latency x --random-weights \
       --config "$CONFIG" "${q[@]}" --kv-cache-dtype "$kv" $CELLS --records "$RES" \
       --append-md "$OUT/engine.md" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/engine.log"
     rc=${PIPESTATUS[0]}

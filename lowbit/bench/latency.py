@@ -34,7 +34,7 @@ from lowbit.bench.step_profile import format_profile, profile_decode, profile_pr
 from lowbit.config import EngineConfig
 from lowbit.distributed import engine_model
 from lowbit.errors import LowbitError
-from lowbit.kernels import launch, moe_slots, routes
+from lowbit.kernels import launch, moe_slots, routes, tc_gemv
 
 
 @dataclass
@@ -190,6 +190,17 @@ def slot_fusion_line() -> str:
         return ("MoE slot launches fused: one-launch expert sort, combine summed by the next "
                 "RMSNorm")
     return "MoE slot launches NOT fused: LOWBIT_SLOT_FUSION=0 (the two-launch sort and the combine launch)"
+
+
+def ring_line() -> str | None:
+    """Whether the tensor-core gemv's tuned configs run their shared-memory ring
+    (lowbit.kernels.tc_gemv.ring_enabled); None when the device file asks for none."""
+    n = tc_gemv.ring_configs(launch._device(None))
+    if not n:
+        return None
+    if tc_gemv.ring_enabled():
+        return f"tensor-core gemv: {n} tuned configs load through the shared-memory ring (RING)"
+    return f"tensor-core gemv ring OFF: LOWBIT_TC_RING=0 ({n} tuned configs that ask for it run the register loop)"
 
 
 def route_summary() -> dict:
@@ -366,6 +377,7 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "graphs": graph_status(s.llm.engine), "prefill_graphs": prefill_graph_status(s.llm.engine),
             "async": async_status(s.llm.engine), "pdl": pdl_line(s.device),
             "slot_fusion": slot_fusion_line(),
+            "tc_ring": ring_line() if str(s.device).startswith("cuda") else None,
             "launch_configs": launch.config_status() if str(s.device).startswith("cuda") else None,
             "routes": route_summary(), "step_profiles": profiles,
             "expert_cache": expert_cache_summary(s.llm.engine)}
@@ -407,7 +419,8 @@ def summary_md(rec: dict) -> str:
             f"{rec['copy_bandwidth_Bps'] / 1e9:.1f} GB/s; active weight bytes per token "
             f"{rec['weight_bytes']['active'] / 2**20:.1f} MiB; {rec['repeats']} repeats, mean ± sd")
     lines = [foot, rec.get("graphs", ""), rec.get("prefill_graphs", ""), rec.get("async", ""),
-             rec.get("pdl", ""), rec.get("slot_fusion", ""), rec.get("launch_configs") or ""]
+             rec.get("pdl", ""), rec.get("slot_fusion", ""), rec.get("tc_ring") or "",
+             rec.get("launch_configs") or ""]
     if rec.get("temperature") or rec.get("router_zipf") is not None:
         lines.append(f"tokens sampled at temperature {rec.get('temperature') or 0:g}"
                      + (f"; SYNTHETIC routing: routers biased toward Zipf({rec['router_zipf']:g}) expert "

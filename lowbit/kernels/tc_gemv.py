@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -502,11 +503,27 @@ def _warn_ring(ring: int, why: str) -> None:
     log.warning("tc_gemv: config RING %d refused (%s); the K loop keeps its loads in registers", ring, why)
 
 
+def ring_enabled() -> bool:
+    """Whether configs that ask for the shared-memory ring get it: LOWBIT_TC_RING=0 runs every
+    config's register loop instead (the A/B of a shipped ring config)."""
+    return os.environ.get("LOWBIT_TC_RING", "1") != "0"
+
+
+def ring_configs(table: dict) -> int:
+    """How many configs of a device file's "tc_gemv" / "tc_moe" tables ask for RING."""
+    def count(node) -> int:
+        if isinstance(node, dict):
+            return int(bool(node.get("RING"))) + sum(count(v) for v in node.values())
+        return 0
+    return count(table.get("tc_gemv", {})) + count(table.get("tc_moe", {}))
+
+
 def admitted_ring(ring: int, bn: int, bk: int, mb: int, moe: int, x_size: int, limit: int) -> int:
     """The config's RING, or 0 (the register loop, PREFETCH) where it cannot run: fewer than
     two slots, or a ring whose shared memory (plus RING_SMEM_SLACK) passes `limit` bytes.
-    A refusal is logged as a warning once per reason."""
-    if not ring:
+    A refusal is logged as a warning once per reason; LOWBIT_TC_RING=0 (ring_enabled) gives
+    0 without one."""
+    if not ring or not ring_enabled():
         return 0
     if ring < 2:
         _warn_ring(ring, "a ring needs at least 2 slots")

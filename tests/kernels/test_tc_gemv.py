@@ -124,3 +124,26 @@ def test_ring_admission_falls_back_to_registers_with_a_warning(caplog):
     assert "at least 2 slots" in text
     # exactly at the limit still runs
     assert admitted_ring(6, 128, 512, 16, 0, 2, need) == 6
+
+
+def test_ring_switch_and_the_bench_line(monkeypatch):
+    """LOWBIT_TC_RING=0 runs tuned RING configs on their register loop (no warning: asked
+    for), and the bench record names how many tuned configs ask for the ring, and whether
+    they get it."""
+    from lowbit.bench import latency
+    from lowbit.kernels import launch, tc_gemv
+
+    table = {"tc_gemv": {"nvfp4:5120x2048": {"1": {"BN": 64, "RING": 4}, "8": {"BN": 64}}},
+             "tc_moe": {"nvfp4:128x2048": {"1": {"fc1": {"RING": 3}, "fc2": {"RING": 0}},
+                                           "32": {"grouped": {"RING": 4}}}}}
+    assert tc_gemv.ring_configs(table) == 3
+    assert tc_gemv.ring_configs({"tc_gemv": {"nvfp4:1x1": {"1": {"BN": 64}}}}) == 0
+    monkeypatch.setattr(launch, "_device", lambda device: table)
+    monkeypatch.delenv("LOWBIT_TC_RING", raising=False)
+    assert tc_gemv.admitted_ring(4, 64, 256, 8, 0, 2, 227 << 10) == 4
+    assert latency.ring_line() == "tensor-core gemv: 3 tuned configs load through the shared-memory ring (RING)"
+    monkeypatch.setenv("LOWBIT_TC_RING", "0")
+    assert tc_gemv.admitted_ring(4, 64, 256, 8, 0, 2, 227 << 10) == 0
+    assert "ring OFF: LOWBIT_TC_RING=0 (3 tuned configs" in latency.ring_line()
+    monkeypatch.setattr(launch, "_device", lambda device: {})
+    assert latency.ring_line() is None
