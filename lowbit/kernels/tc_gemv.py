@@ -22,7 +22,10 @@ one by one. Written in Gluon (triton.experimental.gluon) because the layouts are
 - Split-K when N / BN programs cannot fill the SMs, deterministic as in dequant_gemm: each
   split writes its partial to a workspace, the last to arrive sums them in split order.
 - PREFETCH 1 (2): the next K step's (next two steps') loads are in flight while this one is
-  decoded. No load is masked: rows past N and activation rows past M read the last valid
+  decoded. RING r (r >= 2, off by default): the loads go by cp.async into a shared-memory
+  ring of r steps instead (`_mainloop_ring`), r - 1 steps in flight without registers;
+  admitted where the ring's shared memory fits the device (`admitted_ring`), LOWBIT_TC_RING=0
+  turns it off. No load is masked: rows past N and activation rows past M read the last valid
   row, and their products land in accumulator rows / columns that are never stored (K is
   whole 128-code groups).
 The kernel's MOE modes (per-slot expert FC1 / FC2) and the K loop (`_mainloop`) also serve
