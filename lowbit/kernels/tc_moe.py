@@ -253,7 +253,8 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     one-program sort and FC2's last-arriving program per token summing its slots, three
     launches. No host read. Same contract as
     moe.fused_moe_gemv. defer (with out None): a moe_slots.SlotSum instead of the combine
-    launch, for the next RMSNorm to sum."""
+    launch, for the next RMSNorm to sum. Config RING: the K loops through tc_gemv's
+    shared-memory ring (tc_gemv.admitted_ring decides where it fits)."""
     reason = tc_moe_refusal(x, w13, w2)
     assert reason is None, reason
     t, h = x.shape
