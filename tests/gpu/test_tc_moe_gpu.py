@@ -194,3 +194,42 @@ def test_tc_moe_grouped_slot_sum_in_the_norm_equals_combine_launch(t):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(fy, py) and torch.equal(fr, pr)
+
+
+@pytest.mark.parametrize("t", [1, 4, 64])
+def test_ring_gives_the_register_loops_bits(t):
+    """Config RING changes where a K step's bytes wait (shared memory, by cp.async), not the
+    order of the sums: the per-slot MoE (t = 1, 4) and the expert-grouped one (t = 64, with a
+    NaN routing row and a slot placed nowhere) give the register loop's output bit for bit,
+    and in a graph replayed as the routing changes."""
+    from lowbit.kernels.tc_moe import tc_moe_gemv, tc_moe_grouped
+
+    e, top, h = 64, 8, 2048
+    w13, w2, ids, wts, x, g = _dead_slot_case(t, seed=11)
+    if t < 8:  # the per-slot kernels take routable ids only
+        ids = torch.rand(t, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32)
+        def run(cfg, out):
+            tc_moe_gemv(x, ids, wts, w13, w2, config=dict(fc1=cfg, fc2=cfg), out=out)
+        base = dict(BN=64, BK=256, SPLIT=2)
+    else:
+        def run(cfg, out):
+            tc_moe_grouped(x, ids, wts, w13, w2, config=cfg, out=out)
+        base = dict(MB=16)
+    outs = {}
+    for ring in (0, 3, 4):
+        outs[ring] = poisoned(t, h, dtype=torch.float32, device=DEV)
+        run(dict(base, RING=ring), outs[ring])
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[3], outs[0]) and torch.equal(outs[4], outs[0])
+    y0, y4 = (torch.empty(t, h, device=DEV) for _ in range(2))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(dict(base, RING=0), y0)
+        run(dict(base, RING=4), y4)
+    for _ in range(2):
+        ids.copy_(torch.rand(t, e, device=DEV, generator=g).topk(top, -1).indices.to(torch.int32))
+        y4.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y4, y0)
