@@ -129,7 +129,7 @@ def static() -> None:
     print(json.dumps(out))
 
 
-RING_VARIANTS = [dict(RING=r, WAVES=w) for r in (3, 4, 6) for w in (1, 2, 4)]
+RINGS, RING_WAVES = (3, 4, 6), (1, 2, 4)
 
 
 def _variants(cfg: dict, grouped: bool = False) -> dict[str, dict]:
@@ -137,11 +137,11 @@ def _variants(cfg: dict, grouped: bool = False) -> dict[str, dict]:
     the shared-memory ring (RING r) at a few split widths (WAVES: fewer splits give each
     program more steps to keep in flight; the expert-grouped kernel does not split K)."""
     out = {"prefetch2": dict(cfg, PREFETCH=2)}
-    for v in RING_VARIANTS:
+    for r in RINGS:
         if grouped:
-            out[f"ring{v['RING']}"] = dict(cfg, RING=v["RING"])
+            out[f"ring{r}"] = dict(cfg, RING=r)
         else:
-            out[f"ring{v['RING']}_w{v['WAVES']}"] = dict(cfg, **v)
+            out.update({f"ring{r}_w{w}": dict(cfg, RING=r, WAVES=w) for w in RING_WAVES})
     return out
 
 
