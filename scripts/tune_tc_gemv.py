@@ -196,6 +196,11 @@ def prefetch_ab(a) -> None:
     dev = "cuda"
     kw = BENCH_LUT_FORMATS["nvfp4"]
     out = {"device": torch.cuda.get_device_name(0), "tc_gemv": {}, "tc_moe": {}, "ab": []}
+    path = Path(a.out) / "tc_tuned.json"
+
+    def save() -> None:  # after every entry: a call stopped by its time cap keeps what it measured
+        path.write_text(json.dumps(out, indent=1))
+
     for n, k in _shapes(a):
         w0 = resolve(random_lut_view(n, k, device=dev, **kw))
         ws = [w0] + [resolve(random_lut_view(n, k, device=dev, seed=i, **kw))
@@ -211,6 +216,7 @@ def prefetch_ab(a) -> None:
             out["ab"].append({"kernel": "tc_gemv", "shape": f"{n}x{k}", "m": m, "config": cfg0,
                               "us": base, "us_variants": times, "kept": kept})
             print(_ab_line(f"tc_gemv {n}x{k} M={m}", base, times, kept), flush=True)
+            save()
     e, top, h, inter = 128, 8, 2048, 768
     w13 = resolve(random_lut_view(2 * inter, h, lead=(e,), device=dev, **kw))
     w2 = resolve(random_lut_view(h, inter, lead=(e,), device=dev, seed=1, **kw))
@@ -235,6 +241,7 @@ def prefetch_ab(a) -> None:
             out["ab"].append({"kernel": f"tc_moe {which}", "shape": f"{e}x{h}", "m": t_,
                               "us": base, "us_variants": times, "kept": kept})
             print(_ab_line(f"tc_moe T={t_} {which} changed", base, times, kept), flush=True)
+            save()
     for t_ in (int(v) for v in a.grouped_t.split(",") if v):
         shipped = launch.lookup("tc_moe", "nvfp4", e, h, t_)
         if t_ < shipped.get("GROUPED_FROM", 1 << 30):
@@ -250,8 +257,8 @@ def prefetch_ab(a) -> None:
         out["ab"].append({"kernel": "tc_moe grouped", "shape": f"{e}x{h}", "m": t_, "config": cfg0,
                           "us": base, "us_variants": times, "kept": kept})
         print(_ab_line(f"tc_moe grouped T={t_}", base, times, kept), flush=True)
-    path = Path(a.out) / "tc_tuned.json"
-    path.write_text(json.dumps(out, indent=1))
+        save()
+    save()
     print("->", path)
 
 
