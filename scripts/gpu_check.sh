@@ -9,9 +9,14 @@
 #   tunetc     tensor-core nvfp4 gemv / MoE per-slot sweep (scripts/tune_tc_gemv.py), merged
 #              the same way ("tc_gemv", "tc_moe")
 #   prefetchab each shipped tensor-core gemv / per-slot MoE config against the same with
-#              PREFETCH 2 and with the shared-memory ring (RING 3 / 4 / 6 at WAVES 1 / 2 / 4;
-#              scripts/tune_tc_gemv.py --prefetch-ab; TC_M, TC_MOE_T, TC_GROUPED_T, TC_SHAPES narrow
-#              it), the fastest merged the same way
+#              PREFETCH 2, and with TC_RING_AB=1 the shared-memory ring (RING 3 / 4 / 6 at WAVES
+#              1 / 2 / 4; measured negative in the engine); scripts/tune_tc_gemv.py --prefetch-ab;
+#              TC_M, TC_MOE_T, TC_GROUPED_T, TC_SHAPES narrow it), the fastest merged the same way
+#   ncu        Nsight Compute over NCU_STEPS engine decode steps at each batch of NCU_BATCHES
+#              (default 1 8), $QUANT at the Qwen3-30B-A3B shape: every kernel's own time
+#              (ncu runs them one at a time: no PDL overlap), DRAM bytes, GB/s against the
+#              copy, occupancy, grouped by kernel and grid (scripts/ncu_step.py); NCU_STALLS=1
+#              adds the warp-state section for the tensor-core kernels
 #   tunemoe    grouped MoE tile sweep at T = 32, 64, 512, 2048 (scripts/tune_kernels.py
 #              --grouped; TUNEMOE_FORMATS, default dense,nvfp4), merged the same way ("moe_grouped")
 #   kernels    python -m lowbit.bench.kernels: GEMV / MoE layer vs ceilings and peers
@@ -110,8 +115,9 @@ if has tunetc; then
 fi
 
 if has prefetchab; then
-  echo "== tensor-core gemv: PREFETCH 2 and the cp.async ring against the shipped configs"
-  timeout "${T_PREFETCHAB:-240}" python3 scripts/tune_tc_gemv.py --out "$OUT" --prefetch-ab \
+  echo "== tensor-core gemv: PREFETCH 2 (TC_RING_AB=1: and the cp.async ring) against the shipped configs"
+  ring_ab=(); [ "${TC_RING_AB:-0}" = 1 ] && ring_ab=(--ring)
+  timeout "${T_PREFETCHAB:-240}" python3 scripts/tune_tc_gemv.py --out "$OUT" --prefetch-ab "${ring_ab[@]}" \
     --m "${TC_M:-1,4,8,16}" --moe-t "${TC_MOE_T:-1,4,16,32}" --grouped-t "${TC_GROUPED_T:-16,32,64}" --shapes "${TC_SHAPES:-}" 2>&1 | tee "$OUT/prefetch_ab.log" | tail -40
   merge_tuned "$OUT/tc_tuned.json"
 fi
@@ -147,6 +153,39 @@ if has engine; then
     [ "$rc" = 124 ] && echo "engine latency $fmt: stopped by its ${cap} s cap" | tee -a "$OUT/engine.log"
    done
   done
+fi
+
+if has ncu; then
+  NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -1)}
+  echo "ncu: ${NCU:-not found}" | tee -a "$OUT/ncu.log"
+  # one log and one table file for every batch ($OUT holds at most 8 files); the CSVs and
+  # summaries go to the archive
+  for b in ${NCU_BATCHES:-1 8}; do
+    echo "== ncu: $QUANT, decode steps at B = $b" | tee -a "$OUT/ncu.log"
+    timeout "${T_NCU:-240}" "$NCU" --profile-from-start off --clock-control none --csv --page raw \
+      --metrics "$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import ncu_step; print(ncu_step.NCU_METRICS)')" \
+      --log-file "$RES/ncu_b$b.csv" python3 scripts/ncu_step.py --random-weights --config "$CONFIG" \
+      --quantization "$QUANT" --batch "$b" --steps "${NCU_STEPS:-2}" --meta "$RES/ncu_b${b}_meta.json" 2>&1 \
+      | grep -v "^==PROF==" | tail -5 | tee -a "$OUT/ncu.log"
+    python3 scripts/ncu_step.py --summarize "$RES/ncu_b$b.csv" --meta "$RES/ncu_b${b}_meta.json" \
+      --json "$RES/ncu_b${b}_summary.json" 2>&1 | tee -a "$OUT/ncu.md" | head -30
+  done
+  if [ "${NCU_STALLS:-0}" = 1 ]; then
+    echo "== ncu: warp states of the tensor-core kernels, B = 1" | tee -a "$OUT/ncu.log"
+    timeout "${T_NCU:-240}" "$NCU" --profile-from-start off --clock-control none --csv --page raw \
+      --section WarpStateStats --section SpeedOfLight --kernel-name regex:_tc_ --launch-count 8 \
+      --log-file "$RES/ncu_stalls.csv" python3 scripts/ncu_step.py --random-weights --config "$CONFIG" \
+      --quantization "$QUANT" --batch 1 --steps 1 --meta "$RES/ncu_stalls_meta.json" 2>&1 | tail -3 | tee -a "$OUT/ncu.log"
+    python3 - "$RES/ncu_stalls.csv" <<'PY' 2>&1 | tee -a "$OUT/ncu.md"
+import sys
+sys.path.insert(0, "scripts")
+import ncu_step
+for k in ncu_step.read_ncu_csv(open(sys.argv[1]).read()):
+    st = sorted(((v, m.split("issue_stalled_")[1]) for m, v in k.items() if "issue_stalled_" in m), reverse=True)
+    print(ncu_step.short_name(k["name"]), round(k.get("gpu__time_duration.sum", 0), 2), "us;",
+          ", ".join(f"{m} {v:.2f}" for v, m in st[:8]))
+PY
+  fi
 fi
 
 if has offload; then

@@ -1,11 +1,11 @@
 """Tune the tensor-core nvfp4 GEMV (lowbit.kernels.tc_gemv) on a GPU.
 
   python scripts/tune_tc_gemv.py --out DIR [--m 1,4,8,16] [--moe-t 1,4,16,32]
-  python scripts/tune_tc_gemv.py --out DIR --prefetch-ab
+  python scripts/tune_tc_gemv.py --out DIR --prefetch-ab [--ring]
       Times each shipped config (the device file's "tc_gemv" / "tc_moe" entries at each M /
-      token count) against the same config with PREFETCH 2 (two K steps in registers) and
-      with the shared-memory ring (RING 3 / 4 / 6 K steps by cp.async, at WAVES 1 / 2 / 4),
-      and writes DIR/tc_tuned.json with the fastest (a challenger only where it wins by
+      token count) against the same config with PREFETCH 2 (two K steps in registers) and,
+      with --ring, with the shared-memory ring (RING 3 / 4 / 6 K steps by cp.async, at
+      WAVES 1 / 2 / 4; measured negative in the engine on the H100), and writes DIR/tc_tuned.json with the fastest (a challenger only where it wins by
       more than 2 %).
   python scripts/tune_tc_gemv.py --static
       No GPU needed (run without TRITON_INTERPRET): compiles the linear, per-slot MoE and
@@ -70,7 +70,7 @@ TYPES = {"x_ptr": "*bf16", "y_ptr": "*bf16", "codes_ptr": "*i32", "scales_ptr": 
          "need_ptr": "*i32", "out_ptr": "*bf16"}
 
 
-def _static_one(kernel, consts: dict, types: dict) -> dict:
+def _static_one(kernel, consts: dict, types: dict, unaligned: tuple[str, ...] = ()) -> dict:
     import re
 
     import triton
@@ -80,7 +80,8 @@ def _static_one(kernel, consts: dict, types: dict) -> dict:
 
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in kernel.arg_names}
     aligned = [i for i, n in enumerate(kernel.arg_names)
-               if n.endswith("_ptr") or n.startswith("stride_") or n in ("K", "k_split")]
+               if (n.endswith("_ptr") or n.startswith("stride_") or n in ("K", "k_split"))
+               and n not in unaligned]
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts,
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -122,6 +123,11 @@ def static() -> None:
            "grouped_fc1": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=1), TYPES),
            "grouped_fc2": _static_one(tc_moe._tc_moe_grouped_kernel,
                                       dict(grp, FC=2, BN=64, FOLD=True), dict(TYPES, y_ptr="*fp32")),
+           # K = 384: 24-byte scale rows, which the compiler knows only as multiples of 4
+           "linear_ring3_k384": _static_one(tc_gemv._tc_gemv_kernel,
+                                            dict(lin, MOE=0, RING=3, BK=128, HAS_BIAS=True),
+                                            dict(TYPES, y_ptr="*fp32", bias_ptr="*fp32"),
+                                            unaligned=("stride_sn", "stride_se", "stride_ym")),
            "grouped_fc1_ring4": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=1, RING=4),
                                             TYPES),
            "grouped_fc1_mb32": _static_one(tc_moe._tc_moe_grouped_kernel,
@@ -132,12 +138,15 @@ def static() -> None:
 RINGS, RING_WAVES = (3, 4, 6), (1, 2, 4)
 
 
-def _variants(cfg: dict, grouped: bool = False) -> dict[str, dict]:
+def _variants(cfg: dict, grouped: bool = False, ring: bool = False) -> dict[str, dict]:
     """The A/B's challengers of a shipped config: two K steps in registers (PREFETCH 2), and
-    the shared-memory ring (RING r) at a few split widths (WAVES: fewer splits give each
-    program more steps to keep in flight; the expert-grouped kernel does not split K)."""
+    with `ring` the shared-memory ring (RING r) at a few split widths (WAVES: fewer splits give
+    each program more steps to keep in flight; the expert-grouped kernel does not split K).
+    The ring is off by default: on the H100 it lost at M = 1 and in every MoE schedule, and
+    the two M = 8 wins it had alone made the engine's x8 decode 4 % slower
+    (docs/BENCHMARKS.md "H100 call at 803f65c")."""
     out = {"prefetch2": dict(cfg, PREFETCH=2)}
-    for r in RINGS:
+    for r in RINGS if ring else ():
         if grouped:
             out[f"ring{r}"] = dict(cfg, RING=r)
         else:
@@ -145,7 +154,7 @@ def _variants(cfg: dict, grouped: bool = False) -> dict[str, dict]:
     return out
 
 
-def _ab(fns_for, cfg: dict, grouped: bool = False) -> tuple[dict, float, dict]:
+def _ab(fns_for, cfg: dict, grouped: bool = False, ring: bool = False) -> tuple[dict, float, dict]:
     """(the kept config, us with it as shipped, us of each challenger): a challenger replaces
     the shipped config only where its output matches the shipped config's and it wins by
     more than 2 %."""
@@ -154,7 +163,7 @@ def _ab(fns_for, cfg: dict, grouped: bool = False) -> tuple[dict, float, dict]:
     base = timed(fns_for(cfg))["us"]
     ref = fns_for(cfg)[0]().float()
     times, kept, best = {}, cfg, 0.98 * base
-    for name, c in _variants(cfg, grouped).items():
+    for name, c in _variants(cfg, grouped, ring).items():
         try:
             got = fns_for(c)[0]().float()
             err = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -211,7 +220,7 @@ def prefetch_ab(a) -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             cfg0 = dict(DEFAULT, **launch.lookup("tc_gemv", "nvfp4", n, k, m))
             kept, base, times = _ab(lambda c, x=x, ws=ws: [functools.partial(tc_gemv, x, w, config=c)
-                                                           for w in ws], cfg0)
+                                                           for w in ws], cfg0, ring=a.ring)
             table[str(m)] = kept
             out["ab"].append({"kernel": "tc_gemv", "shape": f"{n}x{k}", "m": m, "config": cfg0,
                               "us": base, "us_variants": times, "kept": kept})
@@ -235,7 +244,7 @@ def prefetch_ab(a) -> None:
             def fns(c, which=which, bs=batches, fc1=fc1, fc2=fc2):
                 pair = dict(fc1=c if which == "fc1" else fc1, fc2=c if which == "fc2" else fc2)
                 return [functools.partial(tc_moe_gemv, *b, w13, w2, config=pair) for b in bs]
-            res[which] = _ab(fns, fc1 if which == "fc1" else fc2)
+            res[which] = _ab(fns, fc1 if which == "fc1" else fc2, ring=a.ring)
         table[str(t_)] = dict(shipped, fc1=res["fc1"][0], fc2=res["fc2"][0])
         for which, (kept, base, times) in res.items():
             out["ab"].append({"kernel": f"tc_moe {which}", "shape": f"{e}x{h}", "m": t_,
@@ -252,7 +261,7 @@ def prefetch_ab(a) -> None:
                     torch.rand(t_, top, device=dev, generator=g)) for _ in range(8)]
         cfg0 = dict(GROUPED, **shipped.get("grouped", {}))
         kept, base, times = _ab(lambda c, bs=batches: [functools.partial(tc_moe_grouped, *b, w13, w2, config=c)
-                                                       for b in bs], cfg0, grouped=True)
+                                                       for b in bs], cfg0, grouped=True, ring=a.ring)
         table[str(t_)] = dict(shipped, grouped=kept)
         out["ab"].append({"kernel": "tc_moe grouped", "shape": f"{e}x{h}", "m": t_, "config": cfg0,
                           "us": base, "us_variants": times, "kept": kept})
@@ -275,6 +284,8 @@ def main() -> None:
     ap.add_argument("--grouped-t", default="16,32,64", help="--prefetch-ab: expert-grouped token counts")
     ap.add_argument("--static", action="store_true")
     ap.add_argument("--prefetch-ab", action="store_true")
+    ap.add_argument("--ring", action="store_true",
+                    help="--prefetch-ab: the shared-memory ring's configs among the challengers too")
     a = ap.parse_args()
     if a.static:
         static()

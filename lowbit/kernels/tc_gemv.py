@@ -368,6 +368,9 @@ if HAS_GLUON:
             # FC2 starts, the router that wrote the ids has completed. Read them from L2 (.cg)
             # and fetch the expert's first weight tile before waiting for FC1's output.
             e = gl.load(ids_ptr + pid_m, cache_modifier=".cg").to(gl.int64)
+        if RING:  # 4-byte cp.async of the scales (admitted_ring checked the host strides)
+            stride_sn = stride_sn // 4 * 4
+            stride_se = stride_se // 4 * 4
         if MOE > 0:
             codes_ptr += e * stride_ce
             scales_ptr += e * stride_se
@@ -521,15 +524,26 @@ def ring_configs(table: dict) -> int:
     return count(table.get("tc_gemv", {})) + count(table.get("tc_moe", {}))
 
 
-def admitted_ring(ring: int, bn: int, bk: int, mb: int, moe: int, x_size: int, limit: int) -> int:
+def ring_scales_aligned(a) -> bool:
+    """Whether a weight's scale rows (and expert stacks) start on 4 bytes from a 16-byte
+    base, as the ring's 4-byte cp.async of the scales needs (weight_args' view `a`)."""
+    return a.stride_sn % 4 == 0 and a.stride_se % 4 == 0 and a.scales.data_ptr() % 16 == 0
+
+
+def admitted_ring(ring: int, bn: int, bk: int, mb: int, moe: int, x_size: int, limit: int,
+                  aligned: bool = True) -> int:
     """The config's RING, or 0 (the register loop, PREFETCH) where it cannot run: fewer than
-    two slots, or a ring whose shared memory (plus RING_SMEM_SLACK) passes `limit` bytes.
+    two slots, scale rows that are not 4-byte aligned (`aligned`, ring_scales_aligned), or a
+    ring whose shared memory (plus RING_SMEM_SLACK) passes `limit` bytes.
     A refusal is logged as a warning once per reason; LOWBIT_TC_RING=0 (ring_enabled) gives
     0 without one."""
     if not ring or not ring_enabled():
         return 0
     if ring < 2:
         _warn_ring(ring, "a ring needs at least 2 slots")
+        return 0
+    if not aligned:
+        _warn_ring(ring, "scale rows are not 4-byte aligned (the ring copies scales 4 bytes at a time)")
         return 0
     need = ring_bytes(ring, bn, bk, mb, moe, x_size) + RING_SMEM_SLACK
     if need > limit:
@@ -565,7 +579,7 @@ def _launch(x, y, bias, w, m, n, k, cfg, slots=1, moe=0, ids=None, tw=None, a_to
     ws = torch.empty(parts, m, n, dtype=torch.float32, device=x.device)
     sem = semaphore(x.device, grid_n * slots)
     ring = admitted_ring(int(cfg.get("RING", 0)), bn, bk, mb, moe, x.element_size(),
-                         _smem_limit(x.device.index or 0))
+                         _smem_limit(x.device.index or 0), ring_scales_aligned(a))
     launch.run(_tc_gemv_kernel, (grid_n, split, slots),
                x, y, x if bias is None else bias, ws, sem, a.codes.view(torch.int32),
                a.scales.view(torch.uint8),

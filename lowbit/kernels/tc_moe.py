@@ -46,6 +46,7 @@ from lowbit.kernels.tc_gemv import (
     _shape_refusal,
     _smem_limit,
     admitted_ring,
+    ring_scales_aligned,
 )
 
 if HAS_GLUON:
@@ -109,6 +110,9 @@ if HAS_GLUON:
         seg = gl.load(seg_start_ptr + ec)
         j0 = (p - (gl.load(tile_end_ptr + ec) - (cnt + MB - 1) // MB)) * MB
         last = gl.maximum(cnt - 1, 0)
+        if RING:  # 4-byte cp.async of the scales (admitted_ring checked the host strides)
+            stride_sn = stride_sn // 4 * 4
+            stride_se = stride_se // 4 * 4
         codes_ptr += ec.to(gl.int64) * stride_ce
         scales_ptr += ec.to(gl.int64) * stride_se
         tidx_ptr += ec.to(gl.int64) * stride_te
@@ -283,7 +287,7 @@ def tc_moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         a = weight_args(w)
         kb = bk if k % bk == 0 else BK_UNIT
         ring = admitted_ring(int(cfg.get("RING", 0)), bn, kb, mb, 0, xin.element_size(),
-                             _smem_limit(x.device.index or 0))
+                             _smem_limit(x.device.index or 0), ring_scales_aligned(a))
         grid_n = -(-n // (bn // 2 if fc == 1 else bn))
         launch.run(_tc_moe_grouped_kernel, (grid_n, tiles),
                    xin, yout, a.codes.view(torch.int32), a.scales.view(torch.uint8), a.ab,

@@ -47,3 +47,39 @@ def test_with_route_switches_one_opt_in_route_on(capsys):
         route.status = before
     with pytest.raises(Exception, match="triton_tc_gemv"):
         mod.run(["linear", "no_such_route", "--", "routes"])
+
+
+def test_ncu_summary_groups_kernels_and_converts_units():
+    """scripts/ncu_step.py --summarize: ncu's raw CSV (a header of metric names, a row of units,
+    a row per kernel, thousands separators) becomes per-step rows grouped by kernel and grid,
+    in us and bytes whatever unit ncu chose, with GB/s and the share of the copy bandwidth."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "ncu_step.py"
+    spec = importlib.util.spec_from_file_location("ncu_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    head = ('"ID","Process ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum",'
+            '"launch__grid_size","sm__warps_active.avg.pct_of_peak_sustained_active"')
+    units = '"","","","Mbyte","usecond","","%"'
+    rows = ['"0","1","void _tc_gemv_kernel(int *, float)","5.90","2.95","384","20.5"',
+            '"1","1","_rms_norm_kernel","0.01","1,500.0","1","3.1"',
+            '"2","1","void _tc_gemv_kernel(int *, float)","5.90","3.05","384","21.5"',
+            '"3","1","void _tc_gemv_kernel(int *, float)","2.10","2.00","128","9.0"']
+    text = "==PROF== Connected\n" + "\n".join([head, units, *rows]) + "\n==PROF== Disconnected\n"
+    kernels = mod.read_ncu_csv(text)
+    assert len(kernels) == 4 and kernels[1]["gpu__time_duration.sum"] == 1500.0
+    assert kernels[0]["dram__bytes_read.sum"] == 5.9e6
+    meta = {"device": "d", "commit": "c", "batch": 1, "steps": 2, "layers": 1, "copy_bandwidth_Bps": 4e12}
+    s = mod.summarize(kernels, meta)
+    big = next(r for r in s["rows"] if r["kernel"] == "_tc_gemv_kernel" and r["grid"] == 384)
+    assert big["per_step"] == 1.0 and abs(big["us_per_step"] - 3.0) < 1e-9
+    assert abs(big["gbps"] - 11.8e6 / 6.0 / 1e3) < 1e-6  # bytes over time, both launches
+    assert abs(big["pct_copy"] - 100 * big["gbps"] * 1e9 / 4e12) < 1e-6
+    assert abs(big["occupancy_pct"] - 21.0) < 1e-9
+    assert s["rows"][0]["kernel"] == "_rms_norm_kernel"  # sorted by time a step
+    assert abs(s["sum_us_per_step"] - (1500.0 + 2.95 + 3.05 + 2.0) / 2) < 1e-9
+    assert "| _tc_gemv_kernel | 384 |" in mod.format_summary(s)
+    with pytest.raises(SystemExit, match="no ncu CSV header"):
+        mod.read_ncu_csv("==PROF== nothing profiled\n")

@@ -70,7 +70,12 @@ def test_kernels_compile_for_sm90_without_shared_memory_in_the_loop():
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(stats) == {"linear", "moe_fc1", "moe_fc2", "grouped_fc1", "grouped_fc2",
                           "grouped_fc1_mb32", "linear_prefetch2", "moe_fc2_prefetch2",
-                          "linear_ring4", "moe_fc1_ring4", "moe_fc2_ring4", "grouped_fc1_ring4"}
+                          "linear_ring4", "moe_fc1_ring4", "moe_fc2_ring4", "grouped_fc1_ring4",
+                          "linear_ring3_k384"}
+    # scale rows of 24 bytes (K = 384): the ring still copies them 4 bytes at a time
+    k384 = stats.pop("linear_ring3_k384")
+    assert k384["ops"].get("LDGSTS", 0) > 0 and k384["ops"].get("LDG", 0) == 0, k384
+    assert k384["stack"] == 0 and k384["async_before_wait"] > 0, k384
     ring = {name: stats.pop(name) for name in list(stats) if name.endswith("_ring4")}
     for name, st in ring.items():
         # RING: every global load of the K loop is a cp.async into shared memory (LDGSTS), read
@@ -119,11 +124,30 @@ def test_ring_admission_falls_back_to_registers_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="lowbit"):
         assert admitted_ring(6, 128, 512, 16, 0, 2, h100) == 0
         assert admitted_ring(1, 64, 256, 8, 0, 2, h100) == 0
+        assert admitted_ring(4, 64, 256, 8, 0, 2, h100, aligned=False) == 0
     text = caplog.text
     assert f"{need} bytes of shared memory" in text and "RING 6 refused" in text
-    assert "at least 2 slots" in text
+    assert "at least 2 slots" in text and "not 4-byte aligned" in text
     # exactly at the limit still runs
     assert admitted_ring(6, 128, 512, 16, 0, 2, need) == 6
+
+
+def test_ring_scale_alignment_of_real_weights():
+    """The ring copies scales 4 bytes at a time: K = 384 gives 24-byte scale rows (4-byte
+    aligned, not 16: the kernel tells the compiler so), a scale view at an odd byte offset is
+    refused."""
+    import types
+
+    from lowbit.kernels.decode import weight_args
+    from lowbit.kernels.tc_gemv import ring_scales_aligned
+
+    base = torch.zeros(64, dtype=torch.uint8)
+    ok = types.SimpleNamespace(stride_sn=24, stride_se=24 * 1030, scales=base)
+    assert ring_scales_aligned(ok)
+    assert not ring_scales_aligned(types.SimpleNamespace(stride_sn=6, stride_se=0, scales=base))
+    assert not ring_scales_aligned(types.SimpleNamespace(stride_sn=24, stride_se=0, scales=base[1:]))
+    w = resolve(random_lut_view(1030, 384, bits=4, table="e2m1", block_size=16, scale_kind="e4m3"))
+    assert ring_scales_aligned(weight_args(w))
 
 
 def test_ring_switch_and_the_bench_line(monkeypatch):
