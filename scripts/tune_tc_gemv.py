@@ -139,13 +139,17 @@ RINGS, RING_WAVES = (3, 4, 6), (1, 2, 4)
 
 
 def _variants(cfg: dict, grouped: bool = False, ring: bool = False) -> dict[str, dict]:
-    """The A/B's challengers of a shipped config: two K steps in registers (PREFETCH 2), and
-    with `ring` the shared-memory ring (RING r) at a few split widths (WAVES: fewer splits give
-    each program more steps to keep in flight; the expert-grouped kernel does not split K).
+    """The A/B's challengers of a shipped config: two K steps in registers (PREFETCH 2), the
+    split-K width at WAVES 1 and at twice the shipped WAVES (not for the expert-grouped
+    kernel, which does not split K), and with `ring` the shared-memory ring (RING r) at a
+    few split widths (fewer splits give each program more steps to keep in flight).
     The ring is off by default: on the H100 it lost at M = 1 and in every MoE schedule, and
     the two M = 8 wins it had alone made the engine's x8 decode 4 % slower
     (docs/BENCHMARKS.md "H100 call at 803f65c")."""
     out = {"prefetch2": dict(cfg, PREFETCH=2)}
+    if not grouped:  # split-K width: one program per tile (no partials), and twice the splits
+        out.update({f"waves{w}": dict(cfg, WAVES=w) for w in (1, 2 * cfg.get("WAVES", 4))
+                    if w != cfg.get("WAVES", 4)})
     for r in RINGS if ring else ():
         if grouped:
             out[f"ring{r}"] = dict(cfg, RING=r)
