@@ -36,8 +36,10 @@ from pathlib import Path
 NCU_METRICS = ("gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,"
                "launch__block_size,launch__registers_per_thread,"
                "sm__warps_active.avg.pct_of_peak_sustained_active")
-_SCALE = {"byte": 1.0, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
-          "nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+_SCALE = {"byte": 1.0, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,  # to bytes, us
+          "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
+          "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 
 
 def run(argv: list[str]) -> None:

@@ -62,11 +62,11 @@ def test_ncu_summary_groups_kernels_and_converts_units():
     spec.loader.exec_module(mod)
     head = ('"ID","Process ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum",'
             '"launch__grid_size","sm__warps_active.avg.pct_of_peak_sustained_active"')
-    units = '"","","","Mbyte","usecond","","%"'
-    rows = ['"0","1","void _tc_gemv_kernel(int *, float)","5.90","2.95","384","20.5"',
-            '"1","1","_rms_norm_kernel","0.01","1,500.0","1","3.1"',
-            '"2","1","void _tc_gemv_kernel(int *, float)","5.90","3.05","384","21.5"',
-            '"3","1","void _tc_gemv_kernel(int *, float)","2.10","2.00","128","9.0"']
+    units = '"","","","Mbyte","ns","","%"'  # ncu 2025 prints "ns"; older ones "nsecond"
+    rows = ['"0","1","void _tc_gemv_kernel(int *, float)","5.90","2,950","384","20.5"',
+            '"1","1","_rms_norm_kernel","0.01","1,500,000","1","3.1"',
+            '"2","1","void _tc_gemv_kernel(int *, float)","5.90","3,050","384","21.5"',
+            '"3","1","void _tc_gemv_kernel(int *, float)","2.10","2,000","128","9.0"']
     text = "==PROF== Connected\n" + "\n".join([head, units, *rows]) + "\n==PROF== Disconnected\n"
     kernels = mod.read_ncu_csv(text)
     assert len(kernels) == 4 and kernels[1]["gpu__time_duration.sum"] == 1500.0
