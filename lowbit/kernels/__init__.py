@@ -29,6 +29,7 @@ call by lowbit.kernels.routes (LOWBIT_ROUTE_LINEAR / LOWBIT_ROUTE_MOE force one;
 
 from lowbit.kernels import (  # noqa: F401  register their ops
     attention_op,  # noqa: F401  registers the attention and kv_write ops
+    norm_gate_op,
     norm_op,
     rope_op,
     router_op,

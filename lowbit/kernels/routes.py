@@ -40,8 +40,8 @@ STATUSES = (DEFAULT, OPT_IN, MEASURED_NEGATIVE)
 ENV_PREFIX = "LOWBIT_ROUTE_"
 # The ops lowbit.kernels registers, known ahead so that a forcing variable for one is not
 # mistaken for a typo before its module is imported.
-KNOWN_OPS = ("linear", "moe", "attention", "latent_attention", "kv_write", "norm", "rope", "mla_rope",
-             "act", "router", "sample")
+KNOWN_OPS = ("linear", "moe", "attention", "latent_attention", "kv_write", "norm", "norm_gate", "rope",
+             "mla_rope", "act", "router", "sample")
 
 
 @dataclass
@@ -83,14 +83,17 @@ _REFUSALS: Counter = Counter()  # (op, layer, route, reason) -> refusals
 _LOCK = threading.Lock()
 
 
-def register(op: str, route: Route, *, reference: bool = False) -> Route:
-    """Add a route to op (created on first use). The reference route must come last."""
+def register(op: str, route: Route, *, reference: bool = False, slow: bool = True) -> Route:
+    """Add a route to op (created on first use). The reference route must come last.
+    slow=False: a reference that is itself the fast path (a fused op whose reference runs
+    the unfused ops by their own routes), so falling back to it on CUDA warns of nothing."""
     entry = _OPS.setdefault(op, Op(op))
     if route.name in entry.names():
         raise AssertionError(f"route {op}/{route.name} registered twice")
     if entry.routes and _is_reference(entry.routes[-1]):
         raise AssertionError(f"{op}: the reference route {entry.routes[-1].name} must stay last")
     route.reference = reference  # type: ignore[attr-defined]
+    route.slow = slow  # type: ignore[attr-defined]
     entry.routes.append(route)
     return route
 
@@ -150,7 +153,7 @@ def select(op: str, call: Any, layer: str = "") -> Route:
             continue
         reason = route.admit(call)
         if reason is None:
-            if refused and _is_reference(route) and _on_cuda(call):
+            if refused and _is_reference(route) and _on_cuda(call) and getattr(route, "slow", True):
                 _warn_fallback(op, route.name, refused)
             return route
         refused.append((route.name, reason))

@@ -19,7 +19,7 @@ from lowbit.kernels.moe import torch_act
 from lowbit.kernels.moe_layout import SharedMLP
 from lowbit.kernels.moe_op import MoeActivation, moe_experts
 from lowbit.kernels.moe_slots import SlotSum
-from lowbit.kernels.router_op import RouterSpec, route
+from lowbit.kernels.router_op import RouterSpec, route, route_topk
 from lowbit.layers.linear import Linear, set_quantized
 from lowbit.layers.loading import expert_loader
 from lowbit.layers.mlp import GatedMLP
@@ -82,12 +82,19 @@ class SparseMoE(nn.Module):
         g = self.gate
         self._gate32 = (g.weight.float(), None if g.bias is None else g.bias.float())
 
-    def forward(self, x: torch.Tensor, defer_combine: bool = False) -> torch.Tensor | SlotSum:
+    def forward(self, x: torch.Tensor, defer_combine: bool = False,
+                logits: torch.Tensor | None = None) -> torch.Tensor | SlotSum:
         """y [T, D] of x [T, D]; defer_combine: the fused MoE may return its slot rows unsummed
-        (a SlotSum), for a caller whose next op is an RMSNorm (lowbit.kernels.norm_op)."""
-        g = self.gate
-        w32, b32 = getattr(self, "_gate32", None) or (g.weight.float(), None if g.bias is None else g.bias.float())
-        ids, w = route(x, w32, b32, self.spec, self.e_score_correction_bias, layer=f"{self.experts.prefix}.router")
+        (a SlotSum), for a caller whose next op is an RMSNorm (lowbit.kernels.norm_op).
+        logits: the gate's float32 logits of x when the caller made them with the norm
+        (lowbit.kernels.norm_gate_op); the router then only ranks them."""
+        if logits is not None:
+            ids, w = route_topk(logits, self.spec, self.e_score_correction_bias,
+                                layer=f"{self.experts.prefix}.router")
+        else:
+            g = self.gate
+            w32, b32 = getattr(self, "_gate32", None) or (g.weight.float(), None if g.bias is None else g.bias.float())
+            ids, w = route(x, w32, b32, self.spec, self.e_score_correction_bias, layer=f"{self.experts.prefix}.router")
         if self.expert_hook is not None:  # routed experts read through the device slot table
             y = self.expert_hook(self, x, ids, w)
             return y if self.shared_experts is None else y + self.shared_experts(x)

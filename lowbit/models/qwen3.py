@@ -11,6 +11,7 @@ from torch import nn
 
 from lowbit.kernels.attention_op import layer_pool
 from lowbit.kernels.moe_slots import SlotSum
+from lowbit.kernels.norm_gate_op import norm_gate
 from lowbit.kernels.rope_op import RopeCall, qk_norm_rope
 from lowbit.kernels.weights import concat_rows
 from lowbit.layers.attention import AttnSpec, attention
@@ -127,6 +128,12 @@ class DecoderLayer(nn.Module):
         launch (h may be one here for the same reason)."""
         x, residual = self.input_layernorm.add_norm(h, residual)
         h = self.self_attn(x, batch)
+        gate32 = getattr(self.mlp, "_gate32", None) if isinstance(self.mlp, SparseMoE) else None
+        if gate32 is not None and h.dim() == 2:  # serving: the norm and the gate may share a launch
+            norm = self.post_attention_layernorm
+            x, residual, logits = norm_gate(h, norm.weight, norm.eps, residual, *gate32,
+                                            layer=f"{self.mlp.experts.prefix}.norm_gate")
+            return self.mlp(x, defer_combine=defer_combine, logits=logits), residual
         x, residual = self.post_attention_layernorm.add_norm(h, residual)
         if defer_combine and isinstance(self.mlp, SparseMoE):
             return self.mlp(x, defer_combine=True), residual

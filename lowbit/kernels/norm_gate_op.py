@@ -1,0 +1,161 @@
+"""The `norm_gate` op: a MoE layer's post-attention residual add + RMSNorm and its router's gate
+logits, for a decode step's few tokens.
+
+Shape legend: T tokens, D hidden, E experts.
+  y, r, logits = norm_gate(x, weight, eps, residual, gate_w, gate_b)
+    r = x + residual (x when residual is None), y = RMSNorm(r) * weight (norm_op's roundings),
+    logits = y @ gate_w^T (+ gate_b) in float32 [T, E], or None: the router then makes them
+    from y as it does without this op (lowbit.kernels.router_op.route).
+Why: a decode step's norm and gate GEMV each cost a launch that moves almost nothing (3.5 and
+4.1 us alone at Qwen3-30B-A3B B = 1 on the H100; docs/BENCHMARKS.md "A decode step under
+Nsight Compute"). One launch does both: every gate program reads its tokens' whole rows
+(8 KiB a token at D = 2048, from L2) and normalizes them itself.
+
+Routes, in selection order:
+  triton_norm_gate  (OPT_IN until an engine A/B on a GPU times it: `scripts/with_route.py
+                norm_gate triton_norm_gate -- ...` runs it where it admits the call;
+                LOWBIT_ROUTE_NORM_GATE forces it and fails on a prefill's longer calls)
+                T <= 16 tokens, D <= 8192: program (token block, expert
+                block) adds the residual, normalizes its BT rows in float32 with norm_op's
+                roundings, and takes the dot products with its BE experts' float32 gate rows;
+                the programs of expert block 0 store r and y. No host read (graph-safe).
+  unfused       reference: norm_op.rms_norm by its own routes, logits None (the router's
+                own routes make them). Admits every call; not slow (today's path), so a
+                fallback to it warns of nothing (routes.register slow=False).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.kernels import launch, norm_op, routes
+from lowbit.kernels.norm_op import DTYPE_CODE, round_to
+from lowbit.kernels.pdl import pdl_enter
+from lowbit.kernels.runtime import tl, triton, triton_refusal
+
+RECORD = "docs/KERNEL_NOTES.md \"What a C1 decode step is made of\" (no engine A/B yet)"
+MAX_TOKENS = 16
+MAX_D = 8192
+
+
+@dataclass
+class NormGateCall:
+    x: torch.Tensor  # [T, D]
+    weight: torch.Tensor  # [D]
+    eps: float
+    residual: torch.Tensor | None  # [T, D]
+    gate_w: torch.Tensor  # [E, D] float32
+    gate_b: torch.Tensor | None  # [E] float32
+    forced: bool = False
+
+
+def _run_unfused(call: NormGateCall):
+    y, r = norm_op.rms_norm(call.x, call.weight, call.eps, call.residual)
+    return y, r, None
+
+
+@triton.jit
+def _norm_gate_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, gw_ptr, gb_ptr, out_ptr, T, D, E,
+                      d_float, stride_x, stride_res, eps, BT: tl.constexpr, BE: tl.constexpr,
+                      BLOCK_D: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
+                      HAS_RES: tl.constexpr, HAS_GB: tl.constexpr, PDL: tl.constexpr):
+    """Program (tb, eb): tokens tb * BT .. + BT, experts eb * BE .. + BE."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    eb = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_D)
+    tmask = t < T
+    dmask = cols < D
+    m2 = tmask[:, None] & dmask[None, :]
+    w = tl.load(w_ptr + cols, mask=dmask, other=0.0).to(tl.float32)
+    pdl_enter(PDL)
+    t64 = t.to(tl.int64)
+    r = tl.load(x_ptr + t64[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    if HAS_RES:
+        res = tl.load(res_ptr + t64[:, None] * stride_res + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        r = round_to(r + res, XDT)
+    mean_sq = tl.math.div_rn(tl.sum(r * r, axis=1), tl.zeros([BT], tl.float32) + d_float)  # [BT]
+    inv = tl.math.div_rn(tl.zeros([BT], tl.float32) + 1.0, tl.math.sqrt_rn(mean_sq + eps))
+    n = round_to(r * inv[:, None], XDT)
+    y = round_to(w[None, :] * n, YDT)  # [BT, BLOCK_D], the norm's output as stored
+    if eb == 0:
+        tl.store(y_ptr + t64[:, None] * D + cols[None, :], y, mask=m2)
+        if HAS_RES:
+            tl.store(r_ptr + t64[:, None] * D + cols[None, :], r, mask=m2)
+    for j in tl.static_range(BE):
+        e = eb * BE + j
+        live = e < E
+        gw = tl.load(gw_ptr + e.to(tl.int64) * D + cols, mask=dmask & live, other=0.0)
+        lg = tl.sum(y * gw[None, :], axis=1)  # [BT] float32
+        if HAS_GB:
+            lg += tl.load(gb_ptr + e, mask=live, other=0.0)
+        tl.store(out_ptr + t64 * E + e, lg, mask=tmask & live)
+
+
+def _admit_triton(call: NormGateCall) -> str | None:
+    reason = triton_refusal(call.x, call.forced)
+    if reason is not None:
+        return reason
+    x, res, gw, gb = call.x, call.residual, call.gate_w, call.gate_b
+    if x.dim() != 2:
+        return f"x is {x.dim()}-D (the kernel reads [T, D] rows)"
+    T, D = x.shape
+    if T > MAX_TOKENS:
+        return f"{T} tokens > {MAX_TOKENS} (each program normalizes its tokens' whole rows)"
+    if D > MAX_D:
+        return f"D = {D} > {MAX_D}"
+    if x.dtype not in DTYPE_CODE or x.stride(-1) != 1:
+        return f"x is {x.dtype} with column stride {x.stride(-1)}"
+    if res is not None and (res.shape != x.shape or res.dtype != x.dtype or res.stride(-1) != 1):
+        return "residual is not x's shape and dtype with unit column stride"
+    if call.weight.shape != (D,) or call.weight.stride(0) != 1:
+        return f"norm weight {tuple(call.weight.shape)} is not a contiguous [{D}]"
+    if torch.promote_types(call.weight.dtype, x.dtype) not in DTYPE_CODE:
+        return f"norm output dtype {torch.promote_types(call.weight.dtype, x.dtype)}"
+    if gw.dtype != torch.float32 or not gw.is_contiguous() or gw.shape[1] != D:
+        return f"gate weight {gw.dtype} {tuple(gw.shape)} is not a contiguous float32 [E, {D}]"
+    if gb is not None and (gb.dtype != torch.float32 or not gb.is_contiguous()):
+        return "gate bias is not a contiguous float32 [E]"
+    return None
+
+
+def launch_config(T: int, E: int, D: int) -> dict:
+    """Up to 4 tokens and 2 experts a program (64 programs a token block at E = 128): the
+    [BT, BLOCK_D] rows stay in registers (<= 64 float32 a thread at D = 2048, 4 warps)."""
+    bt = min(4, triton.next_power_of_2(max(T, 1)))
+    return dict(BT=bt, BE=2, num_warps=4 if bt * D <= 8192 else 8)
+
+
+def _run_triton(call: NormGateCall, config: dict | None = None):
+    x, res, w, gw, gb = call.x, call.residual, call.weight, call.gate_w, call.gate_b
+    T, D = x.shape
+    E = gw.shape[0]
+    y = torch.empty(T, D, dtype=torch.promote_types(w.dtype, x.dtype), device=x.device)
+    r = x if res is None else torch.empty(T, D, dtype=x.dtype, device=x.device)
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return y, r, logits
+    cfg = config or launch_config(T, E, D)
+    launch.run(_norm_gate_kernel, (triton.cdiv(T, cfg["BT"]), triton.cdiv(E, cfg["BE"])),
+               x, x if res is None else res, w, y, r, gw, gw if gb is None else gb, logits, T, D, E,
+               float(D), x.stride(0), x.stride(0) if res is None else res.stride(0), call.eps,
+               BT=cfg["BT"], BE=cfg["BE"], BLOCK_D=triton.next_power_of_2(D),
+               XDT=DTYPE_CODE[x.dtype], YDT=DTYPE_CODE[y.dtype], HAS_RES=res is not None,
+               HAS_GB=gb is not None, num_warps=cfg["num_warps"], **launch.pdl_args(x))
+    return y, r, logits
+
+
+routes.register("norm_gate", routes.Route("triton_norm_gate", routes.OPT_IN, RECORD, _admit_triton,
+                                          _run_triton))
+routes.register("norm_gate", routes.Route("unfused", routes.DEFAULT, "reference: rms_norm by its routes, "
+                                          "logits by the router's (admits every call)",
+                                          lambda call: None, _run_unfused), reference=True, slow=False)
+
+
+def norm_gate(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+              gate_w: torch.Tensor, gate_b: torch.Tensor | None = None, *,
+              layer: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(y, r, logits): r = x + residual, y = RMSNorm(r) * weight, logits [T, E] float32 of y
+    by the float32 gate (or None: the router makes them). Module docstring."""
+    return routes.dispatch("norm_gate", NormGateCall(x, weight, eps, residual, gate_w, gate_b), layer)

@@ -1,0 +1,121 @@
+"""The `norm_gate` op: the one-launch post-attention norm + gate GEMV (forced through the
+registry, on the Triton interpreter) against its reference, the norm op and the float32 gate
+GEMM, over odd shapes with NaN-guarded inputs; its refusals; and a model whose serving path
+takes it, against the same model on the unfused path.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lowbit.kernels import norm_gate_op, norm_op, routes  # noqa: E402
+from lowbit.kernels.router_op import gate_logits  # noqa: E402
+from lowbit.kernels.runtime import interpreting  # noqa: E402
+from tests.kernels.cases import guarded  # noqa: E402
+from tests.kernels.test_norm_op import assert_ulp_close  # noqa: E402
+
+EPS = 1e-6
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 on the CPU")
+
+
+def _data(T, D, E, dtype, residual, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = guarded((torch.randn(T, D, generator=g) * 3).to(dtype))
+    res = guarded(torch.randn(T, D, generator=g).to(dtype)) if residual else None
+    w = guarded((1 + 0.2 * torch.randn(D, generator=g)).to(dtype))
+    gw = guarded(torch.randn(E, D, generator=g) / D**0.5)
+    gb = guarded(torch.randn(E, generator=g)) if bias else None
+    return x, w, res, gw, gb
+
+
+@pytest.mark.parametrize("T,D,E,dtype,residual,bias", [
+    (1, 64, 8, torch.bfloat16, True, False),
+    (3, 200, 5, torch.bfloat16, True, True),   # D not a power of 2, E odd: masked experts
+    (5, 96, 130, torch.float32, False, False),
+    (16, 128, 7, torch.float16, True, True),   # four token blocks
+])
+def test_triton_matches_the_norm_and_the_gate(monkeypatch, T, D, E, dtype, residual, bias):
+    x, w, res, gw, gb = _data(T, D, E, dtype, residual, bias, seed=T * 1000 + D)
+    monkeypatch.setenv("LOWBIT_ROUTE_NORM_GATE", "triton_norm_gate")
+    y, r, logits = norm_gate_op.norm_gate(x, w, EPS, res, gw, gb, layer="t")
+    monkeypatch.setenv("LOWBIT_ROUTE_NORM", "torch")
+    want_y, want_r = norm_op.rms_norm(x, w, EPS, res)
+    if dtype == torch.float32:  # no bf16 rounding absorbs the sum of squares' order: ~1 ulp a row
+        torch.testing.assert_close(y, want_y, rtol=1e-6, atol=0)
+    else:
+        assert_ulp_close(y, want_y)
+    assert torch.equal(r, want_r)
+    assert logits.shape == (T, E) and logits.dtype == torch.float32
+    want = gate_logits(y, gw, gb)  # the gate of the norm's own output
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unfused_reference_is_todays_path(monkeypatch):
+    """By default (the fused route is OPT_IN) the op is the norm's routes and no logits: the
+    router makes them as before."""
+    monkeypatch.delenv("LOWBIT_ROUTE_NORM_GATE", raising=False)
+    x, w, res, gw, gb = _data(2, 64, 8, torch.bfloat16, True, False, seed=3)
+    y, r, logits = norm_gate_op.norm_gate(x, w, EPS, res, gw, gb)
+    want_y, want_r = norm_op.rms_norm(x, w, EPS, res)
+    assert logits is None and torch.equal(y, want_y) and torch.equal(r, want_r)
+    assert routes.ops()["norm_gate"].get("triton_norm_gate").status == routes.OPT_IN
+
+
+def test_refusals_name_their_reason():
+    x, w, res, gw, gb = _data(17, 64, 8, torch.bfloat16, True, False, seed=4)
+    def call(*args):
+        return norm_gate_op.NormGateCall(*args, forced=True)
+
+    assert "17 tokens > 16" in norm_gate_op._admit_triton(call(x, w, EPS, res, gw, gb))
+    assert "contiguous float32" in norm_gate_op._admit_triton(call(x[:2], w, EPS, res[:2], gw.half(), gb))
+    assert "residual" in norm_gate_op._admit_triton(call(x[:2], w, EPS, res[:2].float(), gw, gb))
+    big = torch.zeros(1, 16384, dtype=torch.bfloat16)
+    assert "D = 16384" in norm_gate_op._admit_triton(
+        call(big, torch.ones(16384), EPS, None, torch.zeros(4, 16384), None))
+    assert norm_gate_op._admit_triton(call(x[:2], w, EPS, res[:2], gw, gb)) is None
+
+
+def test_a_moe_model_on_the_fused_route_matches_the_unfused_one(monkeypatch, tiny_moe_dir):
+    """A Qwen3-MoE serving forward (prepare_for_serving: the float32 gate the op reads) with
+    the norm and the gate in one launch gives the unfused forward's logits: the routing and
+    every later op see the same inputs, up to the norm's last-place roundings. The reference
+    forward (no prepare_for_serving) never takes the op."""
+    from lowbit.checkpoint.loader import load_model
+    from lowbit.engine.batch import ForwardBatch
+
+    lm = load_model(str(tiny_moe_dir), dtype="float32", device="cpu").model
+    ids = torch.tensor([4, 8, 15, 16, 23])
+    with torch.inference_mode():
+        routes.reset_counters()
+        plain = lm.compute_logits(lm(ids, ForwardBatch.build([5], [0], None)))
+        assert not any(c["op"] == "norm_gate" for c in routes.counters()["route_calls"])
+        lm.prepare_for_serving()
+        outs = {}
+        for name in ("unfused", "triton_norm_gate"):
+            monkeypatch.setenv("LOWBIT_ROUTE_NORM_GATE", name)
+            routes.reset_counters()
+            outs[name] = lm.compute_logits(lm(ids, ForwardBatch.build([5], [0], None)))
+            calls = [(c["route"], c["count"]) for c in routes.counters()["route_calls"] if c["op"] == "norm_gate"]
+            assert sum(n for r, n in calls if r == name) == 2 and len({r for r, _ in calls}) == 1, calls
+    torch.testing.assert_close(outs["unfused"], plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["triton_norm_gate"], outs["unfused"], rtol=1e-3, atol=1e-3)
+
+
+def test_falling_back_to_the_unfused_path_warns_of_nothing(monkeypatch, caplog):
+    """With the fused route on (DEFAULT, as scripts/with_route.py sets it), a call it refuses
+    (a prefill's 17 tokens) takes the unfused reference, which is today's fast path: no
+    'slow reference' warning, unlike an op whose reference is the torch twin."""
+    import logging
+
+    route = routes.ops()["norm_gate"].get("triton_norm_gate")
+    monkeypatch.setattr(route, "status", routes.DEFAULT)
+    monkeypatch.setattr(routes, "_on_cuda", lambda call: True)
+    monkeypatch.delenv("LOWBIT_ROUTE_NORM_GATE", raising=False)
+    x, w, res, gw, gb = _data(17, 64, 8, torch.bfloat16, True, False, seed=5)
+    with caplog.at_level(logging.WARNING, logger="lowbit"):
+        chosen = routes.select("norm_gate", norm_gate_op.NormGateCall(x, w, EPS, res, gw, gb))
+    assert chosen.name == "unfused" and "reference route" not in caplog.text
+    assert not any(line.startswith("norm_gate") for line in routes.warned_fallbacks())
