@@ -121,10 +121,13 @@ def _admit_triton(call: NormGateCall) -> str | None:
 
 
 def launch_config(T: int, E: int, D: int) -> dict:
-    """Up to 4 tokens and 2 experts a program (64 programs a token block at E = 128): the
-    [BT, BLOCK_D] rows stay in registers (<= 64 float32 a thread at D = 2048, 4 warps)."""
-    bt = min(4, triton.next_power_of_2(max(T, 1)))
-    return dict(BT=bt, BE=2, num_warps=4 if bt * D <= 8192 else 8)
+    """2 experts a program (64 programs a token block at E = 128) and up to 4 tokens, at most
+    8,192 row elements a program (one token at D = 7168, two at 2880), which stay in
+    registers: 16 float32 a thread for one row of 2048 over 4 warps, 32 at the 8,192 limit
+    over 8 warps."""
+    block = triton.next_power_of_2(D)
+    bt = min(4, triton.next_power_of_2(max(T, 1)), max(1, 8192 // block))
+    return dict(BT=bt, BE=2, num_warps=4 if bt * block <= 4096 else 8)
 
 
 def _run_triton(call: NormGateCall, config: dict | None = None):

@@ -64,6 +64,16 @@ def test_unfused_reference_is_todays_path(monkeypatch):
     assert routes.ops()["norm_gate"].get("triton_norm_gate").status == routes.OPT_IN
 
 
+def test_launch_shapes_keep_a_program_to_8192_row_elements():
+    """Wide rows take fewer tokens a program (DeepSeek-V3's 7168 one, gpt-oss's 2880 two), so
+    that the normalized rows stay in registers; Qwen3-30B-A3B's 2048 take four."""
+    cfg = norm_gate_op.launch_config
+    assert cfg(1, 128, 2048) == dict(BT=1, BE=2, num_warps=4)
+    assert cfg(16, 128, 2048) == dict(BT=4, BE=2, num_warps=8)
+    assert cfg(16, 32, 2880)["BT"] == 2 and cfg(16, 256, 7168)["BT"] == 1
+    assert cfg(3, 8, 64)["BT"] == 4 and cfg(2, 8, 64)["BT"] == 2
+
+
 def test_refusals_name_their_reason():
     x, w, res, gw, gb = _data(17, 64, 8, torch.bfloat16, True, False, seed=4)
     def call(*args):
