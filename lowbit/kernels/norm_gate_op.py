@@ -1,11 +1,13 @@
 """The `norm_gate` op: a MoE layer's post-attention residual add + RMSNorm and its router's gate
 logits, for a decode step's few tokens.
 
-Shape legend: T tokens, D hidden, E experts.
-  y, r, logits = norm_gate(x, weight, eps, residual, gate_w, gate_b)
+Shape legend: T tokens, D hidden, E experts, A experts a token (top_k).
+  y, r, logits, ids, w = norm_gate(x, weight, eps, residual, gate_w, gate_b, spec=, bias=)
     r = x + residual (x when residual is None), y = RMSNorm(r) * weight (norm_op's roundings),
     logits = y @ gate_w^T (+ gate_b) in float32 [T, E], or None: the router then makes them
-    from y as it does without this op (lowbit.kernels.router_op.route).
+    from y as it does without this op (lowbit.kernels.router_op.route); ids [T, A] int32 and
+    w [T, A] float32, the router's choice of those logits (spec, bias: router_op's), or None:
+    the router ranks them.
 Why: a decode step's norm and gate GEMV each cost a launch that moves almost nothing (3.5 and
 4.1 us alone at Qwen3-30B-A3B B = 1 on the H100; docs/BENCHMARKS.md "A decode step under
 Nsight Compute"). One launch does both: every gate program reads its tokens' whole rows
@@ -19,6 +21,10 @@ Routes, in selection order:
                 block) adds the residual, normalizes its BT rows in float32 with norm_op's
                 roundings, and takes the dot products with its BE experts' float32 gate rows;
                 the programs of expert block 0 store r and y. No host read (graph-safe).
+  triton_norm_route  (OPT_IN, the same A/B) the same launch, and the program that arrives
+                last for a token block (a counter per block, reset after use) ranks the
+                block's rows as router_op's triton_topk does (router_op._rank_row): the
+                router's launch too. Refuses what triton_topk refuses.
   unfused       reference: norm_op.rms_norm by its own routes, logits None (the router's
                 own routes make them). Admits every call; not slow (today's path), so a
                 fallback to it warns of nothing (routes.register slow=False).
@@ -33,7 +39,9 @@ import torch
 from lowbit.kernels import launch, norm_op, routes
 from lowbit.kernels.norm_op import DTYPE_CODE, round_to
 from lowbit.kernels.pdl import pdl_enter
-from lowbit.kernels.runtime import tl, triton, triton_refusal
+from lowbit.kernels.router_op import RouterCall, RouterSpec, _rank_consts, _rank_row, _row_block
+from lowbit.kernels.router_op import _refusal as _rank_refusal
+from lowbit.kernels.runtime import semaphore, tl, triton, triton_refusal
 
 RECORD = "docs/KERNEL_NOTES.md \"What a C1 decode step is made of\" (no engine A/B yet)"
 MAX_TOKENS = 16
@@ -48,19 +56,27 @@ class NormGateCall:
     residual: torch.Tensor | None  # [T, D]
     gate_w: torch.Tensor  # [E, D] float32
     gate_b: torch.Tensor | None  # [E] float32
+    spec: RouterSpec | None = None  # the router's, for a route that ranks too
+    bias: torch.Tensor | None = None  # [E] score correction (router_op)
     forced: bool = False
 
 
 def _run_unfused(call: NormGateCall):
     y, r = norm_op.rms_norm(call.x, call.weight, call.eps, call.residual)
-    return y, r, None
+    return y, r, None, None, None
 
 
 @triton.jit
 def _norm_gate_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, gw_ptr, gb_ptr, out_ptr, T, D, E,
-                      d_float, stride_x, stride_res, eps, BT: tl.constexpr, BE: tl.constexpr,
+                      d_float, stride_x, stride_res, eps, sem_ptr, bias_ptr, ids_ptr, wo_ptr, NB,
+                      scaling, BT: tl.constexpr, BE: tl.constexpr,
                       BLOCK_D: tl.constexpr, XDT: tl.constexpr, YDT: tl.constexpr,
-                      HAS_RES: tl.constexpr, HAS_GB: tl.constexpr, PDL: tl.constexpr):
+                      HAS_RES: tl.constexpr, HAS_GB: tl.constexpr, PDL: tl.constexpr,
+                      RANK: tl.constexpr = False, G: tl.constexpr = 1, GS: tl.constexpr = 1,
+                      BG: tl.constexpr = 1, BGS: tl.constexpr = 1, A: tl.constexpr = 1,
+                      BA: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
+                      SIGMOID: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+                      NORM: tl.constexpr = False, TOP2: tl.constexpr = False):
     """Program (tb, eb): tokens tb * BT .. + BT, experts eb * BE .. + BE. The norm and gate
     weights are read before the PDL wait (they do not depend on the kernel before), the rows
     after it."""
@@ -93,6 +109,20 @@ def _norm_gate_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, gw_ptr, gb_ptr, out_p
     if HAS_GB:
         lg += tl.load(gb_ptr + es, mask=emask, other=0.0)[None, :]
     tl.store(out_ptr + t64[:, None] * E + es[None, :], lg, mask=tmask[:, None] & emask[None, :])
+    if RANK:  # the block's last program ranks its rows (router_op._gate_topk_kernel's tail)
+        tl.debug_barrier()
+        tb = tl.program_id(0)
+        arrived = tl.atomic_add(sem_ptr + tb, 1, sem="acq_rel", scope="gpu")
+        if arrived == NB - 1:
+            g, j, e, valid = _row_block(G, GS, BG, BGS)
+            for i in tl.static_range(BT):
+                ti = (tb * BT + i).to(tl.int64)
+                if ti < T:
+                    row = tl.load(out_ptr + ti * E + e, mask=valid, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    _rank_row(row, ti, g, j, e, valid, bias_ptr, ids_ptr, wo_ptr, scaling, G, BG,
+                              BGS, A, BA, TOPK_GROUP, SIGMOID, HAS_BIAS, NORM, TOP2)
+            tl.atomic_xchg(sem_ptr + tb, 0, sem="relaxed", scope="gpu")
 
 
 def _admit_triton(call: NormGateCall) -> str | None:
@@ -122,6 +152,16 @@ def _admit_triton(call: NormGateCall) -> str | None:
     return None
 
 
+def _admit_route(call: NormGateCall) -> str | None:
+    reason = _admit_triton(call)
+    if reason is not None:
+        return reason
+    if call.spec is None:
+        return "no router spec with the call (the caller ranks the logits itself)"
+    return _rank_refusal(RouterCall(None, call.spec, call.bias, call.forced, x=call.x,
+                                    gate_w=call.gate_w, gate_b=call.gate_b))
+
+
 def launch_config(T: int, E: int, D: int) -> dict:
     """2 experts a program (64 programs a token block at E = 128) and up to 4 tokens, at most
     8,192 row elements a program (one token at D = 7168, two at 2880), which stay in
@@ -132,25 +172,49 @@ def launch_config(T: int, E: int, D: int) -> dict:
     return dict(BT=bt, BE=2, num_warps=4 if bt * block <= 4096 else 8)
 
 
-def _run_triton(call: NormGateCall, config: dict | None = None):
+def _launch(call: NormGateCall, rank: bool, config: dict | None = None):
     x, res, w, gw, gb = call.x, call.residual, call.weight, call.gate_w, call.gate_b
     T, D = x.shape
     E = gw.shape[0]
     y = torch.empty(T, D, dtype=torch.promote_types(w.dtype, x.dtype), device=x.device)
     r = x if res is None else torch.empty(T, D, dtype=x.dtype, device=x.device)
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    a_top = call.spec.top_k if rank else 1
+    ids = torch.empty(T, a_top, dtype=torch.int32, device=x.device)
+    wo = torch.empty(T, a_top, dtype=torch.float32, device=x.device)
     if T == 0:
-        return y, r, logits
+        return y, r, logits, ids, wo
     cfg = config or launch_config(T, E, D)
-    launch.run(_norm_gate_kernel, (triton.cdiv(T, cfg["BT"]), triton.cdiv(E, cfg["BE"])),
+    grid = (triton.cdiv(T, cfg["BT"]), triton.cdiv(E, cfg["BE"]))
+    ranks = {}
+    if rank:
+        bias = logits if call.bias is None else call.bias.float().contiguous()
+        sem = semaphore(x.device, grid[0])
+        ranks = dict(RANK=True, **_rank_consts(call.spec, E, call.bias is not None))
+        scaling = float(call.spec.scaling)
+    else:
+        bias, sem, scaling = logits, logits, 1.0
+    launch.run(_norm_gate_kernel, grid,
                x, x if res is None else res, w, y, r, gw, gw if gb is None else gb, logits, T, D, E,
                float(D), x.stride(0), x.stride(0) if res is None else res.stride(0), call.eps,
+               sem, bias, ids, wo, grid[1], scaling,
                BT=cfg["BT"], BE=cfg["BE"], BLOCK_D=triton.next_power_of_2(D),
                XDT=DTYPE_CODE[x.dtype], YDT=DTYPE_CODE[y.dtype], HAS_RES=res is not None,
-               HAS_GB=gb is not None, num_warps=cfg["num_warps"], **launch.pdl_args(x))
-    return y, r, logits
+               HAS_GB=gb is not None, num_warps=cfg["num_warps"], **ranks, **launch.pdl_args(x))
+    return y, r, logits, ids, wo
 
 
+def _run_triton(call: NormGateCall, config: dict | None = None):
+    y, r, logits, _, _ = _launch(call, False, config)
+    return y, r, logits, None, None
+
+
+def _run_route(call: NormGateCall, config: dict | None = None):
+    return _launch(call, True, config)
+
+
+routes.register("norm_gate", routes.Route("triton_norm_route", routes.OPT_IN, RECORD, _admit_route,
+                                          _run_route))
 routes.register("norm_gate", routes.Route("triton_norm_gate", routes.OPT_IN, RECORD, _admit_triton,
                                           _run_triton))
 routes.register("norm_gate", routes.Route("unfused", routes.DEFAULT, "reference: rms_norm by its routes, "
@@ -160,7 +224,9 @@ routes.register("norm_gate", routes.Route("unfused", routes.DEFAULT, "reference:
 
 def norm_gate(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
               gate_w: torch.Tensor, gate_b: torch.Tensor | None = None, *,
-              layer: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(y, r, logits): r = x + residual, y = RMSNorm(r) * weight, logits [T, E] float32 of y
-    by the float32 gate (or None: the router makes them). Module docstring."""
-    return routes.dispatch("norm_gate", NormGateCall(x, weight, eps, residual, gate_w, gate_b), layer)
+              spec: RouterSpec | None = None, bias: torch.Tensor | None = None, layer: str = ""):
+    """(y, r, logits, ids, w): r = x + residual, y = RMSNorm(r) * weight, logits [T, E] float32
+    of y by the float32 gate (or None: the router makes them), ids / w the router's choice
+    (or None: the router ranks). Module docstring."""
+    return routes.dispatch("norm_gate", NormGateCall(x, weight, eps, residual, gate_w, gate_b, spec, bias),
+                           layer)

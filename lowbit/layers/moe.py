@@ -83,12 +83,16 @@ class SparseMoE(nn.Module):
         self._gate32 = (g.weight.float(), None if g.bias is None else g.bias.float())
 
     def forward(self, x: torch.Tensor, defer_combine: bool = False,
-                logits: torch.Tensor | None = None) -> torch.Tensor | SlotSum:
+                logits: torch.Tensor | None = None,
+                routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | SlotSum:
         """y [T, D] of x [T, D]; defer_combine: the fused MoE may return its slot rows unsummed
         (a SlotSum), for a caller whose next op is an RMSNorm (lowbit.kernels.norm_op).
         logits: the gate's float32 logits of x when the caller made them with the norm
-        (lowbit.kernels.norm_gate_op); the router then only ranks them."""
-        if logits is not None:
+        (lowbit.kernels.norm_gate_op); the router then only ranks them. routed: (ids, w), the
+        router's choice made there too."""
+        if routed is not None:
+            ids, w = routed
+        elif logits is not None:
             ids, w = route_topk(logits, self.spec, self.e_score_correction_bias,
                                 layer=f"{self.experts.prefix}.router")
         else:

@@ -130,10 +130,12 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(x, batch)
         gate32 = getattr(self.mlp, "_gate32", None) if isinstance(self.mlp, SparseMoE) else None
         if gate32 is not None and h.dim() == 2:  # serving: the norm and the gate may share a launch
-            norm = self.post_attention_layernorm
-            x, residual, logits = norm_gate(h, norm.weight, norm.eps, residual, *gate32,
-                                            layer=f"{self.mlp.experts.prefix}.norm_gate")
-            return self.mlp(x, defer_combine=defer_combine, logits=logits), residual
+            norm, moe = self.post_attention_layernorm, self.mlp
+            x, residual, logits, ids, w = norm_gate(h, norm.weight, norm.eps, residual, *gate32,
+                                                    spec=moe.spec, bias=moe.e_score_correction_bias,
+                                                    layer=f"{moe.experts.prefix}.norm_gate")
+            routed = None if ids is None else (ids, w)
+            return moe(x, defer_combine=defer_combine, logits=logits, routed=routed), residual
         x, residual = self.post_attention_layernorm.add_norm(h, residual)
         if defer_combine and isinstance(self.mlp, SparseMoE):
             return self.mlp(x, defer_combine=True), residual

@@ -35,7 +35,7 @@ def _data(T, D, E, seed, bias=False):
 
 
 def _check(x, w, res, gw, gb, got):
-    y, r, logits = got
+    y, r, logits = got[:3]
     want_y, want_r = norm_op.rms_norm(x, w, EPS, res)
     assert torch.equal(r, want_r)
     diff = (y.float() - want_y.float()).abs()
@@ -67,3 +67,21 @@ def test_norm_gate_replays_in_a_graph_with_fresh_inputs():
         graph.replay()
         torch.cuda.synchronize()
         _check(x, w, res, gw, gb, out)
+
+
+@pytest.mark.parametrize("T", [1, 8, 16])
+def test_norm_route_ranks_as_the_router_does(T):
+    """triton_norm_route: the norm and logits as above, and the ids / weights the router's
+    reference picks from those logits; twice in a row (the block counters reset)."""
+    from lowbit.kernels.router_op import RouterSpec, reference_route
+
+    spec = RouterSpec(top_k=8)
+    x, w, res, gw, gb = _data(T, 2048, 128, seed=40 + T)
+    call = norm_gate_op.NormGateCall(x, w, EPS, res, gw, gb, spec)
+    assert norm_gate_op._admit_route(call) is None
+    for _ in range(2):
+        got = norm_gate_op._run_route(call)
+        _check(x, w, res, gw, gb, got)
+        ids, wts = reference_route(got[2], spec)
+        assert torch.equal(got[3], ids)
+        torch.testing.assert_close(got[4], wts, rtol=1e-5, atol=1e-6)

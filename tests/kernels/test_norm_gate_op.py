@@ -40,7 +40,8 @@ def _data(T, D, E, dtype, residual, bias, seed):
 def test_triton_matches_the_norm_and_the_gate(monkeypatch, T, D, E, dtype, residual, bias):
     x, w, res, gw, gb = _data(T, D, E, dtype, residual, bias, seed=T * 1000 + D)
     monkeypatch.setenv("LOWBIT_ROUTE_NORM_GATE", "triton_norm_gate")
-    y, r, logits = norm_gate_op.norm_gate(x, w, EPS, res, gw, gb, layer="t")
+    y, r, logits, ids, wts = norm_gate_op.norm_gate(x, w, EPS, res, gw, gb, layer="t")
+    assert ids is None and wts is None  # this route leaves the ranking to the router
     monkeypatch.setenv("LOWBIT_ROUTE_NORM", "torch")
     want_y, want_r = norm_op.rms_norm(x, w, EPS, res)
     if dtype == torch.float32:  # no bf16 rounding absorbs the sum of squares' order: ~1 ulp a row
@@ -58,10 +59,48 @@ def test_unfused_reference_is_todays_path(monkeypatch):
     router makes them as before."""
     monkeypatch.delenv("LOWBIT_ROUTE_NORM_GATE", raising=False)
     x, w, res, gw, gb = _data(2, 64, 8, torch.bfloat16, True, False, seed=3)
-    y, r, logits = norm_gate_op.norm_gate(x, w, EPS, res, gw, gb)
+    y, r, logits, ids, wts = norm_gate_op.norm_gate(x, w, EPS, res, gw, gb)
     want_y, want_r = norm_op.rms_norm(x, w, EPS, res)
-    assert logits is None and torch.equal(y, want_y) and torch.equal(r, want_r)
-    assert routes.ops()["norm_gate"].get("triton_norm_gate").status == routes.OPT_IN
+    assert logits is None and ids is None and wts is None
+    assert torch.equal(y, want_y) and torch.equal(r, want_r)
+    for name in ("triton_norm_gate", "triton_norm_route"):
+        assert routes.ops()["norm_gate"].get(name).status == routes.OPT_IN
+
+
+@pytest.mark.parametrize("T,E,spec,with_bias", [
+    (1, 128, dict(top_k=8), False),                       # Qwen3-30B-A3B's router
+    (6, 20, dict(top_k=3, norm_topk=False, scaling=2.5), False),  # two token blocks, the last short
+    (16, 32, dict(top_k=4, scoring="sigmoid", n_group=4, topk_group=2), True),  # DeepSeek-like
+])
+def test_the_ranking_route_chooses_as_the_router_does(monkeypatch, T, E, spec, with_bias):
+    """triton_norm_route: the same norm and logits, and each token block's last program ranks
+    its rows: the ids the router's torch reference picks from the same logits, in the same
+    order, and the same weights; the block counters are back to zero after the launch (a
+    second launch ranks again)."""
+    from lowbit.kernels.router_op import RouterSpec, reference_route
+
+    rs = RouterSpec(**spec)
+    x, w, res, gw, gb = _data(T, 64, E, torch.bfloat16, True, False, seed=T + E)
+    bias = guarded(torch.rand(E)) if with_bias else None
+    monkeypatch.setenv("LOWBIT_ROUTE_NORM_GATE", "triton_norm_route")
+    for _ in range(2):
+        y, r, logits, ids, wts = norm_gate_op.norm_gate(x, w, EPS, res, gw, gb, spec=rs, bias=bias)
+        want_ids, want_w = reference_route(logits, rs, bias)
+        assert ids.dtype == torch.int32 and ids.shape == (T, rs.top_k)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(wts, want_w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logits, gate_logits(y, gw, gb), rtol=1e-5, atol=1e-5)
+
+
+def test_the_ranking_route_refuses_what_the_router_refuses():
+    from lowbit.kernels.router_op import RouterSpec
+
+    x, w, res, gw, gb = _data(2, 64, 8, torch.bfloat16, True, False, seed=6)
+    call = norm_gate_op.NormGateCall
+    assert "no router spec" in norm_gate_op._admit_route(call(x, w, EPS, res, gw, gb, forced=True))
+    bad = RouterSpec(top_k=9)
+    assert "top_k 9" in norm_gate_op._admit_route(call(x, w, EPS, res, gw, gb, bad, forced=True))
+    assert norm_gate_op._admit_route(call(x, w, EPS, res, gw, gb, RouterSpec(top_k=2), forced=True)) is None
 
 
 def test_launch_shapes_keep_a_program_to_8192_row_elements():
@@ -104,7 +143,7 @@ def test_a_moe_model_on_the_fused_route_matches_the_unfused_one(monkeypatch, tin
         assert not any(c["op"] == "norm_gate" for c in routes.counters()["route_calls"])
         lm.prepare_for_serving()
         outs = {}
-        for name in ("unfused", "triton_norm_gate"):
+        for name in ("unfused", "triton_norm_gate", "triton_norm_route"):
             monkeypatch.setenv("LOWBIT_ROUTE_NORM_GATE", name)
             routes.reset_counters()
             outs[name] = lm.compute_logits(lm(ids, ForwardBatch.build([5], [0], None)))
@@ -112,6 +151,7 @@ def test_a_moe_model_on_the_fused_route_matches_the_unfused_one(monkeypatch, tin
             assert sum(n for r, n in calls if r == name) == 2 and len({r for r, _ in calls}) == 1, calls
     torch.testing.assert_close(outs["unfused"], plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs["triton_norm_gate"], outs["unfused"], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(outs["triton_norm_route"], outs["unfused"], rtol=1e-3, atol=1e-3)
 
 
 def test_falling_back_to_the_unfused_path_warns_of_nothing(monkeypatch, caplog):
@@ -141,14 +181,17 @@ from lowbit.kernels import norm_gate_op
 from lowbit.kernels.norm_op import DTYPE_CODE
 from tune_kernels import disassemble
 k = norm_gate_op._norm_gate_kernel
+from lowbit.kernels.router_op import RouterSpec, _rank_consts
 types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*bf16",
-         "gw_ptr": "*fp32", "gb_ptr": "*fp32", "out_ptr": "*fp32", "d_float": "fp32", "eps": "fp32"}
+         "gw_ptr": "*fp32", "gb_ptr": "*fp32", "out_ptr": "*fp32", "d_float": "fp32", "eps": "fp32",
+         "sem_ptr": "*i32", "bias_ptr": "*fp32", "ids_ptr": "*i32", "wo_ptr": "*fp32", "scaling": "fp32"}
 out = {}
-for T, D in ((1, 2048), (16, 2048), (16, 7168)):
+for T, D, rank in ((1, 2048, False), (16, 2048, False), (16, 7168, False), (1, 2048, True), (16, 2048, True)):
     cfg = norm_gate_op.launch_config(T, 128, D)
     bf = DTYPE_CODE[torch.bfloat16]
     consts = dict(BT=cfg["BT"], BE=cfg["BE"], BLOCK_D=triton.next_power_of_2(D), XDT=bf, YDT=bf,
                   HAS_RES=True, HAS_GB=False, PDL=True)
+    consts.update(RANK=rank, **_rank_consts(RouterSpec(top_k=8), 128, False))  # unused without RANK
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in k.arg_names}
     src = ASTSource(fn=k, signature=sig, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(k.arg_names) if n.endswith("_ptr")})
@@ -157,7 +200,7 @@ for T, D in ((1, 2048), (16, 2048), (16, 7168)):
     res, _ = disassemble(c.asm["cubin"])
     stack = re.search(r"STACK:(\\d+)", res)
     ptx = c.asm["ptx"]
-    out[f"{T}x{D}"] = {"regs": int(re.search(r"REG:(\\d+)", res).group(1)),
+    out[f"{T}x{D}" + ("_rank" if rank else "")] = {"regs": int(re.search(r"REG:(\\d+)", res).group(1)),
                        "stack": int(stack.group(1)) if stack else -1,
                        "waits": ptx.count("griddepcontrol.wait"),
                        "loads_before_wait": len(re.findall(r"ld\\.global", ptx.split("griddepcontrol.wait")[0]))}
@@ -185,7 +228,7 @@ def test_kernel_compiles_for_sm90_without_spills():
                          cwd=root, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     stats = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(stats) == {"1x2048", "16x2048", "16x7168"}
+    assert set(stats) == {"1x2048", "16x2048", "16x7168", "1x2048_rank", "16x2048_rank"}
     for shape, st in stats.items():
         assert st["stack"] == 0 and st["regs"] <= 255, (shape, st)
         assert st["waits"] == 1 and st["loads_before_wait"] > 0, (shape, st)
