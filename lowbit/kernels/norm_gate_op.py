@@ -8,23 +8,24 @@ Shape legend: T tokens, D hidden, E experts, A experts a token (top_k).
     from y as it does without this op (lowbit.kernels.router_op.route); ids [T, A] int32 and
     w [T, A] float32, the router's choice of those logits (spec, bias: router_op's), or None:
     the router ranks them.
-Why: a decode step's norm and gate GEMV each cost a launch that moves almost nothing (3.5 and
-4.1 us alone at Qwen3-30B-A3B B = 1 on the H100; docs/BENCHMARKS.md "A decode step under
-Nsight Compute"). One launch does both: every gate program reads its tokens' whole rows
-(8 KiB a token at D = 2048, from L2) and normalizes them itself.
+Why: a decode step's norm, gate GEMV and top-k each cost a launch that moves almost nothing
+(3.5, 4.1 and 4.2 us alone at Qwen3-30B-A3B B = 1 on the H100; docs/BENCHMARKS.md "A decode
+step under Nsight Compute"). One launch does the first two, or all three: every gate program
+reads its tokens' whole rows (8 KiB a token at D = 2048, from L2) and normalizes them itself.
 
-Routes, in selection order:
-  triton_norm_gate  (OPT_IN until an engine A/B on a GPU times it: `scripts/with_route.py
-                norm_gate triton_norm_gate -- ...` runs it where it admits the call;
-                LOWBIT_ROUTE_NORM_GATE forces it and fails on a prefill's longer calls)
-                T <= 16 tokens, D <= 8192: program (token block, expert
-                block) adds the residual, normalizes its BT rows in float32 with norm_op's
-                roundings, and takes the dot products with its BE experts' float32 gate rows;
-                the programs of expert block 0 store r and y. No host read (graph-safe).
-  triton_norm_route  (OPT_IN, the same A/B) the same launch, and the program that arrives
-                last for a token block (a counter per block, reset after use) ranks the
-                block's rows as router_op's triton_topk does (router_op._rank_row): the
-                router's launch too. Refuses what triton_topk refuses.
+Routes, in selection order (both fused ones OPT_IN until an engine A/B on a GPU times them:
+`scripts/with_route.py norm_gate ROUTE -- ...` runs one where it admits the call;
+LOWBIT_ROUTE_NORM_GATE forces it and fails on a prefill's longer calls):
+  triton_norm_route  triton_norm_gate's launch, and the program that arrives last for a
+                token block (a counter per block, reset after use) ranks the block's rows as
+                router_op's triton_topk does (router_op._rank_row): the router's launch too.
+                Refuses what triton_norm_gate or triton_topk refuses, and calls without a
+                router spec.
+  triton_norm_gate  T <= 16 tokens, D <= 8192: program (token block, expert block) adds the
+                residual, normalizes its BT rows in float32 with norm_op's roundings, and
+                takes the dot products with its BE experts' float32 gate rows (read before
+                the PDL wait); the programs of expert block 0 store r and y. No host read
+                (graph-safe).
   unfused       reference: norm_op.rms_norm by its own routes, logits None (the router's
                 own routes make them). Admits every call; not slow (today's path), so a
                 fallback to it warns of nothing (routes.register slow=False).
