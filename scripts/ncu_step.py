@@ -47,9 +47,9 @@ def run(argv: list[str]) -> None:
 
     from lowbit import LLM
     from lowbit.bench.latency import copy_bandwidth, weight_bytes
+    from lowbit.bench.step_profile import into_decode
     from lowbit.config import EngineConfig
     from lowbit.distributed import engine_model
-    from lowbit.engine.sampling import SamplingParams
 
     p = argparse.ArgumentParser()
     EngineConfig.add_cli_args(p)
@@ -62,15 +62,7 @@ def run(argv: list[str]) -> None:
     llm = LLM(**cfg.llm_kwargs(), loaded=engine_model(cfg))
     engine = llm.engine
     assert engine.device.type == "cuda", "ncu_step needs CUDA"
-    vocab = engine.arch.vocab_size
-    sp = SamplingParams(temperature=0.0, max_tokens=a.steps + 16, ignore_eos=True)
-    for i in range(a.batch):
-        engine.add_request([(7 * i + j) % vocab for j in range(a.context)], sp)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    for _ in range(4):  # capture and warm the bucket outside the profile
-        engine.step()
-    torch.cuda.synchronize()
+    into_decode(engine, a.batch, a.context, a.steps + 16, warm_steps=4)
     bw = copy_bandwidth(str(engine.device))
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()

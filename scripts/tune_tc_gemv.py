@@ -3,10 +3,11 @@
   python scripts/tune_tc_gemv.py --out DIR [--m 1,4,8,16] [--moe-t 1,4,16,32]
   python scripts/tune_tc_gemv.py --out DIR --prefetch-ab [--ring]
       Times each shipped config (the device file's "tc_gemv" / "tc_moe" entries at each M /
-      token count) against the same config with PREFETCH 2 (two K steps in registers) and,
-      with --ring, with the shared-memory ring (RING 3 / 4 / 6 K steps by cp.async, at
-      WAVES 1 / 2 / 4; measured negative in the engine on the H100), and writes DIR/tc_tuned.json with the fastest (a challenger only where it wins by
-      more than 2 %).
+      token count) against the same config with PREFETCH 2 (two K steps in registers), at
+      WAVES 1 and twice its WAVES (split-K width), and with --ring with the shared-memory
+      ring (RING 3 / 4 / 6 K steps by cp.async, at WAVES 1 / 2 / 4; measured negative in the
+      engine on the H100), and writes DIR/tc_tuned.json with the fastest (a challenger only
+      where it wins by more than 2 %; the file is rewritten after every entry).
   python scripts/tune_tc_gemv.py --static
       No GPU needed (run without TRITON_INTERPRET): compiles the linear, per-slot MoE and
       expert-grouped kernels for sm_90 and prints, as one JSON line, each main loop's SASS

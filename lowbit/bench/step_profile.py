@@ -66,15 +66,12 @@ def _summary(prof, steps: int, layers: int, step_us: float, top: int) -> dict:
             "top": [(n[:80], names[n] / steps, times[n] / steps) for n, _ in times.most_common(top)]}
 
 
-def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64, step_tokens: int = 1,
-                   rehearse: bool = False) -> dict | None:
-    """`step_tokens`: the most tokens a step emits per sequence (k + 1 with speculation).
-    `rehearse`: run the same requests to the end once first, so that graphs of every shape
-    the steps meet (a speculative step's verify buckets vary with its drafts) are captured
-    before the timing."""
-    if engine.device.type != "cuda":
-        return None
-    sp = SamplingParams(temperature=0.0, max_tokens=(2 * steps + 4) * step_tokens + 8, ignore_eos=True)
+def into_decode(engine, batch: int, context: int, max_tokens: int, rehearse: bool = False,
+                warm_steps: int = 2) -> None:
+    """`batch` greedy requests of `context` prompt tokens, prefilled and `warm_steps` decode
+    steps in (the bucket's graph captured and warm), for a measurement of the steps that
+    follow. `rehearse`: run the same requests to the end once first (profile_decode)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [[(7 * i + j) % engine.arch.vocab_size for j in range(context)] for i in range(batch)]
     if rehearse:
         for p in prompts:
@@ -85,9 +82,21 @@ def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64, st
         engine.add_request(p, sp)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
-    for _ in range(2):  # capture / warm the bucket outside the profile
+    for _ in range(warm_steps):
         engine.step()
-    torch.cuda.synchronize()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64, step_tokens: int = 1,
+                   rehearse: bool = False) -> dict | None:
+    """`step_tokens`: the most tokens a step emits per sequence (k + 1 with speculation).
+    `rehearse`: run the same requests to the end once first, so that graphs of every shape
+    the steps meet (a speculative step's verify buckets vary with its drafts) are captured
+    before the timing."""
+    if engine.device.type != "cuda":
+        return None
+    into_decode(engine, batch, context, (2 * steps + 4) * step_tokens + 8, rehearse)
     before = sum(r.num_tokens for r in engine.requests.values())
     engine.spans.reset(on=True)
     t0 = time.perf_counter()

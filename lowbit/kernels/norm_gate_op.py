@@ -37,12 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.kernels import launch, norm_op, routes
+from lowbit.kernels import launch, norm_op, router_op, routes
 from lowbit.kernels.norm_op import DTYPE_CODE, round_to
 from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.router_op import RouterCall, RouterSpec, _rank_consts, _rank_row, _row_block
-from lowbit.kernels.router_op import _refusal as _rank_refusal
-from lowbit.kernels.runtime import semaphore, tl, triton, triton_refusal
+from lowbit.kernels.runtime import semaphore, tl, triton
 
 RECORD = "docs/KERNEL_NOTES.md \"What a C1 decode step is made of\" (no engine A/B yet)"
 MAX_TOKENS = 16
@@ -126,30 +125,26 @@ def _norm_gate_kernel(x_ptr, res_ptr, w_ptr, y_ptr, r_ptr, gw_ptr, gb_ptr, out_p
             tl.atomic_xchg(sem_ptr + tb, 0, sem="relaxed", scope="gpu")
 
 
+def _router_call(call: NormGateCall) -> RouterCall:
+    return RouterCall(None, call.spec, call.bias, call.forced, x=call.x, gate_w=call.gate_w,
+                      gate_b=call.gate_b)
+
+
 def _admit_triton(call: NormGateCall) -> str | None:
-    reason = triton_refusal(call.x, call.forced)
+    """What the norm's Triton route and the router's gate GEMV each refuse, then the rows a
+    program holds: T <= 16, D <= 8192."""
+    reason = norm_op._admit_triton(norm_op.NormCall(call.x, call.weight, call.eps, call.residual,
+                                                    forced=call.forced))
+    if reason is None and call.x.dim() != 2:
+        reason = f"x is {call.x.dim()}-D (the kernel reads [T, D] rows)"
+    reason = reason or router_op._gemv_refusal(_router_call(call))
     if reason is not None:
         return reason
-    x, res, gw, gb = call.x, call.residual, call.gate_w, call.gate_b
-    if x.dim() != 2:
-        return f"x is {x.dim()}-D (the kernel reads [T, D] rows)"
-    T, D = x.shape
+    T, D = call.x.shape
     if T > MAX_TOKENS:
         return f"{T} tokens > {MAX_TOKENS} (each program normalizes its tokens' whole rows)"
     if D > MAX_D:
         return f"D = {D} > {MAX_D}"
-    if x.dtype not in DTYPE_CODE or x.stride(-1) != 1:
-        return f"x is {x.dtype} with column stride {x.stride(-1)}"
-    if res is not None and (res.shape != x.shape or res.dtype != x.dtype or res.stride(-1) != 1):
-        return "residual is not x's shape and dtype with unit column stride"
-    if call.weight.shape != (D,) or call.weight.stride(0) != 1:
-        return f"norm weight {tuple(call.weight.shape)} is not a contiguous [{D}]"
-    if torch.promote_types(call.weight.dtype, x.dtype) not in DTYPE_CODE:
-        return f"norm output dtype {torch.promote_types(call.weight.dtype, x.dtype)}"
-    if gw.dtype != torch.float32 or not gw.is_contiguous() or gw.shape[1] != D:
-        return f"gate weight {gw.dtype} {tuple(gw.shape)} is not a contiguous float32 [E, {D}]"
-    if gb is not None and (gb.dtype != torch.float32 or not gb.is_contiguous()):
-        return "gate bias is not a contiguous float32 [E]"
     return None
 
 
@@ -159,8 +154,7 @@ def _admit_route(call: NormGateCall) -> str | None:
         return reason
     if call.spec is None:
         return "no router spec with the call (the caller ranks the logits itself)"
-    return _rank_refusal(RouterCall(None, call.spec, call.bias, call.forced, x=call.x,
-                                    gate_w=call.gate_w, gate_b=call.gate_b))
+    return router_op._refusal(_router_call(call))
 
 
 def launch_config(T: int, E: int, D: int) -> dict:
@@ -180,25 +174,23 @@ def _launch(call: NormGateCall, rank: bool, config: dict | None = None):
     y = torch.empty(T, D, dtype=torch.promote_types(w.dtype, x.dtype), device=x.device)
     r = x if res is None else torch.empty(T, D, dtype=x.dtype, device=x.device)
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    a_top = call.spec.top_k if rank else 1
-    ids = torch.empty(T, a_top, dtype=torch.int32, device=x.device)
-    wo = torch.empty(T, a_top, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, call.spec.top_k, dtype=torch.int32, device=x.device) if rank else None
+    wo = torch.empty(T, call.spec.top_k, dtype=torch.float32, device=x.device) if rank else None
     if T == 0:
         return y, r, logits, ids, wo
     cfg = config or launch_config(T, E, D)
     grid = (triton.cdiv(T, cfg["BT"]), triton.cdiv(E, cfg["BE"]))
-    ranks = {}
-    if rank:
+    if rank:  # the ranking's arguments; without it any pointer stands in (unread)
         bias = logits if call.bias is None else call.bias.float().contiguous()
         sem = semaphore(x.device, grid[0])
         ranks = dict(RANK=True, **_rank_consts(call.spec, E, call.bias is not None))
         scaling = float(call.spec.scaling)
     else:
-        bias, sem, scaling = logits, logits, 1.0
+        bias, sem, ranks, scaling = logits, logits, {}, 1.0
     launch.run(_norm_gate_kernel, grid,
                x, x if res is None else res, w, y, r, gw, gw if gb is None else gb, logits, T, D, E,
                float(D), x.stride(0), x.stride(0) if res is None else res.stride(0), call.eps,
-               sem, bias, ids, wo, grid[1], scaling,
+               sem, bias, logits if ids is None else ids, logits if wo is None else wo, grid[1], scaling,
                BT=cfg["BT"], BE=cfg["BE"], BLOCK_D=triton.next_power_of_2(D),
                XDT=DTYPE_CODE[x.dtype], YDT=DTYPE_CODE[y.dtype], HAS_RES=res is not None,
                HAS_GB=gb is not None, num_warps=cfg["num_warps"], **ranks, **launch.pdl_args(x))
@@ -206,8 +198,7 @@ def _launch(call: NormGateCall, rank: bool, config: dict | None = None):
 
 
 def _run_triton(call: NormGateCall, config: dict | None = None):
-    y, r, logits, _, _ = _launch(call, False, config)
-    return y, r, logits, None, None
+    return _launch(call, False, config)
 
 
 def _run_route(call: NormGateCall, config: dict | None = None):

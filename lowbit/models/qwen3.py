@@ -129,7 +129,7 @@ class DecoderLayer(nn.Module):
         x, residual = self.input_layernorm.add_norm(h, residual)
         h = self.self_attn(x, batch)
         gate32 = getattr(self.mlp, "_gate32", None) if isinstance(self.mlp, SparseMoE) else None
-        if gate32 is not None and h.dim() == 2:  # serving: the norm and the gate may share a launch
+        if gate32 is not None:  # serving: the norm and the gate may share a launch
             norm, moe = self.post_attention_layernorm, self.mlp
             x, residual, logits, ids, w = norm_gate(h, norm.weight, norm.eps, residual, *gate32,
                                                     spec=moe.spec, bias=moe.e_score_correction_bias,
