@@ -28,8 +28,8 @@
 #              decode, kernels per decode step from a profile, graph status, route calls;
 #              ENGINE_FORMATS="nvfp4 nvfp4+nopdl" adds a run with LOWBIT_PDL=0 (+noring:
 #              LOWBIT_TC_RING=0; +noslots:
-#              LOWBIT_SLOT_FUSION=0; +normgate / +normroute: the triton_norm_gate / triton_norm_route route on, by
-#              scripts/with_route.py); ENGINE_KV="auto fp8"
+#              LOWBIT_SLOT_FUSION=0; +normgate / +normroute: the triton_norm_gate / triton_norm_route route on,
+#              +ropeattn the triton_rope_decode route, by scripts/with_route.py); ENGINE_KV="auto fp8"
 #              runs each format with a bf16 and an fp8 KV pool
 #   offload    expert offload at the Qwen3-30B-A3B shape, $QUANT, C1: resident, then
 #              OFFLOAD_SLOTS slots per layer (default 32 = 25 %, graphs copy their own
@@ -138,17 +138,23 @@ if has engine; then
   # stream in as they come (a capped run still shows its last step), the table comes last
   # a format suffixed +nopdl runs with LOWBIT_PDL=0 (the programmatic-dependent-launch A/B),
   # +noslots with LOWBIT_SLOT_FUSION=0 (the MoE's two-launch sort and combine launch); both: +noslots+nopdl;
-  # a suffix +noring runs with LOWBIT_TC_RING=0 (tuned RING configs on their register loop); a last
-  # suffix +normgate runs the one-launch post-attention norm + gate route, +normroute the one that
-  # also ranks (scripts/with_route.py)
+  # a suffix +noring runs with LOWBIT_TC_RING=0 (tuned RING configs on their register loop); last
+  # suffixes switch OPT_IN fused routes on (scripts/with_route.py): +normgate the one-launch
+  # post-attention norm + gate, +normroute the one that also ranks, +ropeattn the decode kernel
+  # that does the rope op's work (any order, e.g. nvfp4+normroute+ropeattn)
   for spec in ${ENGINE_FORMATS:-bf16 $QUANT}; do
    for kv in ${ENGINE_KV:-auto}; do  # ENGINE_KV="auto fp8": each format with both KV pools
-    # +normgate / +normroute: that OPT_IN norm_gate route at DEFAULT status for the run
-    # (prefill's calls keep the unfused path)
-    ng=${spec%+normgate}; lowbit=(python3 -m lowbit)
-    [ "$ng" != "$spec" ] && lowbit=(python3 scripts/with_route.py norm_gate triton_norm_gate --)
-    nr=${ng%+normroute}; [ "$nr" != "$ng" ] && lowbit=(python3 scripts/with_route.py norm_gate triton_norm_route --)
-    ng=$nr
+    # each fused route at DEFAULT status for the run (prefill's calls keep the unfused path)
+    ng=$spec; on=()
+    while :; do
+      case "$ng" in
+        *+normgate) on+=(norm_gate triton_norm_gate); ng=${ng%+normgate} ;;
+        *+normroute) on+=(norm_gate triton_norm_route); ng=${ng%+normroute} ;;
+        *+ropeattn) on+=(rope_attention triton_rope_decode); ng=${ng%+ropeattn} ;;
+        *) break ;;
+      esac
+    done
+    lowbit=(python3 -m lowbit); [ ${#on[@]} -gt 0 ] && lowbit=(python3 scripts/with_route.py "${on[@]}" --)
     plain=${ng%+noring}; ring=1; [ "$plain" != "$ng" ] && ring=0
     fmt=${plain%+nopdl}; pdl=1; [ "$fmt" != "$plain" ] && pdl=0
     base=${fmt%+noslots}; slots=1; [ "$base" != "$fmt" ] && slots=0; fmt=$base

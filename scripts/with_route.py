@@ -1,6 +1,6 @@
-"""Run a lowbit command with one OPT_IN route switched on in-process.
+"""Run a lowbit command with OPT_IN routes switched on in-process.
 
-  python scripts/with_route.py OP ROUTE -- lowbit-args...
+  python scripts/with_route.py OP ROUTE [OP ROUTE ...] -- lowbit-args...
   e.g. python scripts/with_route.py linear torch_scaled_mm -- eval demo --quantization fp8 ...
 
 Unlike LOWBIT_ROUTE_<OP>=ROUTE, which forces the route on every call and fails on the calls
@@ -21,11 +21,15 @@ from lowbit.kernels import routes  # noqa: E402
 
 
 def run(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[2] != "--":
+    if "--" not in argv:
         raise SystemExit(__doc__)
-    op, name = argv[0], argv[1]
-    routes.ops()[op].get(name).status = routes.DEFAULT
-    return main(argv[3:])
+    cut = argv.index("--")
+    pairs = argv[:cut]
+    if not pairs or len(pairs) % 2:
+        raise SystemExit(__doc__)
+    for op, name in zip(pairs[::2], pairs[1::2]):
+        routes.ops()[op].get(name).status = routes.DEFAULT
+    return main(argv[cut + 1:])
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from lowbit.kernels import (  # noqa: F401  register their ops
     attention_op,  # noqa: F401  registers the attention and kv_write ops
     norm_gate_op,
     norm_op,
+    rope_attention_op,
     rope_op,
     router_op,
     sample_op,

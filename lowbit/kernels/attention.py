@@ -29,6 +29,13 @@ launch except the grid bounds named below):
       heads and the sinks, writes the output and resets the counter: no second launch, but
       one program reads G x S partials in turn (H200, Qwen3-30B-A3B decode at B = 1, S = 66:
       15.7 us a layer against 6.3 for split + reduce), so FOLD is off unless a config asks.
+      ROPE (the rope_attention op): q_ptr is the projection's q | k | v rows; each program
+      norms and rotates its G heads' q in registers (_rope_q: the rope op's math, the
+      rotation partner of column d loaded beside it), and the split holding the last key
+      (position seq_len - 1) first norms, rotates and stores that key and its value in pool
+      row slot_mapping[b] (_rope_kv_write: the rope kernel's half-tile math and roundings,
+      the same bytes), then a CTA barrier, then its tiles read that row back. No other
+      program reads the row, so no grid-wide ordering is needed.
   _decode_reduce_kernel grid (B, H). Merges the S partials and the sink (FOLD off).
   _prefill_kernel       grid (ceil(T / TPB) + B, Hkv). Rows of a tile are TPB query
       tokens x G heads (row r: token r // G, head r % G), so K/V are read once per kv head;
@@ -56,6 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.kernels import launch
+from lowbit.kernels.norm_op import DTYPE_CODE, round_to
 from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.runtime import (
     HAS_TRITON,
@@ -277,6 +285,123 @@ def _finish(acc, m_i, l_i, sinks_ptr, h, hmask, HAS_SINKS: tl.constexpr):
     return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only on rows never stored
 
 
+# -- the step's k/v into pool rows, q/k RoPE (the rope op's kernel and the ROPE decode) --
+@triton.jit
+def kv_fp8_scale(amax, RECIP: tl.constexpr):
+    """A pool row's fp8 scale from its |x| max: max(amax, 1e-12) / 448 (reference_kv_write's).
+    RECIP: as torch on CUDA divides by a host scalar, amax * float32(1 / 448); else an IEEE
+    division, as torch on the CPU."""
+    amax = tl.maximum(amax, 1e-12)
+    if RECIP:
+        return amax * (1.0 / 448.0)
+    return tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)
+
+
+@triton.jit
+def kv_fp8_codes(x, s, ROUND: tl.constexpr = True):
+    """x / s (s broadcast to x's shape) rounded to float8_e4m3. ROUND: round in float32 first
+    (round_to: the interpreter truncates its fp8 casts); on the GPU (ROUND False) the store's
+    conversion (cvt.rn.satfinite) rounds to nearest even itself, to the same codes, without
+    the dozen instructions an element that the emulation costs."""
+    q = tl.math.div_rn(x, s)
+    if ROUND:
+        q = round_to(q, 3)
+    return q
+
+
+@triton.jit
+def store_pool_rows(dst_ptr, scale_ptr, x1, x2, slot, kh, j, rows, col, stride0, stride1,
+                     scale_stride, HALF: tl.constexpr, IS_FP8: tl.constexpr, RECIP: tl.constexpr):
+    """Pool rows (slot, kh[i]) <- the halves x1, x2 [BH, BHALF] float32 of tile rows i where
+    rows[i]. fp8: codes x / s with s = kv_fp8_scale per row, stored at scale_ptr [N, Hkv]."""
+    mask = rows[:, None] & col[None, :]
+    if IS_FP8:
+        amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))  # [BH]
+        s = kv_fp8_scale(amax, RECIP)
+        s2 = s[:, None] + tl.zeros_like(x1)
+        x1, x2 = kv_fp8_codes(x1, s2, not RECIP), kv_fp8_codes(x2, s2, not RECIP)
+        tl.store(scale_ptr + slot * scale_stride + kh, s, mask=rows)
+    dst = dst_ptr + slot * stride0 + kh[:, None] * stride1 + j[None, :]
+    tl.store(dst, x1, mask=mask)
+    tl.store(dst + HALF, x2, mask=mask)
+
+
+@triton.jit
+def qk_norm_halves(x1, x2, is_q, qw_ptr, kw_ptr, j, col, eps, HALF: tl.constexpr, DT: tl.constexpr,
+             NDT: tl.constexpr):
+    """Halves x1, x2 [BH, BHALF] float32 of whole heads, RMS-normed per row with norm_op's
+    roundings, times q_weight on q rows (is_q) and k_weight on the others."""
+    sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [BH]
+    mean_sq = tl.math.div_rn(sum_sq, tl.zeros_like(sum_sq) + 2 * HALF)
+    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))[:, None]  # [BH, 1]
+    wq1 = tl.load(qw_ptr + j, mask=col, other=0.0).to(tl.float32)[None, :]
+    wq2 = tl.load(qw_ptr + HALF + j, mask=col, other=0.0).to(tl.float32)[None, :]
+    wk1 = tl.load(kw_ptr + j, mask=col, other=0.0).to(tl.float32)[None, :]
+    wk2 = tl.load(kw_ptr + HALF + j, mask=col, other=0.0).to(tl.float32)[None, :]
+    y1 = round_to(tl.where(is_q[:, None], wq1, wk1) * round_to(x1 * inv, DT), NDT)
+    y2 = round_to(tl.where(is_q[:, None], wq2, wk2) * round_to(x2 * inv, DT), NDT)
+    return y1, y2
+
+
+@triton.jit
+def _rope_q(qkv_ptr, b, h, dc, qmask, stride_qt, p, cs_ptr, stride_cs, qw_ptr, eps,
+            D: tl.constexpr, DT: tl.constexpr, NDT: tl.constexpr, HAS_NORM: tl.constexpr):
+    """q [GP, BD] float32 of heads h of token b as the rope op makes it (qk_norm_halves'
+    norm, neox rotation by row p of cos_sin, rounded to DT), column j holding head-dim index
+    dc[j]: each column's rotation partner (dc -+ D/2) loads beside it."""
+    half: tl.constexpr = D // 2
+    lo = dc < half
+    partner = tl.where(lo, dc + half, dc - half)
+    src = qkv_ptr + b * stride_qt + h[:, None] * D
+    x = tl.load(src + dc[None, :], mask=qmask, other=0.0).to(tl.float32)
+    xp = tl.load(src + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
+    cmask = dc < D
+    if HAS_NORM:
+        sum_sq = tl.sum(x * x, axis=1)  # masked columns hold 0
+        mean_sq = tl.math.div_rn(sum_sq, tl.zeros_like(sum_sq) + D)
+        inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))[:, None]
+        w = tl.load(qw_ptr + dc, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(qw_ptr + partner, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        x = round_to(w * round_to(x * inv, DT), NDT)
+        xp = round_to(wp * round_to(xp * inv, DT), NDT)
+    c = dc % half
+    cos = tl.load(cs_ptr + p * stride_cs + c, mask=cmask, other=0.0)[None, :]
+    sin = tl.load(cs_ptr + p * stride_cs + half + c, mask=cmask, other=0.0)[None, :]
+    sgn = tl.where(lo, -1.0, 1.0)[None, :]  # x1 cos - x2 sin, x2 cos + x1 sin
+    return round_to(x * cos + (sgn * xp) * sin, DT)
+
+
+@triton.jit
+def _rope_kv_write(qkv_ptr, b, kh, stride_qt, p, cs_ptr, stride_cs, kw_ptr, eps, slot, k_ptr,
+                   v_ptr, ks_ptr, vs_ptr, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
+                   H, HKV, D: tl.constexpr, BHALF: tl.constexpr, DT: tl.constexpr,
+                   NDT: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr,
+                   RECIP: tl.constexpr):
+    """Pool row `slot` of kv head kh <- token b's k (normed, rotated: the rope kernel's
+    half-tile math, so the same values) and v, from the q | k | v row of qkv."""
+    half: tl.constexpr = D // 2
+    j = tl.arange(0, BHALF)
+    col = j < half
+    heads = tl.full([1], 0, tl.int32) + kh  # [1]
+    m = (heads >= 0)[:, None] & col[None, :]
+    src = qkv_ptr + b * stride_qt + (H + heads[:, None]) * D + j[None, :]  # [1, BHALF]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=m, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        x1, x2 = qk_norm_halves(x1, x2, heads < 0, kw_ptr, kw_ptr, j, col, eps, half, DT, NDT)
+    cos = tl.load(cs_ptr + p * stride_cs + j, mask=col, other=0.0)[None, :]
+    sin = tl.load(cs_ptr + p * stride_cs + half + j, mask=col, other=0.0)[None, :]
+    o1 = round_to(x1 * cos - x2 * sin, DT)
+    o2 = round_to(x2 * cos + x1 * sin, DT)
+    v1 = tl.load(src + HKV * D, mask=m, other=0.0).to(tl.float32)
+    v2 = tl.load(src + HKV * D + half, mask=m, other=0.0).to(tl.float32)
+    rows = (heads >= 0) & (slot >= 0)
+    store_pool_rows(k_ptr, ks_ptr, o1, o2, slot, heads, j, rows, col, stride_kr, stride_kh,
+                    stride_sr, half, FP8, RECIP)
+    store_pool_rows(v_ptr, vs_ptr, v1, v2, slot, heads, j, rows, col, stride_vr, stride_vh,
+                    stride_sr, half, FP8, RECIP)
+
+
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, sinks_ptr, out_ptr, part_ptr, ml_ptr,
@@ -286,6 +411,9 @@ def _decode_split_kernel(
     BN: tl.constexpr, DIRECT: tl.constexpr, FOLD: tl.constexpr, SP: tl.constexpr,
     FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
     WORDS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    pos_ptr=None, cs_ptr=None, qw_ptr=None, kw_ptr=None, slot_ptr=None, stride_cs=0, eps=0.0,
+    ROPE: tl.constexpr = False, BHALF: tl.constexpr = 1, DT: tl.constexpr = 0,
+    NDT: tl.constexpr = 0, HAS_NORM: tl.constexpr = False, RECIP: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -305,7 +433,20 @@ def _decode_split_kernel(
     dmask = d < D
     dc = _word_col(d, BD, WORDS)  # the head-dim index of q's and acc's column d
     qmask = gmask[:, None] & (dc < D)[None, :]
-    q = tl.load(q_ptr + b * stride_qt + h[:, None] * stride_qh + dc[None, :], mask=qmask, other=0.0)
+    if ROPE:  # q_ptr is the q | k | v rows of the projection (stride_qh == D)
+        p = tl.load(pos_ptr + b).to(tl.int64)
+        q = _rope_q(q_ptr, b, h, dc, qmask, stride_qt, p, cs_ptr, stride_cs, qw_ptr, eps, D,
+                    DT, NDT, HAS_NORM).to(q_ptr.dtype.element_ty)
+        last = seq_len - 1
+        if (start <= last) & (last < end):  # the split holding the step's key writes it first
+            _rope_kv_write(q_ptr, b, kh, stride_qt, p, cs_ptr, stride_cs, kw_ptr, eps,
+                           tl.load(slot_ptr + b).to(tl.int64), k_ptr, v_ptr, ks_ptr, vs_ptr,
+                           stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
+                           G * tl.num_programs(1), tl.num_programs(1), D, BHALF, DT, NDT,
+                           HAS_NORM, FP8, RECIP)
+            tl.debug_barrier()  # its own loads below read that row back
+    else:
+        q = tl.load(q_ptr + b * stride_qt + h[:, None] * stride_qh + dc[None, :], mask=qmask, other=0.0)
     if WORDS:
         q = q.to(tl.float16)
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -494,12 +635,28 @@ def _config(base: dict, fp8_base: dict, pool: KVPool, config: dict | None) -> di
     return {**base, **(fp8_base if pool.is_fp8 else {}), **(config or {})}
 
 
+@dataclass
+class DecodeRope:
+    """The rope op's inputs for a decode launch that makes q and the step's k/v itself
+    (paged_decode's `rope`): q is then the q heads of the projection rows q | k | v."""
+
+    positions: torch.Tensor  # [B] int64
+    cos_sin: torch.Tensor  # [P, D] float32 (whole-head rotary)
+    q_weight: torch.Tensor | None  # [D] (qk-norm), or None
+    k_weight: torch.Tensor | None
+    eps: float
+    slot_mapping: torch.Tensor  # [B] int64: the pool row of each sequence's new key
+
+
 def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  scale: float, window: int | None = None, sinks: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, num_splits: int | None = None,
-                 config: dict | None = None) -> torch.Tensor:
-    """One query per sequence: q [B, H, D] (row b = sequence b's last token) -> [B, H, D]."""
-    out = torch.empty_like(q) if out is None else out
+                 config: dict | None = None, rope: DecodeRope | None = None) -> torch.Tensor:
+    """One query per sequence: q [B, H, D] (row b = sequence b's last token) -> [B, H, D].
+    rope: q is q_heads(qkv) [B, H, D] of the projection rows [B, (H + 2 Hkv) D], before
+    norm and rotation; the split holding each sequence's last key norms, rotates and writes
+    that key and its value into the pool (rope_op's math) before reading it back."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     H, Hkv, D = _check(q, pool, block_tables, seq_lens, out)
     B, G = q.shape[0], H // Hkv
     cfg = _config(DECODE_CFG, FP8_DECODE_CFG, pool, config)
@@ -518,13 +675,29 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
         q, *kv, block_tables, seq_lens, sinks_arg, out, part, ml, sem, qk_scale, win, S,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
         G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BD=BD, BS=pool.block_size, BN=cfg["BN"],
-        DIRECT=S == 1, FOLD=fold, SP=SP, **flags, num_warps=cfg["num_warps"],
+        DIRECT=S == 1, FOLD=fold, SP=SP, **flags, **_rope_args(q, rope), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **launch.pdl_args(q))
     if S > 1 and not fold:
         launch.run(_decode_reduce_kernel, (B, H), part, ml, sinks_arg, out, S, out.stride(0),
                    out.stride(1), H=H, D=D, BD=BD, SP=SP, HAS_SINKS=sinks is not None, num_warps=4,
                    **launch.pdl_args(q))
     return out
+
+
+def _rope_args(q: torch.Tensor, rope: DecodeRope | None) -> dict:
+    """The split kernel's ROPE arguments (none without rope)."""
+    if rope is None:
+        return {}
+    D = q.shape[-1]
+    assert q.stride(1) == D and rope.cos_sin.shape[-1] == D and rope.cos_sin.stride(-1) == 1
+    norm = rope.q_weight is not None
+    qw = rope.q_weight if norm else q
+    kw = rope.k_weight if norm else q
+    ndt = torch.promote_types(qw.dtype, q.dtype) if norm else q.dtype
+    return dict(pos_ptr=rope.positions, cs_ptr=rope.cos_sin, qw_ptr=qw, kw_ptr=kw,
+                slot_ptr=rope.slot_mapping, stride_cs=rope.cos_sin.stride(0), eps=rope.eps,
+                ROPE=True, BHALF=triton.next_power_of_2(D // 2), DT=DTYPE_CODE[q.dtype],
+                NDT=DTYPE_CODE[ndt], HAS_NORM=norm, RECIP=q.is_cuda)
 
 
 def paged_prefill(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor,

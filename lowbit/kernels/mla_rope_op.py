@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 import torch
 
 from lowbit.kernels import attention_op, launch, routes
-from lowbit.kernels.attention import FP8, KVPool
+from lowbit.kernels.attention import FP8, KVPool, kv_fp8_codes, kv_fp8_scale
 from lowbit.kernels.latent import MAX_LATENT, MAX_ROPE_DIM
 from lowbit.kernels.norm_op import DTYPE_CODE, FLOAT_DTYPES, rms_norm_reference, round_to
 from lowbit.kernels.pdl import pdl_enter
-from lowbit.kernels.rope_op import kv_fp8_codes, kv_fp8_scale, rotate_neox
+from lowbit.kernels.rope_op import rotate_neox
 from lowbit.kernels.runtime import capability, tl, triton, triton_refusal
 
 # DEFAULT on its H100 record: DeepSeek-V2-Lite bf16 decode 223 -> 304 tok/s at C1 with triton_silu_mul
@@ -124,7 +124,7 @@ def _rotate(src, o1, o2, mask, cos, sin, DT: tl.constexpr):
 @triton.jit
 def _store_row(dst, scale_dst, x1, x2, n1, n2, m1, m2, IS_FP8: tl.constexpr, RECIP: tl.constexpr):
     """One pool row from two float32 pieces x1 (at dst + n1), x2 (at dst + n2): as they are,
-    or fp8 codes with the row's scale (rope_op.kv_fp8_scale, as every pool write) at scale_dst."""
+    or fp8 codes with the row's scale (attention.kv_fp8_scale, as every pool write) at scale_dst."""
     if IS_FP8:
         s = kv_fp8_scale(tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)), RECIP)
         x1, x2 = (kv_fp8_codes(x1, tl.zeros_like(x1) + s, not RECIP),

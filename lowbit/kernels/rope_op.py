@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lowbit.kernels import attention_op, launch, routes
-from lowbit.kernels.attention import FP8
+from lowbit.kernels.attention import FP8, qk_norm_halves, store_pool_rows
 from lowbit.kernels.norm_op import DTYPE_CODE, FLOAT_DTYPES, rms_norm_reference, round_to
 from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.runtime import capability, tl, triton, triton_refusal
@@ -116,63 +116,6 @@ def _run_torch(call: RopeCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 # -- Triton --------------------------------------------------------------------------------------
 @triton.jit
-def kv_fp8_scale(amax, RECIP: tl.constexpr):
-    """A pool row's fp8 scale from its |x| max: max(amax, 1e-12) / 448 (reference_kv_write's).
-    RECIP: as torch on CUDA divides by a host scalar, amax * float32(1 / 448); else an IEEE
-    division, as torch on the CPU."""
-    amax = tl.maximum(amax, 1e-12)
-    if RECIP:
-        return amax * (1.0 / 448.0)
-    return tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)
-
-
-@triton.jit
-def kv_fp8_codes(x, s, ROUND: tl.constexpr = True):
-    """x / s (s broadcast to x's shape) rounded to float8_e4m3. ROUND: round in float32 first
-    (round_to: the interpreter truncates its fp8 casts); on the GPU (ROUND False) the store's
-    conversion (cvt.rn.satfinite) rounds to nearest even itself, to the same codes, without
-    the dozen instructions an element that the emulation costs."""
-    q = tl.math.div_rn(x, s)
-    if ROUND:
-        q = round_to(q, 3)
-    return q
-
-
-@triton.jit
-def _store_pool_rows(dst_ptr, scale_ptr, x1, x2, slot, kh, j, rows, col, stride0, stride1,
-                     scale_stride, HALF: tl.constexpr, IS_FP8: tl.constexpr, RECIP: tl.constexpr):
-    """Pool rows (slot, kh[i]) <- the halves x1, x2 [BH, BHALF] float32 of tile rows i where
-    rows[i]. fp8: codes x / s with s = kv_fp8_scale per row, stored at scale_ptr [N, Hkv]."""
-    mask = rows[:, None] & col[None, :]
-    if IS_FP8:
-        amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))  # [BH]
-        s = kv_fp8_scale(amax, RECIP)
-        s2 = s[:, None] + tl.zeros_like(x1)
-        x1, x2 = kv_fp8_codes(x1, s2, not RECIP), kv_fp8_codes(x2, s2, not RECIP)
-        tl.store(scale_ptr + slot * scale_stride + kh, s, mask=rows)
-    dst = dst_ptr + slot * stride0 + kh[:, None] * stride1 + j[None, :]
-    tl.store(dst, x1, mask=mask)
-    tl.store(dst + HALF, x2, mask=mask)
-
-
-@triton.jit
-def _qk_norm(x1, x2, is_q, qw_ptr, kw_ptr, j, col, eps, HALF: tl.constexpr, DT: tl.constexpr,
-             NDT: tl.constexpr):
-    """Halves x1, x2 [BH, BHALF] float32 of whole heads, RMS-normed per row with norm_op's
-    roundings, times q_weight on q rows (is_q) and k_weight on the others."""
-    sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [BH]
-    mean_sq = tl.math.div_rn(sum_sq, tl.zeros_like(sum_sq) + 2 * HALF)
-    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))[:, None]  # [BH, 1]
-    wq1 = tl.load(qw_ptr + j, mask=col, other=0.0).to(tl.float32)[None, :]
-    wq2 = tl.load(qw_ptr + HALF + j, mask=col, other=0.0).to(tl.float32)[None, :]
-    wk1 = tl.load(kw_ptr + j, mask=col, other=0.0).to(tl.float32)[None, :]
-    wk2 = tl.load(kw_ptr + HALF + j, mask=col, other=0.0).to(tl.float32)[None, :]
-    y1 = round_to(tl.where(is_q[:, None], wq1, wk1) * round_to(x1 * inv, DT), NDT)
-    y2 = round_to(tl.where(is_q[:, None], wq2, wk2) * round_to(x2 * inv, DT), NDT)
-    return y1, y2
-
-
-@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr,
                          pk_ptr, pv_ptr, ks_ptr, vs_ptr, slot_ptr, stride_qkv, stride_cs,
                          stride_pk0, stride_pk1, stride_pv0, stride_pv1, stride_ks, stride_vs, eps,
@@ -193,7 +136,7 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
     x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=live, other=0.0).to(tl.float32)
     if HAS_NORM:
-        x1, x2 = _qk_norm(x1, x2, is_q, qw_ptr, kw_ptr, j, col, eps, half, DT, NDT)
+        x1, x2 = qk_norm_halves(x1, x2, is_q, qw_ptr, kw_ptr, j, col, eps, half, DT, NDT)
     p = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cs_ptr + p * stride_cs + j, mask=col, other=0.0)[None, :]
     sin = tl.load(cs_ptr + p * stride_cs + half + j, mask=col, other=0.0)[None, :]
@@ -216,9 +159,9 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
         if HAS_POOL:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             rows = is_k & (slot >= 0)
-            _store_pool_rows(pk_ptr, ks_ptr, o1, o2, slot, kh, j, rows, col, stride_pk0,
+            store_pool_rows(pk_ptr, ks_ptr, o1, o2, slot, kh, j, rows, col, stride_pk0,
                              stride_pk1, stride_ks, half, IS_FP8, RECIP)
-            _store_pool_rows(pv_ptr, vs_ptr, v1, v2, slot, kh, j, rows, col, stride_pv0,
+            store_pool_rows(pv_ptr, vs_ptr, v1, v2, slot, kh, j, rows, col, stride_pv0,
                              stride_pv1, stride_vs, half, IS_FP8, RECIP)
 
 

@@ -41,7 +41,7 @@ ENV_PREFIX = "LOWBIT_ROUTE_"
 # The ops lowbit.kernels registers, known ahead so that a forcing variable for one is not
 # mistaken for a typo before its module is imported.
 KNOWN_OPS = ("linear", "moe", "attention", "latent_attention", "kv_write", "norm", "norm_gate", "rope",
-             "mla_rope", "act", "router", "sample")
+             "rope_attention", "mla_rope", "act", "router", "sample")
 
 
 @dataclass

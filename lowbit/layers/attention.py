@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.kernels import attention_op
+from lowbit.kernels import attention_op, rope_attention_op
 from lowbit.kernels.attention import KVPool
+from lowbit.kernels.rope_op import RopeCall
 
 
 @dataclass
@@ -48,12 +49,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, spec: At
         pool = attention_op.layer_pool(batch, spec.layer_idx, k.shape[1], k.shape[2], k)
         if pool is not None:
             attention_op.kv_write(k, v, pool, batch.slot_mapping, layer=layer)
-    call = attention_op.AttentionCall(q, pool, batch.block_tables, batch.seq_lens, batch.query_start,
+    return attention_op.paged_attention(_call(q, k, v, batch, spec, pool), layer=layer)
+
+
+def rope_attention(rope: RopeCall, batch, spec: AttnSpec, *, layer: str = "") -> torch.Tensor:
+    """A decode step's rope op (q/k norm, RoPE, the KV write into rope.pool) and its
+    attention, through the one `rope_attention` op (lowbit.kernels.rope_attention_op), which
+    may run both in the decode kernel; returns [B, H, Dh]."""
+    q = rope_attention_op.q_heads(rope.qkv, rope.num_heads, rope.head_dim)
+    call = rope_attention_op.RopeAttentionCall(rope, _call(q, None, None, batch, spec, rope.pool))
+    return rope_attention_op.rope_attention(call, layer=layer)
+
+
+def _call(q, k, v, batch, spec: AttnSpec, pool: KVPool | None) -> attention_op.AttentionCall:
+    return attention_op.AttentionCall(q, pool, batch.block_tables, batch.seq_lens, batch.query_start,
                                       batch.context_lens, batch.mode.is_decode, spec.scale, spec.window,
                                       spec.sinks, k=k, v=v, cache=batch.kv_cache,
                                       cache_slots=batch.cache_slots, layer_idx=spec.layer_idx,
                                       query_start_dev=batch.query_start_dev)
-    return attention_op.paged_attention(call, layer=layer)
 
 
 # -- MLA over the latent cache ------------------------------------------------------------

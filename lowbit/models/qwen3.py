@@ -14,7 +14,7 @@ from lowbit.kernels.moe_slots import SlotSum
 from lowbit.kernels.norm_gate_op import norm_gate
 from lowbit.kernels.rope_op import RopeCall, qk_norm_rope
 from lowbit.kernels.weights import concat_rows
-from lowbit.layers.attention import AttnSpec, attention
+from lowbit.layers.attention import AttnSpec, attention, rope_attention
 from lowbit.layers.linear import Linear
 from lowbit.layers.mlp import GatedMLP
 from lowbit.layers.moe import RouterSpec, SparseMoE
@@ -106,8 +106,11 @@ class GQAttention(nn.Module):
                         None if self.q_norm is None else self.q_norm.weight,
                         None if self.k_norm is None else self.k_norm.weight, self.eps,
                         pool, None if pool is None else batch.slot_mapping)
-        q, k, v = qk_norm_rope(call, layer=self.prefix)
-        o = attention(q, k, v, batch, self.spec, pool)  # [T, H, Dh]
+        if pool is not None and batch.mode.is_decode:  # the decode kernel may do the rope op's work
+            o = rope_attention(call, batch, self.spec, layer=self.prefix)
+        else:
+            q, k, v = qk_norm_rope(call, layer=self.prefix)
+            o = attention(q, k, v, batch, self.spec, pool)  # [T, H, Dh]
         return self.o_proj(o.reshape(T, self.H * self.Dh))
 
 

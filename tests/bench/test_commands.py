@@ -25,9 +25,9 @@ def test_bench_needs_a_subcommand(capsys):
     assert "latency" in capsys.readouterr().err
 
 
-def test_with_route_switches_one_opt_in_route_on(capsys):
-    """scripts/with_route.py: the named OPT_IN route runs with DEFAULT status inside the
-    command (here `lowbit routes` prints it), and an unknown route fails with the valid names."""
+def test_with_route_switches_opt_in_routes_on(capsys):
+    """scripts/with_route.py: the named OPT_IN routes run with DEFAULT status inside the
+    command (here `lowbit routes` prints them), and an unknown route fails with the valid names."""
     import importlib.util
     from pathlib import Path
 
@@ -47,6 +47,19 @@ def test_with_route_switches_one_opt_in_route_on(capsys):
         route.status = before
     with pytest.raises(Exception, match="triton_tc_gemv"):
         mod.run(["linear", "no_such_route", "--", "routes"])
+    fused = [routes.ops()["norm_gate"].get("triton_norm_route"),
+             routes.ops()["rope_attention"].get("triton_rope_decode")]
+    try:  # several pairs: each route on
+        assert mod.run(["norm_gate", "triton_norm_route", "rope_attention", "triton_rope_decode",
+                        "--", "routes"]) in (0, None)
+        out = capsys.readouterr().out.splitlines()
+        for name in ("triton_norm_route", "triton_rope_decode"):
+            assert "DEFAULT" in next(ln for ln in out if name in ln), name
+    finally:
+        for route in fused:
+            route.status = routes.OPT_IN
+    with pytest.raises(SystemExit):
+        mod.run(["norm_gate", "--", "routes"])  # an op without its route
 
 
 def test_ncu_summary_groups_kernels_and_converts_units():
