@@ -29,7 +29,8 @@
 #              ENGINE_FORMATS="nvfp4 nvfp4+nopdl" adds a run with LOWBIT_PDL=0 (+noring:
 #              LOWBIT_TC_RING=0; +noslots:
 #              LOWBIT_SLOT_FUSION=0; +normgate / +normroute: the triton_norm_gate / triton_norm_route route on,
-#              +ropeattn the triton_rope_decode route, by scripts/with_route.py); ENGINE_KV="auto fp8"
+#              +ropeattn the triton_rope_decode route, by scripts/with_route.py; +fold:
+#              LOWBIT_DECODE_FOLD=1); ENGINE_KV="auto fp8"
 #              runs each format with a bf16 and an fp8 KV pool
 #   offload    expert offload at the Qwen3-30B-A3B shape, $QUANT, C1: resident, then
 #              OFFLOAD_SLOTS slots per layer (default 32 = 25 %, graphs copy their own
@@ -141,13 +142,15 @@ if has engine; then
   # a suffix +noring runs with LOWBIT_TC_RING=0 (tuned RING configs on their register loop); last
   # suffixes switch OPT_IN fused routes on (scripts/with_route.py): +normgate the one-launch
   # post-attention norm + gate, +normroute the one that also ranks, +ropeattn the decode kernel
-  # that does the rope op's work (any order, e.g. nvfp4+normroute+ropeattn)
+  # that does the rope op's work; +fold merges decode splits in their last program
+  # (LOWBIT_DECODE_FOLD=1: no reduce launch); any order, e.g. nvfp4+normroute+ropeattn+fold
   for spec in ${ENGINE_FORMATS:-bf16 $QUANT}; do
    for kv in ${ENGINE_KV:-auto}; do  # ENGINE_KV="auto fp8": each format with both KV pools
     # each fused route at DEFAULT status for the run (prefill's calls keep the unfused path)
-    ng=$spec; on=()
+    ng=$spec; on=(); fold=0
     while :; do
       case "$ng" in
+        *+fold) fold=1; ng=${ng%+fold} ;;
         *+normgate) on+=(norm_gate triton_norm_gate); ng=${ng%+normgate} ;;
         *+normroute) on+=(norm_gate triton_norm_route); ng=${ng%+normroute} ;;
         *+ropeattn) on+=(rope_attention triton_rope_decode); ng=${ng%+ropeattn} ;;
@@ -161,7 +164,7 @@ if has engine; then
     cap=$T_ENGINE_BF16; [ "$fmt" != bf16 ] && cap=$T_ENGINE_Q
     echo "== engine latency: $spec, KV $kv (default routes, cap ${cap} s)" | tee -a "$OUT/engine.log"
     q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
-    LOWBIT_PDL=$pdl LOWBIT_SLOT_FUSION=$slots LOWBIT_TC_RING=$ring timeout "$cap" "${lowbit[@]}" bench latency x --random-weights \
+    LOWBIT_PDL=$pdl LOWBIT_SLOT_FUSION=$slots LOWBIT_TC_RING=$ring LOWBIT_DECODE_FOLD=$fold timeout "$cap" "${lowbit[@]}" bench latency x --random-weights \
       --config "$CONFIG" "${q[@]}" --kv-cache-dtype "$kv" $CELLS --records "$RES" \
       --append-md "$OUT/engine.md" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/engine.log"
     rc=${PIPESTATUS[0]}

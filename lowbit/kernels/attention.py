@@ -25,10 +25,13 @@ launch except the grid bounds named below):
       splits past the end write (m = -inf, l = 0). S == 1: the program writes the output.
       S is a run-time argument (as the table width grows, S changes without a recompile).
       S > 1: each split writes its partial (acc, m, l). With FOLD it then arrives at the
-      (b, kh) counter (acq_rel); the split that arrives last merges the S partials of its G
-      heads and the sinks, writes the output and resets the counter: no second launch, but
-      one program reads G x S partials in turn (H200, Qwen3-30B-A3B decode at B = 1, S = 66:
-      15.7 us a layer against 6.3 for split + reduce), so FOLD is off unless a config asks.
+      (b, kh) counter (acq_rel); the split that arrives last merges the partials of its G
+      heads and the sinks (_merge_group: only the splits that hold keys, four at a time as
+      one [GP, 4, BD] tile with the online rescale), writes the output and resets the
+      counter: no second launch. An earlier merge read every one of the S partials head by
+      head ([SP, BD] tiles; H200, Qwen3-30B-A3B decode at B = 1, S = 66: 15.7 us a layer
+      against 6.3 for split + reduce). FOLD is off unless a config asks, or
+      LOWBIT_DECODE_FOLD=1 for an A/B.
       ROPE (the rope_attention op): q_ptr is the projection's q | k | v rows; each program
       norms and rotates its G heads' q in registers (_rope_q: the rope op's math, the
       rotation partner of column d loaded beside it), and the split holding the last key
@@ -58,6 +61,7 @@ Twins: `reference_kv_write`, `reference_paged_attention` (gather rows, float32 s
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +90,7 @@ PREFILL_CFG = dict(BM=64, BN=64, num_warps=4, num_stages=2)
 # prefill at 32,768 tokens of context (docs/KERNEL_NOTES.md).
 FP8_DECODE_CFG = dict(BN=128, num_warps=4, num_stages=1)
 FP8_PREFILL_CFG = dict(WORDS=False)
+FOLD_ENV = "LOWBIT_DECODE_FOLD"  # "1": FOLD in every decode launch whose config does not say (A/B)
 MIN_SPLIT_TOKENS = 128  # a decode split shorter than this costs more in the reduce than it saves
 MAX_SPLITS = 128
 SPLIT_WAVES = 2  # decode programs aimed at per SM
@@ -476,10 +481,49 @@ def _decode_split_kernel(
             tile = b * tl.num_programs(1) + kh
             arrived = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == S - 1:
-                for gi in range(G):
-                    _merge_head(part_ptr, ml_ptr, sinks_ptr, out_ptr, b, kh * G + gi, H, S,
-                                stride_ot, stride_oh, D, BD, SP, HAS_SINKS)
+                live = tl.cdiv(seq_len - lo, chunk)  # splits past it wrote nothing
+                _merge_group(part_ptr, ml_ptr, sinks_ptr, out_ptr, b, h, gmask, H, S, live,
+                             stride_ot, stride_oh, D, BD, GP, HAS_SINKS)
                 tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _merge_group(part_ptr, ml_ptr, sinks_ptr, out_ptr, b, h, gmask, H, S, live,
+                 stride_ot, stride_oh, D: tl.constexpr, BD: tl.constexpr, GP: tl.constexpr,
+                 HAS_SINKS: tl.constexpr, SC: tl.constexpr = 4):
+    """out[b, h] for the G heads h [GP] of one kv head from their first `live` partials, SC
+    splits a step as one [GP, SC, BD] tile with the online-softmax rescale (the partials come
+    from L2: other programs wrote them)."""
+    rows0 = (b * H + h) * S  # [GP]
+    c = tl.arange(0, SC)
+    d = tl.arange(0, BD)
+    dmask = d < D
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, BD], tl.float32)
+    for s0 in range(0, live, SC):
+        r = rows0[:, None] + (s0 + c)[None, :]  # [GP, SC]
+        msk = gmask[:, None] & ((s0 + c) < live)[None, :]
+        m_s = tl.load(ml_ptr + r * 2, mask=msk, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(ml_ptr + r * 2 + 1, mask=msk, other=0.0, cache_modifier=".cg")
+        p = tl.load(part_ptr + r[:, :, None] * BD + d[None, None, :],
+                    mask=msk[:, :, None] & dmask[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, tl.max(m_s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded heads
+        alpha = tl.math.exp2(m_i - m_safe)
+        w = tl.math.exp2(m_s - m_safe[:, None])  # [GP, SC], 0 where masked
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * p, 1)
+        den = den * alpha + tl.sum(w * l_s, 1)
+        m_i = m_new
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h, mask=gmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        den = den * alpha + tl.math.exp2(sink - m_new)
+    o = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+    tl.store(out_ptr + b * stride_ot + h[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -668,7 +712,7 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
         part.fill_(float("nan"))
     ml = torch.empty(B * H * S * 2 if S > 1 else 1, dtype=torch.float32, device=q.device)
     sinks_arg = sinks if sinks is not None else seq_lens
-    fold = S > 1 and cfg.get("FOLD", False)
+    fold = S > 1 and cfg.get("FOLD", os.environ.get(FOLD_ENV) == "1")
     sem = semaphore(q.device, B * Hkv) if fold else seq_lens
     SP = triton.next_power_of_2(S)
     launch.run(_decode_split_kernel, (B, Hkv, S),

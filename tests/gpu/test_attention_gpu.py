@@ -70,19 +70,23 @@ DECODE_CASES = [  # (seq_lens, H, Hkv, D, window, sinks, fp8)
 ]
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"B{len(c[0])}-max{max(c[0])}-H{c[1]}")
-def test_paged_decode_real_sizes(case):
+def test_paged_decode_real_sizes(case, fold):
+    """fold: the last split of each kv head merges (twice in a row: its counters reset)."""
     from lowbit.kernels.attention import paged_decode, reference_paged_attention
 
     lens, H, Hkv, D, window, sinks, fp8 = case
     pool, tables = _pool(lens, Hkv, D, fp8, seed=len(lens))
-    q = torch.randn(len(lens), H, D, device="cuda").bfloat16()
     sk = torch.randn(H, device="cuda") if sinks else None
-    out = torch.full_like(q, float("nan"))
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    paged_decode(q, pool, tables, seq_lens, D ** -0.5, window, sk, out=out)
-    ref = reference_paged_attention(q, pool, tables, list(range(len(lens) + 1)), lens, D ** -0.5, window, sk)
-    assert _rel(out, ref) < RTOL
+    for _ in range(2 if fold else 1):
+        q = torch.randn(len(lens), H, D, device="cuda").bfloat16()
+        out = torch.full_like(q, float("nan"))
+        paged_decode(q, pool, tables, seq_lens, D ** -0.5, window, sk, out=out, config=dict(FOLD=fold))
+        ref = reference_paged_attention(q, pool, tables, list(range(len(lens) + 1)), lens, D ** -0.5,
+                                        window, sk)
+        assert _rel(out, ref) < RTOL
 
 
 PREFILL_CASES = [  # (cached, new, H, Hkv, D, window, sinks, fp8)

@@ -78,7 +78,8 @@ def _sinks(on: bool, h: int) -> torch.Tensor | None:
 def test_paged_decode_matches_twin(heads, window, sinks, kv):
     H, Hkv, D = heads
     kv_dtype = FP8 if kv == "fp8" else torch.bfloat16
-    cases = (([40], 1, None), ([1, 17, 40], 3, dict(BN=16)), ([33, 5], 4, dict(BN=16, FOLD=True)))
+    cases = (([40], 1, None), ([1, 17, 40], 3, dict(BN=16)), ([33, 5], 4, dict(BN=16, FOLD=True)),
+             ([1, 40, 100], 9, dict(BN=16, FOLD=True)))  # 1, 3 and 7 of 9 splits hold keys
     for i, (lens, splits, cfg) in enumerate(cases):
         pool, tables = make_pool(lens, Hkv, D, kv_dtype, torch.bfloat16, seed=i)
         q = torch.randn(len(lens), H, D).bfloat16()

@@ -122,12 +122,12 @@ def test_fused_route_matches_unfused(monkeypatch, heads, norm):
                    ("rope", "torch"): 1, ("kv_write", "torch"): 1, ("attention", "torch"): 1}
 
 
-@pytest.mark.parametrize("splits", [1, 3, 5])
+@pytest.mark.parametrize("splits,fold", [(1, False), (3, False), (5, False), (5, True), (9, True)])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_every_split_count_writes_then_reads_the_new_key(monkeypatch, splits, kv):
+def test_every_split_count_writes_then_reads_the_new_key(monkeypatch, splits, fold, kv):
     """paged_decode with `rope` at forced split counts and 16-key tiles: the new key's split is
     the first, a middle or the last live one; window and sinks (gpt-oss) on, fp8 pools' codes
-    and scales written as the rope kernel writes them."""
+    and scales written as the rope kernel writes them; FOLD merges in the last split."""
     lens = [70, 3, 129]
     kv_dtype = FP8 if kv == "fp8" else torch.bfloat16
     call, slots = _case(lens, (6, 1, 64), kv_dtype=kv_dtype, window=50, sinks=True, seed=splits)
@@ -136,7 +136,7 @@ def test_every_split_count_writes_then_reads_the_new_key(monkeypatch, splits, kv
     r, a = call.rope, call.attn
     out = torch.full_like(want, float("nan"))
     paged_decode(a.q, a.pool, a.block_tables, a.seq_lens, a.scale, a.window, a.sinks, out=out,
-                 num_splits=splits, config=dict(BN=16),
+                 num_splits=splits, config=dict(BN=16, FOLD=fold),
                  rope=DecodeRope(r.positions, r.cos_sin, r.q_weight, r.k_weight, r.eps, r.slot_mapping))
     assert not out.float().isnan().any()
     assert rel_err(out, want) < TOL[torch.bfloat16], splits
