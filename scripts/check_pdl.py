@@ -36,6 +36,12 @@ def record() -> list:
         attention.paged_decode(torch.randn(T, H, Dh).bfloat16(), pool,
                                torch.zeros(T, 4, dtype=torch.int32),
                                torch.full((T,), 40, dtype=torch.int32), 0.1, num_splits=2)
+        attention.paged_decode(  # the rope_attention op's kernel: q and the new key made in it
+            qkv[:, : H * Dh].unflatten(1, (H, Dh)), pool, torch.zeros(T, 4, dtype=torch.int32),
+            torch.full((T,), 40, dtype=torch.int32), 0.1, num_splits=2, config=dict(FOLD=True),
+            rope=attention.DecodeRope(torch.zeros(T, dtype=torch.long), torch.zeros(64, Dh),
+                                      torch.ones(Dh).bfloat16(), torch.ones(Dh).bfloat16(), 1e-6,
+                                      torch.zeros(T, dtype=torch.long)))
         call = router_op.RouterCall(None, router_op.RouterSpec(top_k=A), None, x=x,
                                     gate_w=torch.randn(E, D), gate_b=None)
         router_op._run_triton(call)

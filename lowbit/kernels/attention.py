@@ -411,14 +411,13 @@ def _rope_kv_write(qkv_ptr, b, kh, stride_qt, p, cs_ptr, stride_cs, kw_ptr, eps,
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, sinks_ptr, out_ptr, part_ptr, ml_ptr,
     sem_ptr, qk_scale, window, S, stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
-    stride_bt, stride_ot, stride_oh,
+    stride_bt, stride_ot, stride_oh, pos_ptr, cs_ptr, qw_ptr, kw_ptr, slot_ptr, stride_cs, eps,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
     BN: tl.constexpr, DIRECT: tl.constexpr, FOLD: tl.constexpr, SP: tl.constexpr,
     FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
-    WORDS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-    pos_ptr=None, cs_ptr=None, qw_ptr=None, kw_ptr=None, slot_ptr=None, stride_cs=0, eps=0.0,
-    ROPE: tl.constexpr = False, BHALF: tl.constexpr = 1, DT: tl.constexpr = 0,
-    NDT: tl.constexpr = 0, HAS_NORM: tl.constexpr = False, RECIP: tl.constexpr = False,
+    WORDS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
+    BHALF: tl.constexpr, DT: tl.constexpr, NDT: tl.constexpr, HAS_NORM: tl.constexpr,
+    RECIP: tl.constexpr,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -715,12 +714,13 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
     fold = S > 1 and cfg.get("FOLD", os.environ.get(FOLD_ENV) == "1")
     sem = semaphore(q.device, B * Hkv) if fold else seq_lens
     SP = triton.next_power_of_2(S)
+    rope_args, rope_flags = _rope_args(q, seq_lens, rope)
     launch.run(_decode_split_kernel, (B, Hkv, S),
         q, *kv, block_tables, seq_lens, sinks_arg, out, part, ml, sem, qk_scale, win, S,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
-        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BD=BD, BS=pool.block_size, BN=cfg["BN"],
-        DIRECT=S == 1, FOLD=fold, SP=SP, **flags, **_rope_args(q, rope), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **launch.pdl_args(q))
+        *rope_args, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BD=BD, BS=pool.block_size,
+        BN=cfg["BN"], DIRECT=S == 1, FOLD=fold, SP=SP, **flags, **rope_flags,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_args(q))
     if S > 1 and not fold:
         launch.run(_decode_reduce_kernel, (B, H), part, ml, sinks_arg, out, S, out.stride(0),
                    out.stride(1), H=H, D=D, BD=BD, SP=SP, HAS_SINKS=sinks is not None, num_warps=4,
@@ -728,20 +728,21 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
     return out
 
 
-def _rope_args(q: torch.Tensor, rope: DecodeRope | None) -> dict:
-    """The split kernel's ROPE arguments (none without rope)."""
+def _rope_args(q: torch.Tensor, seq_lens: torch.Tensor, rope: DecodeRope | None) -> tuple[tuple, dict]:
+    """The split kernel's ROPE arguments: (pos, cos_sin, q_weight, k_weight, slots, cos_sin
+    row stride, eps) and its flags; unused pointers (seq_lens) without rope."""
     if rope is None:
-        return {}
+        return (seq_lens,) * 5 + (0, 0.0), dict(ROPE=False, BHALF=1, DT=0, NDT=0, HAS_NORM=False,
+                                               RECIP=False)
     D = q.shape[-1]
     assert q.stride(1) == D and rope.cos_sin.shape[-1] == D and rope.cos_sin.stride(-1) == 1
     norm = rope.q_weight is not None
     qw = rope.q_weight if norm else q
     kw = rope.k_weight if norm else q
     ndt = torch.promote_types(qw.dtype, q.dtype) if norm else q.dtype
-    return dict(pos_ptr=rope.positions, cs_ptr=rope.cos_sin, qw_ptr=qw, kw_ptr=kw,
-                slot_ptr=rope.slot_mapping, stride_cs=rope.cos_sin.stride(0), eps=rope.eps,
-                ROPE=True, BHALF=triton.next_power_of_2(D // 2), DT=DTYPE_CODE[q.dtype],
-                NDT=DTYPE_CODE[ndt], HAS_NORM=norm, RECIP=q.is_cuda)
+    return ((rope.positions, rope.cos_sin, qw, kw, rope.slot_mapping, rope.cos_sin.stride(0), rope.eps),
+            dict(ROPE=True, BHALF=triton.next_power_of_2(D // 2), DT=DTYPE_CODE[q.dtype],
+                 NDT=DTYPE_CODE[ndt], HAS_NORM=norm, RECIP=q.is_cuda))
 
 
 def paged_prefill(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor,
