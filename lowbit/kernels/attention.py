@@ -514,13 +514,7 @@ def _merge_group(part_ptr, ml_ptr, sinks_ptr, out_ptr, b, h, gmask, H, S, live,
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * p, 1)
         den = den * alpha + tl.sum(w * l_s, 1)
         m_i = m_new
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + h, mask=gmask, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_new = tl.maximum(m_i, sink)
-        alpha = tl.math.exp2(m_i - m_new)
-        acc = acc * alpha[:, None]
-        den = den * alpha + tl.math.exp2(sink - m_new)
-    o = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+    o = _finish(acc, m_i, den, sinks_ptr, h, gmask, HAS_SINKS)
     tl.store(out_ptr + b * stride_ot + h[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 

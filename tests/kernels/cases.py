@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from lowbit.kernels.samples import random_fp8_view, random_lut_view
@@ -60,3 +66,20 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def poisoned(*shape: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def compile_offline(script: str) -> dict:
+    """Run `script` (Python that prints a JSON object as its last line) in a process without
+    the Triton interpreter, from the repository root, and return that object: the offline
+    sm_90 compile checks, which need no GPU. Skips where triton is not installed."""
+    from lowbit.kernels.runtime import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from lowbit.kernels import norm_gate_op, norm_op, routes  # noqa: E402
 from lowbit.kernels.router_op import gate_logits  # noqa: E402
 from lowbit.kernels.runtime import interpreting  # noqa: E402
-from tests.kernels.cases import guarded  # noqa: E402
+from tests.kernels.cases import compile_offline, guarded  # noqa: E402
 from tests.kernels.test_norm_op import assert_ulp_close  # noqa: E402
 
 EPS = 1e-6
@@ -212,22 +212,7 @@ def test_kernel_compiles_for_sm90_without_spills():
     """The kernel compiles for the H100 / H200's sm_90 on any machine (a process without the
     interpreter) at the engine's shapes, with no register spills and one PDL wait, with
     weight loads (the norm's and the gate rows) requested before it."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from lowbit.kernels.runtime import HAS_TRITON
-
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root)
-    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env,
-                         cwd=root, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    stats = compile_offline(_COMPILE)
     assert set(stats) == {"1x2048", "16x2048", "16x7168", "1x2048_rank", "16x2048_rank"}
     for shape, st in stats.items():
         assert st["stack"] == 0 and st["regs"] <= 255, (shape, st)

@@ -29,7 +29,7 @@ from lowbit.kernels.rope_attention_op import RopeAttentionCall, q_heads, rope_at
 from lowbit.kernels.rope_op import RopeCall, rope_cos_sin  # noqa: E402
 from lowbit.kernels.runtime import interpreting  # noqa: E402
 from lowbit.layers.rope import RotaryEmbedding  # noqa: E402
-from tests.kernels.cases import guarded, rel_err  # noqa: E402
+from tests.kernels.cases import compile_offline, guarded, rel_err  # noqa: E402
 from tests.kernels.test_attention import BS, TOL, make_pool  # noqa: E402
 from tests.kernels.test_norm_op import assert_ulp_close  # noqa: E402
 
@@ -252,21 +252,7 @@ def test_rope_decode_kernel_compiles_for_sm90():
     without the interpreter) at the Qwen3-30B-A3B heads, bf16 and fp8 pools, with one PDL
     wait, and spills no more than the plain kernel of the same config (the shipped bf16
     config already keeps 152 bytes on the stack; the fp8 one none)."""
-    import json
-    import subprocess
-    import sys
-
-    from lowbit.kernels.runtime import HAS_TRITON
-
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root)
-    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env,
-                         cwd=root, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    st = json.loads(out.stdout.strip().splitlines()[-1])
+    st = compile_offline(_COMPILE)
     for kv in ("bf16", "fp8"):
         rope, plain = st[f"rope_{kv}"], st[f"plain_{kv}"]
         assert rope["waits"] == 1 and rope["regs"] <= 255, (kv, rope)
