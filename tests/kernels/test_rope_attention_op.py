@@ -188,16 +188,17 @@ DEMO = Path(lowbit.__file__).parent / "demo_model"
 
 
 @pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="the demo model is not installed")
-def test_demo_greedy_same_with_the_fused_route(monkeypatch):
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_demo_greedy_same_with_the_fused_route(monkeypatch, kv):
     """The demo model's engine with the fused route forced: its decode steps run it (prefill
     and mixed steps keep the rope and attention ops), and greedy tokens equal the unfused
-    engine's (float32 on the CPU)."""
+    engine's (float32 on the CPU; a float32 or an fp8 KV pool)."""
     from lowbit import LLM, SamplingParams
 
     prompts = ["It is a truth", "HAMLET.\nTo be, or not"]
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     monkeypatch.delenv("LOWBIT_ROUTE_ROPE_ATTENTION", raising=False)
-    llm = LLM("demo", kv_cache_tokens=256, max_num_batched_tokens=64)
+    llm = LLM("demo", kv_cache_tokens=256, max_num_batched_tokens=64, kv_cache_dtype=kv)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     monkeypatch.setenv("LOWBIT_ROUTE_ROPE_ATTENTION", FUSED)
     routes.reset_counters()
