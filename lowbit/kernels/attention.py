@@ -316,7 +316,7 @@ def kv_fp8_codes(x, s, ROUND: tl.constexpr = True):
 
 @triton.jit
 def store_pool_rows(dst_ptr, scale_ptr, x1, x2, slot, kh, j, rows, col, stride0, stride1,
-                     scale_stride, HALF: tl.constexpr, IS_FP8: tl.constexpr, RECIP: tl.constexpr):
+                    scale_stride, HALF: tl.constexpr, IS_FP8: tl.constexpr, RECIP: tl.constexpr):
     """Pool rows (slot, kh[i]) <- the halves x1, x2 [BH, BHALF] float32 of tile rows i where
     rows[i]. fp8: codes x / s with s = kv_fp8_scale per row, stored at scale_ptr [N, Hkv]."""
     mask = rows[:, None] & col[None, :]
@@ -332,8 +332,8 @@ def store_pool_rows(dst_ptr, scale_ptr, x1, x2, slot, kh, j, rows, col, stride0,
 
 
 @triton.jit
-def qk_norm_halves(x1, x2, is_q, qw_ptr, kw_ptr, j, col, eps, HALF: tl.constexpr, DT: tl.constexpr,
-             NDT: tl.constexpr):
+def qk_norm_halves(x1, x2, is_q, qw_ptr, kw_ptr, j, col, eps, HALF: tl.constexpr,
+                   DT: tl.constexpr, NDT: tl.constexpr):
     """Halves x1, x2 [BH, BHALF] float32 of whole heads, RMS-normed per row with norm_op's
     roundings, times q_weight on q rows (is_q) and k_weight on the others."""
     sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [BH]

@@ -36,7 +36,9 @@ the normed value to qkv.dtype, the product with the weight to the weight's promo
 the rotated value to qkv.dtype, fp8 scales and codes as torch divides on the device at hand
 (a host-scalar divisor becomes a reciprocal multiply on CUDA); it differs
 only where the fp32 sum of squares, summed in another order, or a GPU-fused multiply-add
-moves a value across a rounding boundary.
+moves a value across a rounding boundary. Its norm and pool-write helpers (qk_norm_halves,
+store_pool_rows, kv_fp8_scale / kv_fp8_codes) live in lowbit.kernels.attention: the decode
+kernel's ROPE mode (the rope_attention op) writes the step's key with the same code.
 """
 
 from __future__ import annotations
@@ -160,9 +162,9 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr,
             slot = tl.load(slot_ptr + t).to(tl.int64)
             rows = is_k & (slot >= 0)
             store_pool_rows(pk_ptr, ks_ptr, o1, o2, slot, kh, j, rows, col, stride_pk0,
-                             stride_pk1, stride_ks, half, IS_FP8, RECIP)
+                            stride_pk1, stride_ks, half, IS_FP8, RECIP)
             store_pool_rows(pv_ptr, vs_ptr, v1, v2, slot, kh, j, rows, col, stride_pv0,
-                             stride_pv1, stride_vs, half, IS_FP8, RECIP)
+                            stride_pv1, stride_vs, half, IS_FP8, RECIP)
 
 
 def _shape_refusal(call: RopeCall) -> str | None:
