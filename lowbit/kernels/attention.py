@@ -413,7 +413,7 @@ def _decode_split_kernel(
     sem_ptr, qk_scale, window, S, stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_sr,
     stride_bt, stride_ot, stride_oh, pos_ptr, cs_ptr, qw_ptr, kw_ptr, slot_ptr, stride_cs, eps,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-    BN: tl.constexpr, DIRECT: tl.constexpr, FOLD: tl.constexpr, SP: tl.constexpr,
+    BN: tl.constexpr, DIRECT: tl.constexpr, FOLD: tl.constexpr,
     FP8: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
     WORDS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, ROPE: tl.constexpr,
     BHALF: tl.constexpr, DT: tl.constexpr, NDT: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -713,7 +713,7 @@ def paged_decode(q: torch.Tensor, pool: KVPool, block_tables: torch.Tensor, seq_
         q, *kv, block_tables, seq_lens, sinks_arg, out, part, ml, sem, qk_scale, win, S,
         q.stride(0), q.stride(1), *strides, block_tables.stride(0), out.stride(0), out.stride(1),
         *rope_args, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BD=BD, BS=pool.block_size,
-        BN=cfg["BN"], DIRECT=S == 1, FOLD=fold, SP=SP, **flags, **rope_flags,
+        BN=cfg["BN"], DIRECT=S == 1, FOLD=fold, **flags, **rope_flags,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch.pdl_args(q))
     if S > 1 and not fold:
         launch.run(_decode_reduce_kernel, (B, H), part, ml, sinks_arg, out, S, out.stride(0),

@@ -61,19 +61,13 @@ def _run_unfused(call: RopeAttentionCall) -> torch.Tensor:
 
 
 def _admit_triton(call: RopeAttentionCall) -> str | None:
-    rope, attn = call.rope, call.attn
-    if rope.pool is None or attn.pool is None:
+    if call.rope.pool is None:  # the kernel writes the step's key into it
         return "the batch carries no paged KV pool (a contiguous cache)"
-    rope = replace(rope, forced=rope.forced or call.forced)
-    reason = rope_op._admit_triton(rope)
+    reason = rope_op._admit_triton(replace(call.rope, forced=call.forced))
     if reason is not None:
         return f"rope: {reason}"
-    reason = attention_op._admit_decode(replace(attn, forced=attn.forced or call.forced))
-    if reason is not None:
-        return f"attention: {reason}"
-    if rope.qkv.shape[0] != attn.block_tables.shape[0]:
-        return f"{rope.qkv.shape[0]} tokens for {attn.block_tables.shape[0]} sequences"
-    return None
+    reason = attention_op._admit_decode(replace(call.attn, forced=call.forced))  # T == B
+    return None if reason is None else f"attention: {reason}"
 
 
 def _run_triton(call: RopeAttentionCall) -> torch.Tensor:

@@ -223,7 +223,7 @@ out = {}
 for rope in (False, True):
     for fp8 in (False, True):
         cfg = {**attention.DECODE_CFG, **(attention.FP8_DECODE_CFG if fp8 else {})}
-        consts = dict(G=8, GP=16, D=128, BD=128, BS=16, BN=cfg["BN"], DIRECT=False, FOLD=False, SP=128,
+        consts = dict(G=8, GP=16, D=128, BD=128, BS=16, BN=cfg["BN"], DIRECT=False, FOLD=False,
                       FP8=fp8, HAS_WINDOW=False, HAS_SINKS=False, IEEE=False, WORDS=fp8, ASM=True,
                       PDL=True, ROPE=rope, BHALF=64, DT=bf, NDT=bf, HAS_NORM=True, RECIP=True)
         kv = "*fp8e4nv" if fp8 else "*bf16"
