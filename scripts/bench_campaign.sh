@@ -12,7 +12,8 @@
 #
 # Usage: OUT=/path bash scripts/bench_campaign.sh
 # Knobs (env): CONFIG, QUANT (nvfp4), PORT (8011), BUDGET_S (540), REPEATS (3), CELLS
-# ("-p 512 -n 128 -d 0,32768"), CONCURRENCY (1,2,4,8,16,32), LONG_CONTEXT (32768),
+# ("-p 512 -n 128 -d 0,32768"), T_LATENCY (170: each Qwen3 latency stage's cap),
+# CONCURRENCY (1,2,4,8,16,32), LONG_CONTEXT (32768),
 # INPUT_LEN (128), OUTPUT_LEN (32), DEVICE (empty: cuda when present), DTYPE (auto: bf16 on a GPU).
 # LONG_CONTEXT=0 skips the long-context serving level; the server's --max-num-seqs is the
 # largest CONCURRENCY level. LATENCY=0 skips both Qwen3 latency stages; MODELS="stem:format
@@ -78,7 +79,7 @@ REC=(--records "$WORK/records" --append-md "$MD")
 
 # 1. latency, bf16 (bench latency sizes the KV pool for its cells).
 if [[ "${LATENCY:-1}" != 0 ]]; then
-    stage latency-bf16 170 "${LB[@]}" bench latency x "${COMMON[@]}" "${CELLS[@]}" -r "$REPEATS" "${REC[@]}"
+    stage latency-bf16 "${T_LATENCY:-170}" "${LB[@]}" bench latency x "${COMMON[@]}" "${CELLS[@]}" -r "$REPEATS" "${REC[@]}"
 fi
 
 # 2. serving: one server, two context levels, each with its own time limit.
@@ -113,7 +114,7 @@ fi
 if [[ "${LATENCY:-1}" == 0 ]]; then
     say "skip 4-bit latency: LATENCY=0"
 elif "${LB[@]}" bench latency --help 2>/dev/null | grep -q -- "--quantization"; then
-    stage "latency-$QUANT" 170 "${LB[@]}" bench latency x "${COMMON[@]}" --quantization "$QUANT" \
+    stage "latency-$QUANT" "${T_LATENCY:-170}" "${LB[@]}" bench latency x "${COMMON[@]}" --quantization "$QUANT" \
         "${CELLS[@]}" -r "$REPEATS" "${REC[@]}"
 else
     say "skip 4-bit latency: this CLI has no --quantization"
