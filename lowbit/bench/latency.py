@@ -267,19 +267,31 @@ def context_needed(prompt: list[int], gen: list[int], depths: list[int]) -> int:
 
 def usable_depths(depths: list[int], prompt: list[int], gen: list[int], max_len: int,
                   fit: bool) -> list[int]:
-    """The depths whose cells fit max_len: all of them or an error (fit=False), or those
-    that fit (fit=True, for the default depths)."""
+    """The depths to run. fit=True (the default depths): those whose every cell fits max_len.
+    fit=False (depths the user named): all of them, the cells that do not fit are skipped
+    with a warning (`fitting_cells`); an error only when a depth has no cell that fits."""
     if fit:
         depths = [d for d in depths if context_needed(prompt, gen, [d]) <= max_len] or [0]
-    need = context_needed(prompt, gen, depths)
-    if need > max_len:
-        raise LowbitError(f"depth {max(depths)} + {max(prompt + gen)} tokens needs a context of {need} "
+    bad = [d for d in depths if d + min([p + 1 for p in prompt] + [n + 2 for n in gen]) > max_len]
+    if bad:
+        need = context_needed(prompt, gen, [max(bad)])
+        raise LowbitError(f"depth {max(bad)} + {max(prompt + gen)} tokens needs a context of {need} "
                           f"but the model allows {max_len}; lower -d/-p/-n or raise --max-model-len")
     return depths
 
 
+def fitting_cells(row: list[Cell], max_len: int) -> tuple[list[Cell], list[str]]:
+    """The cells of one depth whose context (depth + prompt + 1, or depth + 2 + generated)
+    fits max_len, and the names of those that do not (the caller warns and records them)."""
+    def need(c: Cell) -> int:
+        return c.depth + (c.n + 1 if c.kind == "pp" else c.n + 2)
+    return [c for c in row if need(c) <= max_len], [c.name for c in row if need(c) > max_len]
+
+
 def run_cells(s: Session, prompt: list[int], gen: list[int], depths: list[int],
-              repeats: int, batches: tuple[int, ...] = (1,)) -> list[Cell]:
+              repeats: int, batches: tuple[int, ...] = (1,),
+              skipped: list[str] | None = None) -> list[Cell]:
+    """Time every cell that fits the context; the names of those that do not go to skipped."""
     # warm-up: first calls allocate, compile, capture graphs
     for p in sorted(set(prompt)):  # each prompt length's prefill graphs are captured here
         _timed(f"warm-up pp{p}", s.prefill, p)
@@ -293,6 +305,12 @@ def run_cells(s: Session, prompt: list[int], gen: list[int], depths: list[int],
             s.set_depth(d)
         bs = batches if d == 0 else (1,)  # batched cells at depth 0: a pool of B deep contexts is huge
         row = [Cell("pp", p, d) for p in prompt] + [Cell("tg", n, d, b) for n in gen for b in bs]
+        row, left_out = fitting_cells(row, s.llm.max_model_len)
+        for name in left_out:
+            print(f"WARNING: cell {name} skipped: its context exceeds --max-model-len "
+                  f"{s.llm.max_model_len}", file=sys.stderr, flush=True)
+        if skipped is not None:
+            skipped += left_out
         for r in range(repeats):
             for c in row:
                 before = _cache_totals(s)
@@ -360,7 +378,8 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
     s = Session(cfg, temperature)
     depths = usable_depths(depths, prompt, gen, s.llm.max_model_len, fit_depths)
     mem_loaded = peak_memory(s.device)
-    cells = run_cells(s, prompt, gen, depths, repeats, batches)
+    skipped: list[str] = []
+    cells = run_cells(s, prompt, gen, depths, repeats, batches, skipped)
     mem = peak_memory(s.device)
     profiles = [p for b in batches if (p := _timed(f"profile of decode steps x{b}", profile_decode,
                                                     s.llm.engine, b)) is not None]
@@ -374,6 +393,7 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "router_zipf": cfg.router_zipf, "time_to_ready_s": s.time_to_ready_s,
             "memory_after_load": mem_loaded, "memory": mem, "copy_bandwidth_Bps": bw,
             "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw),
+            "skipped_cells": skipped,
             "graphs": graph_status(s.llm.engine), "prefill_graphs": prefill_graph_status(s.llm.engine),
             "async": async_status(s.llm.engine), "pdl": pdl_line(s.device),
             "slot_fusion": slot_fusion_line(),
@@ -448,4 +468,7 @@ def summary_md(rec: dict) -> str:
     lines += [format_profile(p).splitlines()[0] for p in rec.get("step_profiles", [])]
     fallbacks = rec.get("routes", {}).get("fallbacks", [])
     lines += [f"WARNING reference route on CUDA: {f}" for f in fallbacks]
+    if rec.get("skipped_cells"):
+        lines.append("WARNING cells skipped, their context exceeds the model's: "
+                     + ", ".join(rec["skipped_cells"]))
     return md_table(HEADERS, table_rows(rec)) + "\n\n" + "  \n".join(x for x in lines if x)

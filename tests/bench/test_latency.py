@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from lowbit.bench.latency import HEADERS, table_rows, usable_depths, weight_bytes
+from lowbit.bench.latency import (HEADERS, Cell, fitting_cells, summary_md, table_rows, usable_depths,
+                                  weight_bytes)
 from lowbit.bench.record import csv_text
 from lowbit.checkpoint.loader import load_model
 from lowbit.cli import main
@@ -48,12 +49,39 @@ def test_depths_that_fit():
     assert usable_depths([0, 32768], [8], [4], 256, fit=True) == [0]
     with pytest.raises(LowbitError, match="lower -d/-p/-n"):
         usable_depths([0, 32768], [8], [4], 256, fit=False)
+    # named depths: a depth some cell fits is kept (the others are skipped per cell) ...
+    assert usable_depths([0, 32768], [512, 8192], [128], 40960, fit=False) == [0, 32768]
+    # ... and one that not even the shortest cell fits is refused
+    with pytest.raises(LowbitError, match="needs a context of"):
+        usable_depths([0, 40900], [512], [128], 40960, fit=False)
+
+
+def test_cells_beyond_the_context_are_skipped_by_name():
+    row = [Cell("pp", 512, 32768), Cell("pp", 8192, 32768), Cell("tg", 128, 32768)]
+    kept, left_out = fitting_cells(row, 40960)
+    assert [c.name for c in kept] == ["pp512 @ d32768", "tg128 @ d32768"]
+    assert left_out == ["pp8192 @ d32768"]
+    kept, left_out = fitting_cells([Cell("pp", 8191, 32768), Cell("tg", 8190, 32768)], 40960)
+    assert len(kept) == 2 and not left_out  # exactly at the limit: 32768 + 8192 = 40960
 
 
 def test_explicit_depth_beyond_context_is_refused(tiny_moe_dir, tmp_path, capsys):
     rc = main(["bench", "latency", str(tiny_moe_dir), "-d", "1000", "-p", "8", "-n", "4",
                "--records", str(tmp_path)])
     assert rc == 2 and not list(tmp_path.iterdir()) and "lower -d/-p/-n" in capsys.readouterr().err
+
+
+def test_named_depth_runs_the_cells_that_fit(tiny_moe_dir, tmp_path, capsys):
+    """-d 200 -p 8,64 on a 256-token model: pp64 @ d200 does not fit, the rest runs, the
+    skipped cell is warned on stderr and named in the record and its footer."""
+    rc = main(["bench", "latency", str(tiny_moe_dir), "-d", "200", "-p", "8,64", "-n", "4",
+               "-r", "1", "--device", "cpu", "--records", str(tmp_path), "-o", "json"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "WARNING: cell pp64 @ d200 skipped" in err
+    rec = json.loads(next(tmp_path.glob("*-latency-*.json")).read_text())
+    assert rec["skipped_cells"] == ["pp64 @ d200"]
+    assert {c["test"] for c in rec["cells"]} == {"pp8 @ d200", "tg4 @ d200"}
+    assert "WARNING cells skipped" in summary_md(rec)
 
 
 def test_weight_bytes_count_active_experts_only(tiny_moe_dir):
