@@ -2,8 +2,15 @@ import json
 
 import pytest
 
-from lowbit.bench.latency import (HEADERS, Cell, fitting_cells, summary_md, table_rows, usable_depths,
-                                  weight_bytes)
+from lowbit.bench.latency import (
+    HEADERS,
+    Cell,
+    fitting_cells,
+    summary_md,
+    table_rows,
+    usable_depths,
+    weight_bytes,
+)
 from lowbit.bench.record import csv_text
 from lowbit.checkpoint.loader import load_model
 from lowbit.cli import main
