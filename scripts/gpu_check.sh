@@ -71,12 +71,15 @@ QUANT=${QUANT:-nvfp4}
 CONFIG=${CONFIG:-lowbit/model_configs/Qwen__Qwen3-30B-A3B.json}
 CELLS=${CELLS:--p 512 -n 64 -b 1,8,32,64 -r 2}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+FAILED=()  # commands of the stages that exited non-zero: listed last, and the script exits 1
+failed() { [ "$1" = 0 ] || FAILED+=("$2: exit $1$([ "$1" = 124 ] && echo ', its time cap')"); }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
 if has tests; then
   echo "== tests/gpu"
   timeout "$T_TESTS" python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -60 | tee "$OUT/tests_gpu.log"
+  failed "${PIPESTATUS[0]}" "tests ($TESTS)"
 fi
 
 merge_tuned() {  # the stages after a sweep use what it found
@@ -168,6 +171,7 @@ if has engine; then
       --config "$CONFIG" "${q[@]}" --kv-cache-dtype "$kv" $CELLS --records "$RES" \
       --append-md "$OUT/engine.md" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/engine.log"
     rc=${PIPESTATUS[0]}
+    failed "$rc" "engine $spec, KV $kv"
     [ "$rc" = 124 ] && echo "engine latency $fmt: stopped by its ${cap} s cap" | tee -a "$OUT/engine.log"
    done
   done
@@ -219,6 +223,7 @@ if has offload; then
     timeout "${T_OFFLOAD:-200}" python3 -m lowbit bench latency x --random-weights --config "$CONFIG" \
       --quantization "$QUANT" $C1 $args --records "$RES" 2>&1 \
       | grep --line-buffered -v "^loading" | tee -a "$OUT/offload.log"
+    failed "${PIPESTATUS[0]}" "offload ${args:-resident}"
   done
   if [ "${OFFLOAD_BIG:-1}" = 1 ]; then
     echo "== offload: Qwen3-235B-A22B nf3, 24 GiB of slots ($ROUTING)" | tee -a "$OUT/offload.log"
@@ -226,6 +231,7 @@ if has offload; then
       --config lowbit/model_configs/Qwen__Qwen3-235B-A22B.json --quantization nf3 --expert-offload \
       --expert-cache-gib 24 --kv-cache-tokens 4096 -p 64 -n 32 -d 0 -r 2 $ROUTING --records "$RES" \
       2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/offload.log"
+    failed "${PIPESTATUS[0]}" "offload Qwen3-235B-A22B"
   fi
 fi
 
@@ -245,6 +251,7 @@ if has mla; then
       timeout "${T_MLA:-150}" python3 -m lowbit bench latency x --random-weights \
       --config lowbit/model_configs/deepseek-ai__DeepSeek-V2-Lite.json ${MLA_CELLS:--p 512,2048 -n 32 -d 0 -b 1,8 -r 2} \
       --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/mla.log"
+    failed "${PIPESTATUS[0]}" "mla $variant"
   done
 fi
 
@@ -256,6 +263,7 @@ if has spec; then
     echo "== spec: demo $m" | tee -a "$OUT/spec.log"
     timeout "${T_SPEC:-150}" python3 -m lowbit bench latency demo --spec $m --num-speculative-tokens 3 \
       -n 128 -r 3 --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"
+    failed "${PIPESTATUS[0]}" "spec demo $m"
   done
   if [ "${SPEC_MTP:-1}" = 1 ]; then  # DeepSeek-V3 cut to 4 layers (3 dense, 1 MoE) + its MTP layer
     python3 -c "import json; c = json.load(open('lowbit/model_configs/deepseek-ai__DeepSeek-V3.json')); \
@@ -264,9 +272,17 @@ c.update(num_hidden_layers=4, num_nextn_predict_layers=1); json.dump(c, open('/t
     timeout "${T_SPEC_MTP:-200}" python3 -m lowbit bench latency x --random-weights --config /tmp/v3_l4.json \
       --quantization "$QUANT" --spec mtp --num-speculative-tokens 1 -n 64 -r 2 --records "$RES" 2>&1 \
       | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"
+    failed "${PIPESTATUS[0]}" "spec mtp"
   fi
   [ "${T_SPEC_SYN:-240}" = 0 ] || { echo "== spec: synthetic acceptance 0.7, $QUANT" | tee -a "$OUT/spec.log"
   timeout "${T_SPEC_SYN:-240}" python3 -m lowbit bench latency x --random-weights --config "$CONFIG" \
     --quantization "$QUANT" --spec ngram --num-speculative-tokens 3 --spec-synthetic-accept 0.7 \
-    -n 128 -r 3 --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"; }
+    -n 128 -r 3 --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"
+  failed "${PIPESTATUS[0]}" "spec synthetic"; }
 fi
+
+if [ ${#FAILED[@]} -gt 0 ]; then  # a stage that failed is not hidden behind the last stage's exit
+  printf 'FAILED %s\n' "${FAILED[@]}"
+  exit 1
+fi
+echo "every stage's commands exited 0"
