@@ -50,6 +50,7 @@
 #              layer drafting (SPEC_MTP=0 skips it): verify steps in graphs
 # Writes under $OUT (default ./gpu_out); the last lines printed are the summary tables. The
 # records (*-latency-*.json, kernel JSON) are in $OUT/results.tar.gz: $OUT returns at most 8 files.
+# Exit status 1 when a stage's command failed or hit its cap: the last lines name each (FAILED ...).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
