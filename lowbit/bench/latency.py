@@ -31,10 +31,12 @@ from lowbit.bench.expert_cache import h2d_bandwidth, zero_copy_bandwidth
 from lowbit.bench.record import md_table
 from lowbit.bench.stats import mean_sd
 from lowbit.bench.step_profile import format_profile, profile_decode, profile_prefill
+from lowbit.checkpoint.hf import resolve_model_dir
 from lowbit.config import EngineConfig
 from lowbit.distributed import engine_model
 from lowbit.errors import LowbitError
 from lowbit.kernels import launch, moe_slots, routes, tc_gemv
+from lowbit.models.config import load_config
 
 
 @dataclass
@@ -280,6 +282,18 @@ def usable_depths(depths: list[int], prompt: list[int], gen: list[int], max_len:
     return depths
 
 
+def config_max_len(cfg: EngineConfig) -> int | None:
+    """The context the engine will allow, read from the config alone (before loading), or
+    None where the config cannot be read here (the check after loading still runs)."""
+    if cfg.max_model_len:
+        return cfg.max_model_len
+    try:
+        src = cfg.config if cfg.random_weights else resolve_model_dir(cfg.model)
+        return load_config(src).max_position_embeddings
+    except (LowbitError, OSError, TypeError, ValueError, KeyError):
+        return None
+
+
 def fitting_cells(row: list[Cell], max_len: int) -> tuple[list[Cell], list[str]]:
     """The cells of one depth whose context (depth + prompt + 1, or depth + 2 + generated)
     fits max_len, and the names of those that do not (the caller warns and records them)."""
@@ -375,6 +389,8 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
         need += (max(batches) - 1) * (max(gen) + 2)
         cfg = dataclasses.replace(cfg, kv_cache_tokens=need + max(need // 4, 4096),
                                   max_num_seqs=max(cfg.max_num_seqs, max(batches)))
+    if not fit_depths and (max_len := config_max_len(cfg)) is not None:
+        usable_depths(depths, prompt, gen, max_len, False)  # refuse before the load, not after it
     s = Session(cfg, temperature)
     depths = usable_depths(depths, prompt, gen, s.llm.max_model_len, fit_depths)
     mem_loaded = peak_memory(s.device)

@@ -75,7 +75,9 @@ def test_cells_beyond_the_context_are_skipped_by_name():
 def test_explicit_depth_beyond_context_is_refused(tiny_moe_dir, tmp_path, capsys):
     rc = main(["bench", "latency", str(tiny_moe_dir), "-d", "1000", "-p", "8", "-n", "4",
                "--records", str(tmp_path)])
-    assert rc == 2 and not list(tmp_path.iterdir()) and "lower -d/-p/-n" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and not list(tmp_path.iterdir()) and "lower -d/-p/-n" in err
+    assert "loading" not in err  # refused from the config, before the model loads
 
 
 def test_named_depth_runs_the_cells_that_fit(tiny_moe_dir, tmp_path, capsys):
