@@ -367,6 +367,23 @@ def cell_rows(s: Session, cells: list[Cell], bandwidth: float) -> list[dict]:
     return rows
 
 
+def add_depth_ratios(rows: list[dict], bandwidth: float) -> list[dict]:
+    """Each tg cell at a depth gets its rate over the same cell's at depth 0 (`vs_d0`), and
+    the most that ratio can be (`vs_d0_bound`): the depth-0 step plus the extra K/V bytes
+    the deeper step reads, at the copy bandwidth. A ratio near its bound means the depth
+    costs what its bytes cost; a bound under a target means no kernel can meet it."""
+    base = {(r["n"], r["batch"]): r for r in rows if r["kind"] == "tg" and not r["depth"]}
+    for r in rows:
+        b = base.get((r["n"], r["batch"]))
+        if r["kind"] != "tg" or not r["depth"] or b is None or "bytes_per_step" not in r:
+            continue
+        step0 = r["batch"] / b["tok_s_mean"]  # seconds a step at depth 0
+        extra = max(0.0, r["bytes_per_step"] - b["bytes_per_step"])
+        r["vs_d0"] = r["tok_s_mean"] / b["tok_s_mean"]
+        r["vs_d0_bound"] = step0 / (step0 + extra / bandwidth)
+    return rows
+
+
 def step_bytes(wb: dict, batch: int) -> float:
     """Weight bytes one decode step of `batch` sequences reads: the dense weights once, and
     each expert at most once: the expected share of distinct experts that B tokens, each
@@ -408,7 +425,7 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "kv_cache_tokens": cfg.kv_cache_tokens, "repeats": repeats, "temperature": temperature,
             "router_zipf": cfg.router_zipf, "time_to_ready_s": s.time_to_ready_s,
             "memory_after_load": mem_loaded, "memory": mem, "copy_bandwidth_Bps": bw,
-            "weight_bytes": weight_bytes(s.model, s.config), "cells": cell_rows(s, cells, bw),
+            "weight_bytes": weight_bytes(s.model, s.config), "cells": add_depth_ratios(cell_rows(s, cells, bw), bw),
             "skipped_cells": skipped,
             "graphs": graph_status(s.llm.engine), "prefill_graphs": prefill_graph_status(s.llm.engine),
             "async": async_status(s.llm.engine), "pdl": pdl_line(s.device),
@@ -481,6 +498,8 @@ def summary_md(rec: dict) -> str:
                 bound = f"; copies alone at {h2d / 1e9:.1f} GB/s allow {h2d / per:,.0f} tok/s" if h2d else ""
                 lines.append(f"{c['test']}: {per / 2**20:.1f} MiB of experts copied a token "
                              f"({c['expert_misses_per_token']:.1f} misses){bound}")
+    lines += [f"{c['test']}: {100 * c['vs_d0']:.1f} % of depth 0; its extra K/V bytes at the copy "
+              f"bandwidth allow at most {100 * c['vs_d0_bound']:.1f} %" for c in rec["cells"] if "vs_d0" in c]
     lines += [format_profile(p).splitlines()[0] for p in rec.get("step_profiles", [])]
     fallbacks = rec.get("routes", {}).get("fallbacks", [])
     lines += [f"WARNING reference route on CUDA: {f}" for f in fallbacks]

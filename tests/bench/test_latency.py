@@ -5,6 +5,7 @@ import pytest
 from lowbit.bench.latency import (
     HEADERS,
     Cell,
+    add_depth_ratios,
     fitting_cells,
     summary_md,
     table_rows,
@@ -63,6 +64,26 @@ def test_depths_that_fit():
         usable_depths([0, 40900], [512], [128], 40960, fit=False)
 
 
+def test_depth_ratio_and_its_bandwidth_bound():
+    """A deep tg cell's rate over depth 0's, and the ratio its extra K/V bytes allow: a 2.5 ms
+    step plus 3.2 GB at 3 TB/s (1.0667 ms) can run at most 2.5 / 3.5667 of depth 0's rate."""
+    rows = [{"kind": "tg", "n": 128, "depth": 0, "batch": 1, "tok_s_mean": 400.0, "bytes_per_step": 2.2e9},
+            {"kind": "tg", "n": 128, "depth": 32768, "batch": 1, "tok_s_mean": 280.0,
+             "bytes_per_step": 5.4e9},
+            {"kind": "pp", "n": 512, "depth": 32768, "batch": 1, "tok_s_mean": 5000.0},
+            {"kind": "tg", "n": 64, "depth": 32768, "batch": 1, "tok_s_mean": 270.0, "bytes_per_step": 5.4e9}]
+    out = add_depth_ratios(rows, 3.0e12)
+    assert out[1]["vs_d0"] == pytest.approx(0.7)
+    assert out[1]["vs_d0_bound"] == pytest.approx(2.5e-3 / (2.5e-3 + 3.2e9 / 3.0e12))
+    assert "vs_d0" not in out[0] and "vs_d0" not in out[2]  # depth 0 itself, a pp cell
+    assert "vs_d0" not in out[3]  # no tg64 at depth 0 to compare with
+    foot = summary_md({"memory": {"peak_device_bytes": 0}, "time_to_ready_s": 1.0, "copy_bandwidth_Bps": 3e12,
+                       "weight_bytes": {"active": 0}, "repeats": 1, "model": "m", "weight_format": "f",
+                       "dtype": "bfloat16", "device": "cuda",
+                       "cells": [dict(r, test=f"{r['kind']}{r['n']}", tok_s_sd=0.0, ms_per_tok=1.0) for r in out]})
+    assert "tg128: 70.0 % of depth 0; its extra K/V bytes at the copy bandwidth allow at most 70.1 %" in foot
+
+
 def test_cells_beyond_the_context_are_skipped_by_name():
     row = [Cell("pp", 512, 32768), Cell("pp", 8192, 32768), Cell("tg", 128, 32768)]
     kept, left_out = fitting_cells(row, 40960)
@@ -91,6 +112,16 @@ def test_named_depth_runs_the_cells_that_fit(tiny_moe_dir, tmp_path, capsys):
     assert rec["skipped_cells"] == ["pp64 @ d200"]
     assert {c["test"] for c in rec["cells"]} == {"pp8 @ d200", "tg4 @ d200"}
     assert "WARNING cells skipped" in summary_md(rec)
+
+
+def test_depth_cells_carry_their_ratio_to_depth_0(tiny_moe_dir, tmp_path):
+    rc = main(["bench", "latency", str(tiny_moe_dir), "-d", "0,64", "-p", "8", "-n", "4", "-r", "1",
+               "--device", "cpu", "--records", str(tmp_path), "-o", "json"])
+    rec = json.loads(next(tmp_path.glob("*-latency-*.json")).read_text())
+    deep = next(c for c in rec["cells"] if c["test"] == "tg4 @ d64")
+    shallow = next(c for c in rec["cells"] if c["test"] == "tg4")
+    assert rc == 0 and deep["vs_d0"] == pytest.approx(deep["tok_s_mean"] / shallow["tok_s_mean"])
+    assert 0 < deep["vs_d0_bound"] < 1  # 64 more cached tokens are bytes the step must read
 
 
 def test_weight_bytes_count_active_experts_only(tiny_moe_dir):
