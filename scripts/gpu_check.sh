@@ -31,7 +31,9 @@
 #              LOWBIT_SLOT_FUSION=0; +normgate / +normroute: the triton_norm_gate / triton_norm_route route on,
 #              +ropeattn the triton_rope_decode route, by scripts/with_route.py; +fold:
 #              LOWBIT_DECODE_FOLD=1); ENGINE_KV="auto fp8"
-#              runs each format with a bf16 and an fp8 KV pool
+#              runs each format with a bf16 and an fp8 KV pool; ENGINE_VARIANTS="LABEL=OP:ROUTE,...
+#              ..." times each format's cells under those variants too, in the same process and
+#              interleaved with the base (`bench latency --variant`; one model load an A/B)
 #   offload    expert offload at the Qwen3-30B-A3B shape, $QUANT, C1: resident, then
 #              OFFLOAD_SLOTS slots per layer (default 32 = 25 %, graphs copy their own
 #              misses), the same with --expert-prefetch-graphs (OFFLOAD_30B=0 skips the
@@ -169,8 +171,9 @@ if has engine; then
     cap=$T_ENGINE_BF16; [ "$fmt" != bf16 ] && cap=$T_ENGINE_Q
     echo "== engine latency: $spec, KV $kv (default routes, cap ${cap} s)" | tee -a "$OUT/engine.log"
     q=(); [ "$fmt" != bf16 ] && q=(--quantization "$fmt")
+    variants=(); for v in ${ENGINE_VARIANTS:-}; do variants+=(--variant "$v"); done
     LOWBIT_PDL=$pdl LOWBIT_SLOT_FUSION=$slots LOWBIT_TC_RING=$ring LOWBIT_DECODE_FOLD=$fold timeout "$cap" "${lowbit[@]}" bench latency x --random-weights \
-      --config "$CONFIG" "${q[@]}" --kv-cache-dtype "$kv" $CELLS --records "$RES" \
+      --config "$CONFIG" "${q[@]}" --kv-cache-dtype "$kv" $CELLS "${variants[@]}" --records "$RES" \
       --append-md "$OUT/engine.md" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/engine.log"
     rc=${PIPESTATUS[0]}
     failed "$rc" "engine $spec, KV $kv"

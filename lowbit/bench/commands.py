@@ -55,6 +55,8 @@ def _emit(fmt: str, headers: list[str], rows: list[list], md: str, rec: dict) ->
 def cmd_latency(args: argparse.Namespace) -> int:
     cfg = EngineConfig.from_cli(args)
     if args.spec or cfg.speculative_method:
+        if args.variant:
+            raise LowbitError("--variant times the plain cells; run --spec without it")
         if args.temperature:
             raise LowbitError("--temperature samples the plain tg cells; --spec compares greedy tokens "
                               "with and without drafts, so drop one of them")
@@ -69,8 +71,9 @@ def cmd_latency(args: argparse.Namespace) -> int:
               "nearly the experts of the step before and the expert cache hits far more often than with "
               "a real model; add --temperature 1 (and --router-zipf S for skewed expert popularity)",
               file=sys.stderr)
+    variants = [latency.Variant.parse(v) for v in args.variant or []]
     rec = latency.measure(cfg, args.prompt, args.gen, depths, args.repeats, fit_depths=args.depth is None,
-                          batches=tuple(args.batch), temperature=args.temperature)
+                          batches=tuple(args.batch), temperature=args.temperature, variants=variants)
     rec["env"] = environment(rec["device"])
     md = latency.summary_md(rec)
     _emit(args.output, latency.HEADERS, latency.table_rows(rec), md, rec)
@@ -199,6 +202,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="with --spec: SYNTHETIC, accept each draft with probability P (given the ones "
                         "before it were), whatever the model says, every step carrying k drafts; for "
                         "random weights, whose real acceptance means nothing; tokens are not compared")
+    p.add_argument("--variant", action="append", default=None, metavar="LABEL=OP:ROUTE[,...]",
+                   help="also time every cell with these routes at DEFAULT status (OP:ROUTE) or "
+                        "these switches (LOWBIT_DECODE_FOLD:1, LOWBIT_SLOT_FUSION:0, LOWBIT_TC_RING:0), "
+                        "in the same process, each repeat interleaved with the base run's; "
+                        "repeatable, one model load for an A/B of routes")
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")
     _record_args(p)
     p.set_defaults(func=cmd_latency)

@@ -17,6 +17,7 @@ so a run stopped by a time cap still says where it was; the table prints at the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import resource
 import sys
@@ -302,17 +303,103 @@ def fitting_cells(row: list[Cell], max_len: int) -> tuple[list[Cell], list[str]]
     return [c for c in row if need(c) <= max_len], [c.name for c in row if need(c) > max_len]
 
 
+# switches that the code reads at every call (so a variant's graphs capture them); others,
+# LOWBIT_PDL among them, are read once per process and need a run of their own
+VARIANT_ENV = ("LOWBIT_DECODE_FOLD", "LOWBIT_SLOT_FUSION", "LOWBIT_TC_RING")
+
+
+@dataclass
+class Variant:
+    """`--variant LABEL=ITEM,ITEM`: ITEM is OP:ROUTE (the route at DEFAULT status for the
+    run, as scripts/with_route.py gives it: calls it admits take it) or NAME:VALUE for a
+    switch of VARIANT_ENV."""
+    label: str
+    routes: list[tuple[str, str]] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        label, sep, items = text.partition("=")
+        if not sep or not label or label == "base" or not items:
+            raise LowbitError(f"--variant {text!r}: expected LABEL=OP:ROUTE[,NAME:VALUE...] with a "
+                              "label other than 'base' (the run without changes)")
+        v = cls(label)
+        for item in items.split(","):
+            key, sep, value = item.partition(":")
+            if not sep or not key or not value:
+                raise LowbitError(f"--variant {text!r}: item {item!r} is not OP:ROUTE or NAME:VALUE")
+            if key.startswith("LOWBIT_"):
+                if key not in VARIANT_ENV:
+                    raise LowbitError(f"--variant {text!r}: {key} is not read at every call, so graphs "
+                                      f"of one process cannot differ in it; variants take {', '.join(VARIANT_ENV)}")
+                v.env[key] = value
+            else:
+                op = routes.ops().get(key)
+                if op is None or value not in [r.name for r in op.routes]:
+                    known = ", ".join(r.name for r in op.routes) if op else ", ".join(sorted(routes.ops()))
+                    raise LowbitError(f"--variant {text!r}: no route {key}:{value} (known: {known})")
+                v.routes.append((key, value))
+        return v
+
+    def items(self) -> list[str]:
+        return [f"{o}:{r}" for o, r in self.routes] + [f"{k}:{x}" for k, x in self.env.items()]
+
+
+class Variants:
+    """The run's variants in one process: `apply(label)` sets each route's status and each
+    switch as the variant says (the others as the run began) and gives the runner that
+    variant's own graph set, so graphs captured under one variant never replay under
+    another. Labels: "base" first."""
+
+    def __init__(self, s: Session, variants: list[Variant]) -> None:
+        self.runner = s.llm.engine.runner
+        self.by_label = {"base": Variant("base"), **{v.label: v for v in variants}}
+        if len(self.by_label) != len(variants) + 1:
+            raise LowbitError("--variant labels must differ")
+        self.labels = list(self.by_label)
+        self.status = {(o, r): routes.ops()[o].get(r).status for v in variants for o, r in v.routes}
+        self.env = {k: os.environ.get(k) for v in variants for k in v.env}
+        self.graphs = {"base": (self.runner.graphs, self.runner.prefill_graphs)}
+        self.current = "base"
+
+    def apply(self, label: str) -> None:
+        for (o, r), status in self.status.items():
+            routes.ops()[o].get(r).status = status
+        for k, x in self.env.items():
+            if x is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = x
+        v = self.by_label[label]
+        for o, r in v.routes:
+            routes.ops()[o].get(r).status = routes.DEFAULT
+        os.environ.update(v.env)
+        if label not in self.graphs:
+            self.graphs[label] = self.runner.fresh_graphs()
+        self.runner.use_graphs(self.graphs[label])
+        self.current = label
+
+
 def run_cells(s: Session, prompt: list[int], gen: list[int], depths: list[int],
               repeats: int, batches: tuple[int, ...] = (1,),
-              skipped: list[str] | None = None) -> list[Cell]:
-    """Time every cell that fits the context; the names of those that do not go to skipped."""
-    # warm-up: first calls allocate, compile, capture graphs
-    for p in sorted(set(prompt)):  # each prompt length's prefill graphs are captured here
-        _timed(f"warm-up pp{p}", s.prefill, p)
-    for b in batches:
-        _timed(f"warm-up tg2 x{b}", s.decode, 2, b)
-    cells = []
+              skipped: list[str] | None = None, variants: Variants | None = None,
+              variant_cells: dict[str, list[Cell]] | None = None) -> list[Cell]:
+    """Time every cell that fits the context; the names of those that do not go to skipped.
+    With variants, each repeat of a cell runs under every variant in turn (interleaved, so
+    drift hits them alike); the base's cells are returned, the others' go to variant_cells."""
+    labels = variants.labels if variants is not None else ["base"]
+    for label in labels:  # warm-up: first calls allocate, compile, capture graphs
+        tag = f" ({label})" if variants is not None else ""
+        if variants is not None:
+            variants.apply(label)
+        for p in sorted(set(prompt)):  # each prompt length's prefill graphs are captured here
+            _timed(f"warm-up pp{p}{tag}", s.prefill, p)
+        for b in batches:
+            _timed(f"warm-up tg2 x{b}{tag}", s.decode, 2, b)
+    cells: dict[str, list[Cell]] = {label: [] for label in labels}
     for d in sorted(depths):
+        if variants is not None:
+            variants.apply("base")  # the retained context is computed once, by the base
         if d:
             _timed(f"depth {d}: prefill of the retained context", s.set_depth, d)
         else:
@@ -325,18 +412,29 @@ def run_cells(s: Session, prompt: list[int], gen: list[int], depths: list[int],
                   f"{s.llm.max_model_len}", file=sys.stderr, flush=True)
         if skipped is not None:
             skipped += left_out
+        rows = {label: [Cell(c.kind, c.n, c.depth, c.batch) for c in row] for label in labels}
         for r in range(repeats):
-            for c in row:
-                before = _cache_totals(s)
-                c.samples.append(s.prefill(c.n) if c.kind == "pp" else s.decode(c.n, c.batch))
-                after = _cache_totals(s)
-                if after is not None:
-                    c.copied.append(after["bytes_copied"] - before["bytes_copied"])
-                    c.misses.append(after["misses"] - before["misses"])
-                progress(f"{c.name} repeat {r + 1}/{repeats}: {c.samples[-1]:.3f} s "
-                         f"({c.batch * c.n / c.samples[-1]:.1f} tok/s)")
-        cells += row
-    return cells
+            for i in range(len(row)):
+                for label in labels:
+                    if variants is not None:
+                        variants.apply(label)
+                    c = rows[label][i]
+                    before = _cache_totals(s)
+                    c.samples.append(s.prefill(c.n) if c.kind == "pp" else s.decode(c.n, c.batch))
+                    after = _cache_totals(s)
+                    if after is not None:
+                        c.copied.append(after["bytes_copied"] - before["bytes_copied"])
+                        c.misses.append(after["misses"] - before["misses"])
+                    tag = f" [{label}]" if variants is not None else ""
+                    progress(f"{c.name}{tag} repeat {r + 1}/{repeats}: {c.samples[-1]:.3f} s "
+                             f"({c.batch * c.n / c.samples[-1]:.1f} tok/s)")
+        for label in labels:
+            cells[label] += rows[label]
+    if variants is not None:
+        variants.apply("base")
+        if variant_cells is not None:
+            variant_cells.update({label: cells[label] for label in labels[1:]})
+    return cells["base"]
 
 
 def _cache_totals(s: Session) -> dict | None:
@@ -394,9 +492,11 @@ def step_bytes(wb: dict, batch: int) -> float:
 
 def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[int],
             repeats: int, fit_depths: bool = False, batches: tuple[int, ...] = (1,),
-            temperature: float = 0.0) -> dict:
+            temperature: float = 0.0, variants: list[Variant] | None = None) -> dict:
     """Load, check lengths, time every cell, measure the copy ceiling; return the record.
-    fit_depths: drop the depths that do not fit the context instead of refusing."""
+    fit_depths: drop the depths that do not fit the context instead of refusing.
+    variants: the same cells (interleaved) and decode profiles under each variant too, in
+    the record's "variants" (one model load for an A/B of routes)."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(cfg.device if (cfg.device or "").startswith("cuda") else None)
     if not (cfg.kv_cache_tokens or cfg.num_gpu_blocks_override):
@@ -412,13 +512,24 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
     depths = usable_depths(depths, prompt, gen, s.llm.max_model_len, fit_depths)
     mem_loaded = peak_memory(s.device)
     skipped: list[str] = []
-    cells = run_cells(s, prompt, gen, depths, repeats, batches, skipped)
+    switch = Variants(s, variants) if variants else None
+    other: dict[str, list[Cell]] = {}
+    cells = run_cells(s, prompt, gen, depths, repeats, batches, skipped, switch, other)
     mem = peak_memory(s.device)
     profiles = [p for b in batches if (p := _timed(f"profile of decode steps x{b}", profile_decode,
                                                     s.llm.engine, b)) is not None]
     pre = _timed(f"profile of a {max(prompt)}-token prefill", profile_prefill, s.llm.engine, max(prompt))
     profiles += [pre] if pre is not None else []
     bw = copy_bandwidth(s.device)
+    variant_recs = []
+    for label, vcells in other.items():
+        switch.apply(label)
+        vprof = [p for b in batches if (p := _timed(f"profile of decode steps x{b} ({label})", profile_decode,
+                                                     s.llm.engine, b)) is not None]
+        variant_recs.append({"label": label, "items": switch.by_label[label].items(),
+                             "cells": add_depth_ratios(cell_rows(s, vcells, bw), bw), "step_profiles": vprof})
+    if switch is not None:
+        switch.apply("base")
     return {"kind": "latency", "model": cfg.config if cfg.random_weights else cfg.model,
             "weight_format": s.llm.loaded.weight_format, "device": s.device,
             "dtype": str(next(s.model.parameters()).dtype).removeprefix("torch."),
@@ -433,7 +544,7 @@ def measure(cfg: EngineConfig, prompt: list[int], gen: list[int], depths: list[i
             "tc_ring": ring_line() if str(s.device).startswith("cuda") else None,
             "launch_configs": launch.config_status() if str(s.device).startswith("cuda") else None,
             "routes": route_summary(), "step_profiles": profiles,
-            "expert_cache": expert_cache_summary(s.llm.engine)}
+            "expert_cache": expert_cache_summary(s.llm.engine), "variants": variant_recs}
 
 
 def expert_cache_summary(engine) -> dict | None:
@@ -503,6 +614,13 @@ def summary_md(rec: dict) -> str:
     lines += [format_profile(p).splitlines()[0] for p in rec.get("step_profiles", [])]
     fallbacks = rec.get("routes", {}).get("fallbacks", [])
     lines += [f"WARNING reference route on CUDA: {f}" for f in fallbacks]
+    for v in rec.get("variants") or []:
+        base = {c["test"]: c["tok_s_mean"] for c in rec["cells"]}
+        lines.append(f"variant {v['label']} ({', '.join(v['items'])}), interleaved with the base: "
+                     + "; ".join(f"{c['test']} {c['tok_s_mean']:.1f} ± {c['tok_s_sd']:.1f} tok/s "
+                                 f"({c['tok_s_mean'] / base[c['test']]:.3f}x)" for c in v["cells"]
+                                 if base.get(c["test"])))
+        lines += [f"  {v['label']}: " + format_profile(p).splitlines()[0] for p in v.get("step_profiles", [])]
     if rec.get("skipped_cells"):
         lines.append("WARNING cells skipped, their context exceeds the model's: "
                      + ", ".join(rec["skipped_cells"]))

@@ -144,12 +144,27 @@ class ModelRunner:
         elif self.graphs_off is None:
             log.warning("prefill CUDA graphs are off (prefill steps run eagerly, launch-bound): %s",
                         self.prefill_graphs_off)
+        self._graph_args = (model, kv_cache, max_tokens, max_num_seqs, device)
         pin = device.type == "cuda"
         # two read-back buffers, taken in turn: step N's is still unread when step N+1 launches
         self._tokens_host = [torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._tokens_ready = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._turn = 0
         self.last_sampled: Sampled | None = None
+
+    # -- graph sets (a bench A/B of routes keeps one set per variant) ---------------------
+    def fresh_graphs(self) -> tuple[DecodeGraphs | None, PrefillGraphs | None]:
+        """A new, empty pair of graph holders, as __init__ made them (None where graphs are
+        off): graphs captured with other routes or switches live in their own pair."""
+        model, kv_cache, max_tokens, max_num_seqs, device = self._graph_args
+        graphs = None if self.graphs is None else DecodeGraphs(model, self.inputs, self.sampling,
+                                                               kv_cache, max_num_seqs, device)
+        prefill = None if self.prefill_graphs is None else PrefillGraphs(
+            model, self.inputs, self.sampling, kv_cache, max_tokens, max_num_seqs, device, graphs)
+        return graphs, prefill
+
+    def use_graphs(self, pair: tuple[DecodeGraphs | None, PrefillGraphs | None]) -> None:
+        self.graphs, self.prefill_graphs = pair
 
     # -- sampler rows ---------------------------------------------------------------------
     def _seat(self, req: Request) -> int:

@@ -1,10 +1,12 @@
 import json
+import os
 
 import pytest
 
 from lowbit.bench.latency import (
     HEADERS,
     Cell,
+    Variant,
     add_depth_ratios,
     fitting_cells,
     summary_md,
@@ -150,3 +152,42 @@ def test_offload_cells_count_the_expert_copies_of_their_tokens(tiny_moe_dir, tmp
     assert tg["expert_misses_per_token"] > 0
     assert tg["expert_copy_bytes_per_token"] >= tg["expert_misses_per_token"] * expert * 0.999
     assert f"tg6: {tg['expert_copy_bytes_per_token'] / 2**20:.1f} MiB of experts copied a token" in out
+
+
+def test_variant_parse_and_refusals():
+    v = Variant.parse("fused=norm_gate:triton_norm_route,rope_attention:triton_rope_decode,LOWBIT_DECODE_FOLD:1")
+    assert v.label == "fused" and v.env == {"LOWBIT_DECODE_FOLD": "1"}
+    assert v.routes == [("norm_gate", "triton_norm_route"), ("rope_attention", "triton_rope_decode")]
+    assert v.items() == ["norm_gate:triton_norm_route", "rope_attention:triton_rope_decode",
+                         "LOWBIT_DECODE_FOLD:1"]
+    for bad, why in [("norm_gate:triton_norm_route", "expected LABEL="), ("base=LOWBIT_DECODE_FOLD:1", "other than"),
+                     ("x=norm_gate:nope", "no route norm_gate:nope"), ("x=nosuchop:r", "no route nosuchop:r"),
+                     ("x=LOWBIT_PDL:0", "not read at every call"), ("x=norm_gate", "is not OP:ROUTE")]:
+        with pytest.raises(LowbitError, match=why):
+            Variant.parse(bad)
+
+
+def test_variants_interleave_in_one_process_and_restore(tiny_moe_dir, tmp_path, capsys, monkeypatch):
+    """Two variants beside the base: every cell timed under each, repeat by repeat in turn
+    (base, fold, gate; base, fold, gate), one record with their cells; the switches and the
+    route statuses are as before the run once it ends."""
+    from lowbit.kernels import routes
+    monkeypatch.delenv("LOWBIT_DECODE_FOLD", raising=False)
+    status = routes.ops()["norm_gate"].get("triton_norm_gate").status
+    rc = main(["bench", "latency", str(tiny_moe_dir), "-d", "0", "-p", "8", "-n", "4", "-r", "2",
+               "--device", "cpu", "--records", str(tmp_path), "-o", "json",
+               "--variant", "fold=LOWBIT_DECODE_FOLD:1", "--variant", "gate=norm_gate:triton_norm_gate"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    rec = json.loads(next(tmp_path.glob("*-latency-*.json")).read_text())
+    assert [v["label"] for v in rec["variants"]] == ["fold", "gate"]
+    for v in rec["variants"]:
+        assert [c["test"] for c in v["cells"]] == [c["test"] for c in rec["cells"]] == ["pp8", "tg4"]
+        assert all(len(c["samples_s"]) == 2 for c in v["cells"])
+    order = [line.split(":")[0].removeprefix("[latency] ") for line in err.splitlines() if "] repeat" in line
+             and line.startswith("[latency] tg4")]
+    assert order == ["tg4 [base] repeat 1/2", "tg4 [fold] repeat 1/2", "tg4 [gate] repeat 1/2",
+                     "tg4 [base] repeat 2/2", "tg4 [fold] repeat 2/2", "tg4 [gate] repeat 2/2"]
+    assert "LOWBIT_DECODE_FOLD" not in os.environ
+    assert routes.ops()["norm_gate"].get("triton_norm_gate").status == status
+    assert "variant gate (norm_gate:triton_norm_gate), interleaved with the base" in summary_md(rec)
