@@ -264,8 +264,13 @@ def peak_memory(device: str) -> dict[str, int]:
     return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def cell_context(kind: str, n: int, depth: int) -> int:
+    """Tokens of context a cell needs: pp: depth + n in, 1 out; tg: depth + 1 in, n + 1 out."""
+    return depth + (n + 1 if kind == "pp" else n + 2)
+
+
 def context_needed(prompt: list[int], gen: list[int], depths: list[int]) -> int:
-    return max(depths) + max([p + 1 for p in prompt] + [n + 2 for n in gen])  # pp: 1 out; tg: 1 in, n + 1 out
+    return max(cell_context(k, n, max(depths)) for k, ns in (("pp", prompt), ("tg", gen)) for n in ns)
 
 
 def usable_depths(depths: list[int], prompt: list[int], gen: list[int], max_len: int,
@@ -275,7 +280,8 @@ def usable_depths(depths: list[int], prompt: list[int], gen: list[int], max_len:
     with a warning (`fitting_cells`); an error only when a depth has no cell that fits."""
     if fit:
         depths = [d for d in depths if context_needed(prompt, gen, [d]) <= max_len] or [0]
-    bad = [d for d in depths if d + min([p + 1 for p in prompt] + [n + 2 for n in gen]) > max_len]
+    shortest = min(cell_context(k, n, 0) for k, ns in (("pp", prompt), ("tg", gen)) for n in ns)
+    bad = [d for d in depths if d + shortest > max_len]
     if bad:
         need = context_needed(prompt, gen, [max(bad)])
         raise LowbitError(f"depth {max(bad)} + {max(prompt + gen)} tokens needs a context of {need} "
@@ -296,11 +302,10 @@ def config_max_len(cfg: EngineConfig) -> int | None:
 
 
 def fitting_cells(row: list[Cell], max_len: int) -> tuple[list[Cell], list[str]]:
-    """The cells of one depth whose context (depth + prompt + 1, or depth + 2 + generated)
-    fits max_len, and the names of those that do not (the caller warns and records them)."""
-    def need(c: Cell) -> int:
-        return c.depth + (c.n + 1 if c.kind == "pp" else c.n + 2)
-    return [c for c in row if need(c) <= max_len], [c.name for c in row if need(c) > max_len]
+    """The cells of one depth whose context (cell_context) fits max_len, and the names of
+    those that do not (the caller warns and records them)."""
+    fits = [cell_context(c.kind, c.n, c.depth) <= max_len for c in row]
+    return [c for c, ok in zip(row, fits) if ok], [c.name for c, ok in zip(row, fits) if not ok]
 
 
 # switches that the code reads at every call (so a variant's graphs capture them); others,
@@ -335,8 +340,8 @@ class Variant:
                 v.env[key] = value
             else:
                 op = routes.ops().get(key)
-                if op is None or value not in [r.name for r in op.routes]:
-                    known = ", ".join(r.name for r in op.routes) if op else ", ".join(sorted(routes.ops()))
+                if op is None or value not in op.names():
+                    known = ", ".join(op.names() if op else sorted(routes.ops()))
                     raise LowbitError(f"--variant {text!r}: no route {key}:{value} (known: {known})")
                 v.routes.append((key, value))
         return v
@@ -360,7 +365,6 @@ class Variants:
         self.status = {(o, r): routes.ops()[o].get(r).status for v in variants for o, r in v.routes}
         self.env = {k: os.environ.get(k) for v in variants for k in v.env}
         self.graphs = {"base": (self.runner.graphs, self.runner.prefill_graphs)}
-        self.current = "base"
 
     def apply(self, label: str) -> None:
         for (o, r), status in self.status.items():
@@ -377,7 +381,6 @@ class Variants:
         if label not in self.graphs:
             self.graphs[label] = self.runner.fresh_graphs()
         self.runner.use_graphs(self.graphs[label])
-        self.current = label
 
 
 def run_cells(s: Session, prompt: list[int], gen: list[int], depths: list[int],

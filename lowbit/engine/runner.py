@@ -126,25 +126,21 @@ class ModelRunner:
         max_tokens = max(max_num_batched_tokens or max_model_len, max_num_seqs)
         pad = Padding(kv_cache.scratch_row, kv_cache.scratch_block, self.sampling.scratch_row)
         self.inputs = StepInputs(max_tokens, max_num_seqs, max_blocks, pad, device)
-        self.graphs: DecodeGraphs | None = None
         self._prefill_bucket: tuple[int, int] | None = None  # the staged step's prefill graph bucket
         self.graphs_off = graphs_wanted(model, device, enforce_eager)
-        if self.graphs_off is None:  # each bucket is captured at its first decode step
-            self.graphs = DecodeGraphs(model, self.inputs, self.sampling, kv_cache, max_num_seqs, device)
-        elif device.type == "cuda":
+        if self.graphs_off is not None and device.type == "cuda":
             log.warning("decode CUDA graphs are off (every decode step runs eagerly, slowly): %s",
                         self.graphs_off)
-        self.prefill_graphs: PrefillGraphs | None = None
         self.spec_graph_steps = 0  # speculative verify steps replayed from a HIDDEN prefill graph
         self.prefill_graphs_off = self.graphs_off or ("--no-prefill-graphs" if not prefill_graphs
                                                       else prefill_graphs_wanted(model))
-        if self.prefill_graphs_off is None:
-            self.prefill_graphs = PrefillGraphs(model, self.inputs, self.sampling, kv_cache, max_tokens,
-                                                max_num_seqs, device, self.graphs)
-        elif self.graphs_off is None:
+        if self.prefill_graphs_off is not None and self.graphs_off is None:
             log.warning("prefill CUDA graphs are off (prefill steps run eagerly, launch-bound): %s",
                         self.prefill_graphs_off)
-        self._graph_args = (model, kv_cache, max_tokens, max_num_seqs, device)
+        self._graph_sizes = (max_tokens, max_num_seqs)
+        # each bucket is captured at its first step
+        self.graphs, self.prefill_graphs = self._new_graphs(self.graphs_off is None,
+                                                            self.prefill_graphs_off is None)
         pin = device.type == "cuda"
         # two read-back buffers, taken in turn: step N's is still unread when step N+1 launches
         self._tokens_host = [torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)]
@@ -153,15 +149,18 @@ class ModelRunner:
         self.last_sampled: Sampled | None = None
 
     # -- graph sets (a bench A/B of routes keeps one set per variant) ---------------------
+    def _new_graphs(self, decode: bool, prefill: bool) -> tuple[DecodeGraphs | None, PrefillGraphs | None]:
+        max_tokens, max_num_seqs = self._graph_sizes
+        graphs = DecodeGraphs(self.model, self.inputs, self.sampling, self.kv_cache, max_num_seqs,
+                              self.device) if decode else None
+        pre = PrefillGraphs(self.model, self.inputs, self.sampling, self.kv_cache, max_tokens, max_num_seqs,
+                            self.device, graphs) if prefill else None
+        return graphs, pre
+
     def fresh_graphs(self) -> tuple[DecodeGraphs | None, PrefillGraphs | None]:
-        """A new, empty pair of graph holders, as __init__ made them (None where graphs are
-        off): graphs captured with other routes or switches live in their own pair."""
-        model, kv_cache, max_tokens, max_num_seqs, device = self._graph_args
-        graphs = None if self.graphs is None else DecodeGraphs(model, self.inputs, self.sampling,
-                                                               kv_cache, max_num_seqs, device)
-        prefill = None if self.prefill_graphs is None else PrefillGraphs(
-            model, self.inputs, self.sampling, kv_cache, max_tokens, max_num_seqs, device, graphs)
-        return graphs, prefill
+        """A new, empty pair of graph holders like the ones in use (None where those are off):
+        graphs captured with other routes or switches live in their own pair."""
+        return self._new_graphs(self.graphs is not None, self.prefill_graphs is not None)
 
     def use_graphs(self, pair: tuple[DecodeGraphs | None, PrefillGraphs | None]) -> None:
         self.graphs, self.prefill_graphs = pair
