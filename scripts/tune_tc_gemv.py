@@ -132,17 +132,25 @@ def static() -> None:
            "grouped_fc1_ring4": _static_one(tc_moe._tc_moe_grouped_kernel, dict(grp, FC=1, RING=4),
                                             TYPES),
            "grouped_fc1_mb32": _static_one(tc_moe._tc_moe_grouped_kernel,
-                                           dict(grp, FC=1, MB=32, BK=128), TYPES)}
+                                           dict(grp, FC=1, MB=32, BK=128), TYPES),
+           # narrow programs (the A/B's bn16 challengers): one warp of 16 rows, no split
+           "linear_bn16": _static_one(tc_gemv._tc_gemv_kernel,
+                                      dict(lin, MOE=0, BN=16, W=1, SPLIT=False), TYPES),
+           "moe_fc2_bn16": _static_one(tc_gemv._tc_gemv_kernel, dict(lin, MOE=2, BN=16, W=1),
+                                       dict(TYPES, x_ptr="*fp32"))}
     print(json.dumps(out))
 
 
 RINGS, RING_WAVES = (3, 4, 6), (1, 2, 4)
+NARROW = ((16, 1), (32, 2))  # (BN, warps) of the narrow challengers
 
 
 def _variants(cfg: dict, grouped: bool = False, ring: bool = False) -> dict[str, dict]:
     """The A/B's challengers of a shipped config: two K steps in registers (PREFETCH 2), the
     split-K width at WAVES 1 and at twice the shipped WAVES (not for the expert-grouped
-    kernel, which does not split K), and with `ring` the shared-memory ring (RING r) at a
+    kernel, which does not split K), narrow programs (BN 16 on one warp, BN 32 on two, at
+    WAVES 1 and the shipped WAVES, PREFETCH 1 and 2: a program's split-K chain of partial
+    store, counter and reload goes where the narrow grid needs no split), and with `ring` the shared-memory ring (RING r) at a
     few split widths (fewer splits give each program more steps to keep in flight).
     The ring is off by default: on the H100 it lost at M = 1 and in every MoE schedule, and
     the two M = 8 wins it had alone made the engine's x8 decode 4 % slower
@@ -151,6 +159,11 @@ def _variants(cfg: dict, grouped: bool = False, ring: bool = False) -> dict[str,
     if not grouped:  # split-K width: one program per tile (no partials), and twice the splits
         out.update({f"waves{w}": dict(cfg, WAVES=w) for w in (1, 2 * cfg.get("WAVES", 4))
                     if w != cfg.get("WAVES", 4)})
+        # narrow programs: one warp of 16 rows (two of 32), so that the grid fills the SMs
+        # with fewer K splits or none; WAVES 1 gives no split at the engine's C1 shapes
+        for bn, w in NARROW:
+            for wv, pf in itertools.product((1, cfg.get("WAVES", 4)), (1, 2)):
+                out[f"bn{bn}_w{wv}_pf{pf}"] = dict(cfg, BN=bn, num_warps=w, WAVES=wv, PREFETCH=pf)
     for r in RINGS if ring else ():
         if grouped:
             out[f"ring{r}"] = dict(cfg, RING=r)

@@ -13,10 +13,15 @@ Why: a decode step's norm, gate GEMV and top-k each cost a launch that moves alm
 step under Nsight Compute"). One launch does the first two, or all three: every gate program
 reads its tokens' whole rows (8 KiB a token at D = 2048, from L2) and normalizes them itself.
 
-Routes, in selection order (both fused ones OPT_IN until an engine A/B on a GPU times them:
-`scripts/with_route.py norm_gate ROUTE -- ...` runs one where it admits the call;
-LOWBIT_ROUTE_NORM_GATE forces it and fails on a prefill's longer calls):
-  triton_norm_route  triton_norm_gate's launch, and the program that arrives last for a
+Routes, in selection order (`scripts/with_route.py norm_gate ROUTE -- ...` or `bench latency
+--variant x=norm_gate:ROUTE` runs one where it admits the call; LOWBIT_ROUTE_NORM_GATE forces
+it and fails on a prefill's longer calls):
+  triton_norm_route  MEASURED_NEGATIVE: in the engine A/B (H100, Qwen3-30B-A3B,
+                bench/records/20261207T151549 / T151828-latency-h100.json) nvfp4 tg128 runs
+                at 0.947x (B = 1) and 0.896x (B = 8), bf16 at 0.983x / 0.951x: two launches
+                fewer a layer, but the last program's ranking is a serial tail after every
+                gate program, where the router's own launch overlapped under PDL.
+                triton_norm_gate's launch, and the program that arrives last for a
                 token block (a counter per block, reset after use) ranks the block's rows as
                 router_op's triton_topk does (router_op._rank_row): the router's launch too.
                 Refuses what triton_norm_gate or triton_topk refuses, and calls without a
@@ -205,7 +210,7 @@ def _run_route(call: NormGateCall, config: dict | None = None):
     return _launch(call, True, config)
 
 
-routes.register("norm_gate", routes.Route("triton_norm_route", routes.OPT_IN, RECORD, _admit_route,
+routes.register("norm_gate", routes.Route("triton_norm_route", routes.MEASURED_NEGATIVE, RECORD, _admit_route,
                                           _run_route))
 routes.register("norm_gate", routes.Route("triton_norm_gate", routes.OPT_IN, RECORD, _admit_triton,
                                           _run_triton))

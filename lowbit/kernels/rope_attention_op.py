@@ -12,8 +12,13 @@ layer. The decode attention's split programs can make q themselves (each reads i
 raw q, 2 KiB) and the one split holding the step's key can norm, rotate and store it.
 
 Routes, in selection order:
-  triton_rope_decode  OPT_IN until an engine A/B on a GPU times it (`scripts/with_route.py
-                rope_attention triton_rope_decode -- ...`). The split-KV decode kernel with
+  triton_rope_decode  MEASURED_NEGATIVE. The engine A/B (`bench latency --variant`, H100,
+                Qwen3-30B-A3B, bench/records/20261207T151549 / T151828-latency-h100.json)
+                has it slower where it was to win: nvfp4 tg128 0.965x at B = 1, 0.987x at
+                B = 8 (its busy step 2,572 against 2,448 us: one launch fewer, a heavier
+                kernel of 255 registers); bf16 1.011x / 1.006x. Runs when forced
+                (LOWBIT_ROUTE_ROPE_ATTENTION, or `--variant x=rope_attention:triton_rope_decode`).
+                The split-KV decode kernel with
                 ROPE (lowbit.kernels.attention.paged_decode's `rope`): every program norms
                 and rotates its G query heads' raw q in registers; the program whose split
                 holds the sequence's last key (position seq_len - 1) first norms, rotates
@@ -39,7 +44,8 @@ from lowbit.kernels.attention import DecodeRope, paged_decode
 from lowbit.kernels.attention_op import AttentionCall
 from lowbit.kernels.rope_op import RopeCall
 
-RECORD = "docs/KERNEL_NOTES.md \"What a C1 decode step is made of\" (no engine A/B yet)"
+RECORD = ("docs/BENCHMARKS.md \"Fused decode routes, timed\" (nvfp4 B = 1 0.965x, B = 8 0.987x; "
+          "bench/records/20261207T151549-latency-h100.json)")
 
 
 @dataclass
@@ -77,7 +83,7 @@ def _run_triton(call: RopeAttentionCall) -> torch.Tensor:
                                         r.slot_mapping))
 
 
-routes.register("rope_attention", routes.Route("triton_rope_decode", routes.OPT_IN, RECORD,
+routes.register("rope_attention", routes.Route("triton_rope_decode", routes.MEASURED_NEGATIVE, RECORD,
                                                _admit_triton, _run_triton))
 routes.register("rope_attention", routes.Route(
     "unfused", routes.DEFAULT, "reference: the rope op, then the attention op, by their routes "

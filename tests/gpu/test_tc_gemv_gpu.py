@@ -47,7 +47,10 @@ def test_tc_gemv_matches_twin(n, k, tables):
         x = _x(m, k, seed=m)
         for cfg in (None, dict(BN=64, BK=128, SPLIT=3), dict(BN=128, BK=256, SPLIT=1),
                     dict(BN=64, BK=128, SPLIT=3, RING=3), dict(BN=128, BK=256, SPLIT=1, RING=4),
-                    dict(BN=64, BK=256, SPLIT=1, RING=2, num_warps=4)):
+                    dict(BN=64, BK=256, SPLIT=1, RING=2, num_warps=4),
+                    # narrow programs: one warp (16 rows) or two (32), no split / split
+                    dict(BN=16, BK=256, SPLIT=1, num_warps=1), dict(BN=32, BK=128, SPLIT=2, num_warps=2),
+                    dict(BN=16, BK=256, SPLIT=1, num_warps=1, PREFETCH=2)):
             out = poisoned(m, n, dtype=torch.float32, device=DEV)
             tc_gemv(x, w, bias, config=cfg, out=out)
             assert rel_err(out, reference_linear(x.float(), w, bias)) < 1e-4, (n, k, m, cfg)

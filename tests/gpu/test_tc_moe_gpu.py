@@ -29,7 +29,8 @@ def _stack(n: int, k: int, e: int, seed: int, tables: int = 1):
 
 
 @pytest.mark.parametrize("cfg", [None, dict(BN=64, BK=128, SPLIT=3), dict(BN=64, BK=128, SPLIT=3, RING=3),
-                                 dict(BN=128, BK=256, RING=4)])
+                                 dict(BN=128, BK=256, RING=4), dict(BN=16, BK=256, SPLIT=1, num_warps=1),
+                                 dict(BN=32, BK=256, num_warps=2, PREFETCH=2)])
 def test_tc_moe_gemv_matches_twin(cfg):
     from lowbit.kernels.moe import reference_moe
     from lowbit.kernels.tc_moe import tc_moe_gemv, tc_moe_refusal

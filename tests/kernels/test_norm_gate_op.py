@@ -55,7 +55,7 @@ def test_triton_matches_the_norm_and_the_gate(monkeypatch, T, D, E, dtype, resid
 
 
 def test_unfused_reference_is_todays_path(monkeypatch):
-    """By default (the fused route is OPT_IN) the op is the norm's routes and no logits: the
+    """By default (no fused route is DEFAULT) the op is the norm's routes and no logits: the
     router makes them as before."""
     monkeypatch.delenv("LOWBIT_ROUTE_NORM_GATE", raising=False)
     x, w, res, gw, gb = _data(2, 64, 8, torch.bfloat16, True, False, seed=3)
@@ -63,8 +63,9 @@ def test_unfused_reference_is_todays_path(monkeypatch):
     want_y, want_r = norm_op.rms_norm(x, w, EPS, res)
     assert logits is None and ids is None and wts is None
     assert torch.equal(y, want_y) and torch.equal(r, want_r)
-    for name in ("triton_norm_gate", "triton_norm_route"):
-        assert routes.ops()["norm_gate"].get(name).status == routes.OPT_IN
+    assert routes.ops()["norm_gate"].get("triton_norm_gate").status == routes.OPT_IN
+    # the engine A/B timed the ranking route slower at B = 1 and 8 (docs/BENCHMARKS.md)
+    assert routes.ops()["norm_gate"].get("triton_norm_route").status == routes.MEASURED_NEGATIVE
 
 
 @pytest.mark.parametrize("T,E,spec,with_bias", [

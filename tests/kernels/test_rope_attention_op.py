@@ -175,7 +175,7 @@ def test_refusals(monkeypatch):
     assert "contiguous cache" in rope_attention_op._admit_triton(contiguous)
     unforced = _clone(call)
     assert "forced route" in rope_attention_op._admit_triton(unforced)
-    assert routes.ops()["rope_attention"].get(FUSED).status == routes.OPT_IN
+    assert routes.ops()["rope_attention"].get(FUSED).status == routes.MEASURED_NEGATIVE
     monkeypatch.setenv("LOWBIT_ROUTE_ROPE_ATTENTION", FUSED)
     with pytest.raises(LowbitError, match="not a decode step"):
         rope_attention(prefill)
