@@ -95,6 +95,11 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
         _decode(plain, prompt, max(gen))
     for short in range(cfg.num_draft_tokens + 1) if synthetic is not None else (0, 0):
         _decode(spec, prompt, max(gen) - short)
+    for _ in range(WARM_QUIET if synthetic is not None else 0):  # until a run captures nothing
+        before = _captured(spec)
+        _decode(spec, prompt, max(gen))
+        if _captured(spec) == before:
+            break
     cells = []
     for n in gen:
         spec.engine.spec.stats = SpecStats()
@@ -111,6 +116,7 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
             progress(f"tg{n} repeat {r + 1}/{repeats}: {n / t_plain:.1f} tok/s plain, {n / t_spec:.1f} spec")
         cells.append(_cell(n, times, same if synthetic is None else None, spec.engine.spec.stats))
         cells[-1]["captures"] = captures
+        cells[-1].update(steady_speedup(times, captures, n))
         if spec.engine.spec.adapt is not None:
             cells[-1]["k_now"] = spec.engine.spec.adapt.current()
     verify = verify_costs(plain, prompt, repeats)
@@ -130,6 +136,9 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
             "prefill_graphs": prefill_graph_status(spec.engine), "draft_chains": _chain_status(spec),
             "cells": cells, "step_profiles": profiles, **_synthetic(synthetic, cfg),
             "adaptive": cfg.speculative_adaptive, **_k_history(spec)}
+
+
+WARM_QUIET = 4  # synthetic runs: extra warm-up decodes until one captures no graph (at most)
 
 
 def _captured(llm: LLM) -> int:
@@ -222,6 +231,17 @@ def cost_model(cell: dict, verify: list[dict], method: str) -> dict:
             "k": choose_draft_length(cell["accept_rate_per_position"], verify_s, draft_s)}
 
 
+def steady_speedup(times: dict[str, list[float]], captures: list[int], n: int) -> dict:
+    """The speedup over the repeats whose spec run captured no graph (capture time is not
+    decode time), or {} when every repeat captured or none did."""
+    quiet = [i for i, c in enumerate(captures) if not c]
+    if not quiet or len(quiet) == len(captures):
+        return {}
+    plain = statistics.mean(n / times["plain"][i] for i in quiet)
+    spec = statistics.mean(n / times["spec"][i] for i in quiet)
+    return {"steady_repeats": quiet, "steady_speedup": spec / plain}
+
+
 def _cell(n: int, times: dict[str, list[float]], same: bool, stats: SpecStats) -> dict:
     rates = {arm: mean_sd([n / t for t in ts]) for arm, ts in times.items()}
     return {"test": f"tg{n}", "n": n, "tok_s_plain": rates["plain"], "tok_s_spec": rates["spec"],
@@ -263,6 +283,9 @@ def summary_md(rec: dict) -> str:
         if any(c.get("captures", [])):
             foot += (f"  \nWARNING {c['test']}: timed speculative repeats captured CUDA graphs "
                      f"({c['captures']} by repeat): those repeats include capture time")
+            if "steady_speedup" in c:
+                foot += (f"; over the {len(c['steady_repeats'])} that captured none: "
+                         f"{c['steady_speedup']:.2f}x")
     foot += f"  \ncost model's choice from the bench's measurements: {picks}"
     if rec.get("adaptive"):
         changes = ", ".join(f"step {h['step']} B{h['batch_bucket']}: k = {h['k']}" for h in rec["k_history"])

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from lowbit.bench.record import csv_text
-from lowbit.bench.spec import HEADERS, summary_md, table_rows
+from lowbit.bench.spec import HEADERS, steady_speedup, summary_md, table_rows
 from lowbit.cli import main
 
 
@@ -28,6 +28,10 @@ def test_latency_spec_table_and_record(tiny_moe_dir, tmp_path, capsys):
     assert "WARNING" not in out
     cell["captures"] = [1, 0]  # a timed repeat that captured a graph is flagged in the footer
     assert "WARNING tg8: timed speculative repeats captured CUDA graphs ([1, 0] by repeat)" in summary_md(rec)
+    assert "captured none" not in summary_md(rec)  # no steady figure unless the cell has one
+    cell.update(steady_speedup(cell["samples_s"], [1, 0], 8))
+    assert cell["steady_repeats"] == [1]
+    assert "over the 1 that captured none: " in summary_md(rec)
     assert cell["speedup"] == cell["tok_s_spec"][0] / cell["tok_s_plain"][0] > 0
     assert [r["T"] for r in rec["verify"]] == [1, 2, 4, 8] and rec["verify"][0]["ratio"] == 1.0
     assert all(r["s"] > 0 and len(r["samples_s"]) == 2 for r in rec["verify"])
@@ -77,3 +81,13 @@ def test_latency_spec_adaptive_records_the_engines_choices(tiny_moe_dir, tmp_pat
     assert rec["k_now"] == {"1": rec["k_history"][-1]["k"]} == rec["cells"][0]["k_now"]
     assert table_rows(rec)[0][2] == f"auto <= 2, now B1:{rec['k_now']['1']}"
     assert "k chosen by the engine (--speculative-adaptive" in out
+
+
+def test_steady_speedup_leaves_out_the_repeats_that_captured():
+    """Capture time is not decode time: the steady figure is the mean rate of the quiet repeats
+    (hand-made times: plain 1 s each; spec 4 s while capturing, then 0.5 and 0.25 s)."""
+    times = {"plain": [1.0, 1.0, 1.0], "spec": [4.0, 0.5, 0.25]}
+    got = steady_speedup(times, [2, 0, 0], 8)
+    assert got["steady_repeats"] == [1, 2]
+    assert got["steady_speedup"] == pytest.approx((16 + 32) / 2 / 8)  # spec 16 and 32 tok/s, plain 8
+    assert steady_speedup(times, [0, 0, 0], 8) == {} and steady_speedup(times, [1, 1, 1], 8) == {}
