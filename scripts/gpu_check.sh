@@ -49,7 +49,8 @@
 #   spec       speculative decoding: the demo with ngram and its draft (k = 3; SPEC_DEMO=0
 #              skips them), and the synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape,
 #              $QUANT at k = 3 (SPEC_SYN_K="1 3 7": one run a k, the verify step at T = 2, 4, 8,
-#              the cost model's input; SPEC_SYN=0 skips it), and DeepSeek-V3 cut to 4 layers with its MTP
+#              the cost model's input; SPEC_SYN_ADAPTIVE=1: each k an upper bound, the engine's
+#              cost model picks; SPEC_SYN=0 skips it), and DeepSeek-V3 cut to 4 layers with its MTP
 #              layer drafting (SPEC_MTP=0 skips it): verify steps in graphs
 # Writes under $OUT (default ./gpu_out); the last lines printed are the summary tables. The
 # records (*-latency-*.json, kernel JSON) are in $OUT/results.tar.gz: $OUT returns at most 8 files.
@@ -283,6 +284,7 @@ c.update(num_hidden_layers=4, num_nextn_predict_layers=1); json.dump(c, open('/t
   echo "== spec: synthetic acceptance 0.7, $QUANT, k = $k" | tee -a "$OUT/spec.log"
   timeout "${T_SPEC_SYN:-240}" python3 -m lowbit bench latency x --random-weights --config "$CONFIG" \
     --quantization "$QUANT" --spec ngram --num-speculative-tokens "$k" --spec-synthetic-accept 0.7 \
+    $([ "${SPEC_SYN_ADAPTIVE:-0}" = 1 ] && echo --speculative-adaptive) \
     -n 128 -r 3 --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"
   failed "${PIPESTATUS[0]}" "spec synthetic k = $k"
   done
