@@ -35,7 +35,8 @@ def test_latency_spec_table_and_record(tiny_moe_dir, tmp_path, capsys):
     assert cell["speedup"] == cell["tok_s_spec"][0] / cell["tok_s_plain"][0] > 0
     assert [r["T"] for r in rec["verify"]] == [1, 2, 4, 8] and rec["verify"][0]["ratio"] == 1.0
     assert all(r["s"] > 0 and len(r["samples_s"]) == 2 for r in rec["verify"])
-    assert "| T (verify tokens, B = 1) | ms | x decode step |" in out
+    assert "| T (verify tokens, B = 1) | ms | x decode step | forward |" in out
+    assert all(r["how"] == "eager" for r in rec["verify"])  # CUDA replays a captured graph
     model = cell["cost_model"]
     assert len(model["expected_tok_s"]) == 3 and model["k"] in (0, 1, 2) and model["draft_s_per_token"] >= 0
     assert "cost model's choice" in out
