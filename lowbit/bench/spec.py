@@ -18,8 +18,9 @@ With --speculative-adaptive the speculative arm's engine chooses k itself (at mo
 --num-speculative-tokens; lowbit.engine.draft_length) over the whole run, warm-up included:
 the record keeps its choices (`k_history`) and the k of each batch bucket after each cell.
 Verify cost (the cost model's input): the target's forward and logits over T = 1, 2, 4, 8
-new tokens of one sequence after the prompt, eagerly, median of the repeats, and its ratio
-to T = 1 (a plain decode step).
+new tokens of one sequence after the prompt, replayed from a CUDA graph on CUDA (eagerly on
+the CPU, or where the capture fails: the row's `how` says), median of the repeats, and its
+ratio to T = 1 (a plain decode step).
 Step profiles (CUDA): eight B = 1 decode steps of each arm under the torch profiler
 (lowbit.bench.step_profile): kernels per step, GPU busy time, wall-clock per step and
 tokens per step, so a verify step's cost splits into GPU time and host time.
