@@ -9,9 +9,10 @@
 #   tunetc     tensor-core nvfp4 gemv / MoE per-slot sweep (scripts/tune_tc_gemv.py), merged
 #              the same way ("tc_gemv", "tc_moe")
 #   prefetchab each shipped tensor-core gemv / per-slot MoE config against the same with
-#              PREFETCH 2, and with TC_RING_AB=1 the shared-memory ring (RING 3 / 4 / 6 at WAVES
-#              1 / 2 / 4; measured negative in the engine); scripts/tune_tc_gemv.py --prefetch-ab;
-#              TC_M, TC_MOE_T, TC_GROUPED_T, TC_SHAPES narrow it), the fastest merged the same way
+#              PREFETCH 2, narrow programs (BN 16 / 32 on one / two warps), and with TC_RING_AB=1
+#              the shared-memory ring (RING 3 / 4 / 6 at WAVES 1 / 2 / 4; measured negative in the
+#              engine); scripts/tune_tc_gemv.py --prefetch-ab; TC_M, TC_MOE_T, TC_GROUPED_T (empty:
+#              none), TC_SHAPES narrow it), the fastest merged the same way
 #   ncu        Nsight Compute over NCU_STEPS engine decode steps at each batch of NCU_BATCHES
 #              (default 1 8), $QUANT at the Qwen3-30B-A3B shape: every kernel's own time
 #              (ncu runs them one at a time: no PDL overlap), DRAM bytes, GB/s against the
@@ -128,7 +129,7 @@ if has prefetchab; then
   echo "== tensor-core gemv: PREFETCH 2 (TC_RING_AB=1: and the cp.async ring) against the shipped configs"
   ring_ab=(); [ "${TC_RING_AB:-0}" = 1 ] && ring_ab=(--ring)
   timeout "${T_PREFETCHAB:-240}" python3 scripts/tune_tc_gemv.py --out "$OUT" --prefetch-ab "${ring_ab[@]}" \
-    --m "${TC_M:-1,4,8,16}" --moe-t "${TC_MOE_T:-1,4,16,32}" --grouped-t "${TC_GROUPED_T:-16,32,64}" --shapes "${TC_SHAPES:-}" 2>&1 | tee "$OUT/prefetch_ab.log" | tail -40
+    --m "${TC_M:-1,4,8,16}" --moe-t "${TC_MOE_T:-1,4,16,32}" --grouped-t "${TC_GROUPED_T-16,32,64}" --shapes "${TC_SHAPES:-}" 2>&1 | tee "$OUT/prefetch_ab.log" | tail -40
   merge_tuned "$OUT/tc_tuned.json"
 fi
 
