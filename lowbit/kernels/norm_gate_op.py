@@ -26,7 +26,11 @@ it and fails on a prefill's longer calls):
                 router_op's triton_topk does (router_op._rank_row): the router's launch too.
                 Refuses what triton_norm_gate or triton_topk refuses, and calls without a
                 router spec.
-  triton_norm_gate  T <= 16 tokens, D <= 8192: program (token block, expert block) adds the
+  triton_norm_gate  DEFAULT: nvfp4 tg128 1.035x at B = 1 (busy step 2,399 against 2,445
+                us), 1.003x at B = 8 (H100, bench/records/20261207T154612-latency-h100.json,
+                `--variant normgate=norm_gate:triton_norm_gate`); bf16 not timed alone (the
+                ranking route, which does this and more, cost bf16 less than nvfp4).
+                T <= 16 tokens, D <= 8192: program (token block, expert block) adds the
                 residual, normalizes its BT rows in float32 with norm_op's roundings, and
                 takes the dot products with its BE experts' float32 gate rows (read before
                 the PDL wait); the programs of expert block 0 store r and y. No host read
@@ -48,7 +52,8 @@ from lowbit.kernels.pdl import pdl_enter
 from lowbit.kernels.router_op import RouterCall, RouterSpec, _rank_consts, _rank_row, _row_block
 from lowbit.kernels.runtime import semaphore, tl, triton
 
-RECORD = "docs/KERNEL_NOTES.md \"What a C1 decode step is made of\" (no engine A/B yet)"
+RECORD = ("docs/BENCHMARKS.md \"Fused decode routes, timed\" (triton_norm_gate: nvfp4 C1 1.035x; "
+          "triton_norm_route: 0.947x; bench/records/20261207T154612 / T151549-latency-h100.json)")
 MAX_TOKENS = 16
 MAX_D = 8192
 
@@ -212,7 +217,7 @@ def _run_route(call: NormGateCall, config: dict | None = None):
 
 routes.register("norm_gate", routes.Route("triton_norm_route", routes.MEASURED_NEGATIVE, RECORD, _admit_route,
                                           _run_route))
-routes.register("norm_gate", routes.Route("triton_norm_gate", routes.OPT_IN, RECORD, _admit_triton,
+routes.register("norm_gate", routes.Route("triton_norm_gate", routes.DEFAULT, RECORD, _admit_triton,
                                           _run_triton))
 routes.register("norm_gate", routes.Route("unfused", routes.DEFAULT, "reference: rms_norm by its routes, "
                                           "logits by the router's (admits every call)",
