@@ -26,7 +26,7 @@ def test_bench_needs_a_subcommand(capsys):
 
 
 def test_with_route_switches_opt_in_routes_on(capsys):
-    """scripts/with_route.py: the named OPT_IN routes run with DEFAULT status inside the
+    """scripts/with_route.py: the named routes (OPT_IN or MEASURED_NEGATIVE) run with DEFAULT status inside the
     command (here `lowbit routes` prints them), and an unknown route fails with the valid names."""
     import importlib.util
     from pathlib import Path
@@ -49,15 +49,16 @@ def test_with_route_switches_opt_in_routes_on(capsys):
         mod.run(["linear", "no_such_route", "--", "routes"])
     fused = [routes.ops()["norm_gate"].get("triton_norm_route"),
              routes.ops()["rope_attention"].get("triton_rope_decode")]
-    try:  # several pairs: each route on
+    was = [r.status for r in fused]
+    try:  # several pairs: each route on (MEASURED_NEGATIVE ones too: an A/B may ask for them)
         assert mod.run(["norm_gate", "triton_norm_route", "rope_attention", "triton_rope_decode",
                         "--", "routes"]) in (0, None)
         out = capsys.readouterr().out.splitlines()
         for name in ("triton_norm_route", "triton_rope_decode"):
             assert "DEFAULT" in next(ln for ln in out if name in ln), name
     finally:
-        for route in fused:
-            route.status = routes.OPT_IN
+        for route, status in zip(fused, was):
+            route.status = status
     with pytest.raises(SystemExit):
         mod.run(["norm_gate", "--", "routes"])  # an op without its route
 
