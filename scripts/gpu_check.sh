@@ -47,8 +47,8 @@
 #              captured, triton_mla_rope and triton_silu_mul), torch
 #              (LOWBIT_ROUTE_LATENT_ATTENTION=torch), unfused (the mla_rope and act ops on
 #              their torch twins)
-#   spec       speculative decoding: the demo with ngram and its draft (k = 3; SPEC_DEMO=0
-#              skips them), and the synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape,
+#   spec       speculative decoding: the demo with ngram and its draft (k = 3, SPEC_DEMO_K="1 2 3 4"
+#              one run a k; SPEC_DEMO=0 skips them), and the synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape,
 #              $QUANT at k = 3 (SPEC_SYN_K="1 3 7": one run a k, the verify step at T = 2, 4, 8,
 #              the cost model's input; SPEC_SYN_ADAPTIVE=1: each k an upper bound, the engine's
 #              cost model picks; SPEC_SYN=0 skips it), and DeepSeek-V3 cut to 4 layers with its MTP
@@ -267,10 +267,12 @@ if has spec; then
   [ "${SPEC_DEMO:-1}" = 1 ] || SPEC_DEMO_METHODS=()
   [ "${SPEC_SYN:-1}" = 1 ] || T_SPEC_SYN=0
   for m in "${SPEC_DEMO_METHODS[@]}"; do
-    echo "== spec: demo $m" | tee -a "$OUT/spec.log"
-    timeout "${T_SPEC:-150}" python3 -m lowbit bench latency demo --spec $m --num-speculative-tokens 3 \
+   for k in ${SPEC_DEMO_K:-3}; do  # SPEC_DEMO_K="1 2 3 4": the demo's draft lengths one run each
+    echo "== spec: demo $m, k = $k" | tee -a "$OUT/spec.log"
+    timeout "${T_SPEC:-150}" python3 -m lowbit bench latency demo --spec $m --num-speculative-tokens "$k" \
       -n 128 -r 3 --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"
-    failed "${PIPESTATUS[0]}" "spec demo $m"
+    failed "${PIPESTATUS[0]}" "spec demo $m, k = $k"
+   done
   done
   if [ "${SPEC_MTP:-1}" = 1 ]; then  # DeepSeek-V3 cut to 4 layers (3 dense, 1 MoE) + its MTP layer
     python3 -c "import json; c = json.load(open('lowbit/model_configs/deepseek-ai__DeepSeek-V3.json')); \
