@@ -196,8 +196,12 @@ def slot_fusion_line() -> str:
 
 
 def ring_line() -> str | None:
-    """Whether the tensor-core gemv's tuned configs run their shared-memory ring
-    (lowbit.kernels.tc_gemv.ring_enabled); None when the device file asks for none."""
+    """Whether the tensor-core gemv's tuned configs run as tuned: LOWBIT_TC_NARROW, then their
+    shared-memory ring (lowbit.kernels.tc_gemv.ring_enabled); None when neither applies."""
+    narrow = tc_gemv.narrow_mode()
+    if narrow:
+        return (f"tensor-core gemv NARROW: LOWBIT_TC_NARROW={narrow} (launches of up to 8 rows run "
+                f"one-warp programs of 16 rows, not their tuned configs)")
     n = tc_gemv.ring_configs(launch._device(None))
     if not n:
         return None
@@ -310,7 +314,7 @@ def fitting_cells(row: list[Cell], max_len: int) -> tuple[list[Cell], list[str]]
 
 # switches that the code reads at every call (so a variant's graphs capture them); others,
 # LOWBIT_PDL among them, are read once per process and need a run of their own
-VARIANT_ENV = ("LOWBIT_DECODE_FOLD", "LOWBIT_SLOT_FUSION", "LOWBIT_TC_RING")
+VARIANT_ENV = ("LOWBIT_DECODE_FOLD", "LOWBIT_SLOT_FUSION", "LOWBIT_TC_RING", "LOWBIT_TC_NARROW")
 
 
 @dataclass

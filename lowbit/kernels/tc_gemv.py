@@ -25,7 +25,8 @@ one by one. Written in Gluon (triton.experimental.gluon) because the layouts are
   decoded. RING r (r >= 2, off by default): the loads go by cp.async into a shared-memory
   ring of r steps instead (`_mainloop_ring`), r - 1 steps in flight without registers;
   admitted where the ring's shared memory fits the device (`admitted_ring`), LOWBIT_TC_RING=0
-  turns it off. No load is masked: rows past N and activation rows past M read the last valid
+  turns it off. LOWBIT_TC_NARROW=1 / 2 (`narrowed`, an A/B switch): launches of up to 8 rows
+  run programs of one warp and 16 rows instead of their tuned configs. No load is masked: rows past N and activation rows past M read the last valid
   row, and their products land in accumulator rows / columns that are never stored (K is
   whole 128-code groups).
 The kernel's MOE modes (per-slot expert FC1 / FC2) and the K loop (`_mainloop`) also serve
@@ -515,6 +516,29 @@ def ring_enabled() -> bool:
     return os.environ.get("LOWBIT_TC_RING", "1") != "0"
 
 
+NARROW_ENV = "LOWBIT_TC_NARROW"  # an A/B switch read at every launch (bench latency --variant)
+NARROW = {"BN": 16, "num_warps": 1, "WAVES": 2, "RING": 0}
+
+
+def narrow_mode() -> int:
+    """LOWBIT_TC_NARROW: 0 (unset) the configs as tuned; 1 programs of one warp and 16 rows
+    (NARROW) for launches of up to 8 activation rows, so that the engine's C1 / C8 grids fill
+    the SMs with few K splits or none; 2 the same with two K steps in flight (PREFETCH 2)."""
+    mode = os.environ.get(NARROW_ENV, "0")
+    if mode not in ("0", "1", "2"):
+        raise ValueError(f"{NARROW_ENV}={mode!r}: expected 0, 1 or 2")
+    return int(mode)
+
+
+def narrowed(cfg: dict, rows: int) -> dict:
+    """cfg as LOWBIT_TC_NARROW says for a launch of `rows` activation rows (a per-slot MoE
+    launch: 1)."""
+    mode = narrow_mode()
+    if not mode or rows > 8:
+        return cfg
+    return dict(cfg, **NARROW, **({"PREFETCH": 2} if mode == 2 else {}))
+
+
 def ring_configs(table: dict) -> int:
     """How many configs of a device file's "tc_gemv" / "tc_moe" tables ask for RING."""
     def count(node) -> int:
@@ -572,6 +596,7 @@ def _plan(n: int, k: int, m: int, slots: int, cfg: dict, device) -> tuple[int, i
 
 
 def _launch(x, y, bias, w, m, n, k, cfg, slots=1, moe=0, ids=None, tw=None, a_top=1):
+    cfg = narrowed(cfg, 1 if moe else m)
     bn, bk, mb, split, k_split = _plan(n, k, 1 if moe else m, slots, cfg, x.device)
     grid_n = -(-n // bn)
     a = weight_args(w)

@@ -174,3 +174,36 @@ def test_ring_switch_and_the_bench_line(monkeypatch):
     assert "ring OFF: LOWBIT_TC_RING=0 (3 tuned configs" in latency.ring_line()
     monkeypatch.setattr(launch, "_device", lambda device: {})
     assert latency.ring_line() is None
+
+
+def test_narrow_switch_rewrites_small_launches_only(monkeypatch):
+    """LOWBIT_TC_NARROW (an A/B switch read at every launch): 1 gives launches of up to 8
+    activation rows one-warp programs of 16 rows at WAVES 2 (no K split where the grid
+    already fills the SMs), 2 adds PREFETCH 2; larger launches, and the unset switch, keep
+    the tuned config; anything else is an error. The bench line says it is on."""
+    import pytest
+
+    from lowbit.bench import latency
+    from lowbit.bench.latency import Variant
+    from lowbit.kernels import launch, tc_gemv
+
+    tuned = {"BN": 64, "BK": 256, "num_warps": 4, "WAVES": 4, "PREFETCH": 1}
+    monkeypatch.delenv("LOWBIT_TC_NARROW", raising=False)
+    assert tc_gemv.narrowed(tuned, 1) is tuned and tc_gemv.narrow_mode() == 0
+    monkeypatch.setenv("LOWBIT_TC_NARROW", "1")
+    got = tc_gemv.narrowed(tuned, 8)
+    assert got == dict(tuned, BN=16, num_warps=1, WAVES=2, RING=0) and tuned["BN"] == 64
+    assert tc_gemv.narrowed(tuned, 9) is tuned  # M > 8: the tuned (tensor-core width) config
+    monkeypatch.setenv("LOWBIT_TC_NARROW", "2")
+    assert tc_gemv.narrowed(tuned, 1)["PREFETCH"] == 2
+    # the engine's C1 grids on 132 SMs: QKV 5120 rows -> 320 programs, no split; o_proj
+    # 2048 rows (16 K steps) -> 128 programs, 3 splits; per-slot FC1 1536 rows x 8 slots, none
+    assert tc_gemv.split_for(5120 // 16, 2048 // 256, 2, 132) == 1
+    assert tc_gemv.split_for(2048 // 16, 4096 // 256, 2, 132) == 3
+    assert tc_gemv.split_for(1536 // 16 * 8, 2048 // 256, 2, 132) == 1
+    monkeypatch.setattr(launch, "_device", lambda device: {})
+    assert "NARROW: LOWBIT_TC_NARROW=2" in latency.ring_line()
+    assert Variant.parse("narrow=LOWBIT_TC_NARROW:1").env == {"LOWBIT_TC_NARROW": "1"}
+    monkeypatch.setenv("LOWBIT_TC_NARROW", "yes")
+    with pytest.raises(ValueError, match="expected 0, 1 or 2"):
+        tc_gemv.narrowed(tuned, 1)
