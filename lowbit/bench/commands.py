@@ -203,7 +203,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                         "before it were), whatever the model says, every step carrying k drafts; for "
                         "random weights, whose real acceptance means nothing; tokens are not compared")
     p.add_argument("--variant", action="append", default=None, metavar="LABEL=OP:ROUTE[,...]",
-                   help="also time every cell with these routes at DEFAULT status (OP:ROUTE) or "
+                   help="also time every cell with these routes as their op's first choice (OP:ROUTE: DEFAULT, "
+                        "the DEFAULT routes ahead of it set aside) or "
                         "these switches (LOWBIT_DECODE_FOLD:1, LOWBIT_SLOT_FUSION:0, LOWBIT_TC_RING:0, LOWBIT_TC_NARROW:1), "
                         "in the same process, each repeat interleaved with the base run's; "
                         "repeatable, one model load for an A/B of routes")

@@ -319,9 +319,10 @@ VARIANT_ENV = ("LOWBIT_DECODE_FOLD", "LOWBIT_SLOT_FUSION", "LOWBIT_TC_RING", "LO
 
 @dataclass
 class Variant:
-    """`--variant LABEL=ITEM,ITEM`: ITEM is OP:ROUTE (the route at DEFAULT status for the
-    run, as scripts/with_route.py gives it: calls it admits take it) or NAME:VALUE for a
-    switch of VARIANT_ENV."""
+    """`--variant LABEL=ITEM,ITEM`: ITEM is OP:ROUTE (the route made the op's first choice
+    for the run: DEFAULT status, and the op's DEFAULT routes ahead of it in selection order
+    set aside as OPT_IN, so calls it admits take it; `norm_gate:unfused` times a promoted
+    route's predecessor) or NAME:VALUE for a switch of VARIANT_ENV."""
     label: str
     routes: list[tuple[str, str]] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -366,7 +367,9 @@ class Variants:
         if len(self.by_label) != len(variants) + 1:
             raise LowbitError("--variant labels must differ")
         self.labels = list(self.by_label)
-        self.status = {(o, r): routes.ops()[o].get(r).status for v in variants for o, r in v.routes}
+        # every route of an op a variant names: the ones ahead of its route are set aside
+        self.status = {(o, r.name): r.status for o in {o for v in variants for o, _ in v.routes}
+                       for r in routes.ops()[o].routes}
         self.env = {k: os.environ.get(k) for v in variants for k in v.env}
         self.graphs = {"base": (self.runner.graphs, self.runner.prefill_graphs)}
 
@@ -379,7 +382,11 @@ class Variants:
             else:
                 os.environ[k] = x
         v = self.by_label[label]
-        for o, r in v.routes:
+        for o, r in v.routes:  # r becomes the op's first choice where it admits the call
+            ahead = routes.ops()[o].names()
+            for name in ahead[:ahead.index(r)]:
+                if routes.ops()[o].get(name).status == routes.DEFAULT:
+                    routes.ops()[o].get(name).status = routes.OPT_IN
             routes.ops()[o].get(r).status = routes.DEFAULT
         os.environ.update(v.env)
         if label not in self.graphs:

@@ -191,3 +191,34 @@ def test_variants_interleave_in_one_process_and_restore(tiny_moe_dir, tmp_path, 
     assert "LOWBIT_DECODE_FOLD" not in os.environ
     assert routes.ops()["norm_gate"].get("triton_norm_gate").status == status
     assert "variant gate (norm_gate:triton_norm_gate), interleaved with the base" in summary_md(rec)
+
+
+def test_a_variant_makes_its_route_the_first_choice():
+    """OP:ROUTE gives ROUTE DEFAULT status and sets aside the op's DEFAULT routes ahead of it,
+    so a variant can also time a promoted route's predecessor (norm_gate:unfused against
+    DEFAULT triton_norm_gate); the base gets every status back."""
+    from types import SimpleNamespace
+
+    from lowbit.bench.latency import Variants
+    from lowbit.kernels import routes
+
+    op = routes.ops()["norm_gate"]
+    before = {r.name: r.status for r in op.routes}
+    assert before["triton_norm_gate"] == routes.DEFAULT and op.names()[-1] == "unfused"
+    runner = SimpleNamespace(graphs=None, prefill_graphs=None, fresh_graphs=lambda: (None, None),
+                             use_graphs=lambda pair: None)
+    s = SimpleNamespace(llm=SimpleNamespace(engine=SimpleNamespace(runner=runner)))
+    vs = Variants(s, [Variant.parse("off=norm_gate:unfused"), Variant.parse("rank=norm_gate:triton_norm_route")])
+    try:
+        vs.apply("off")
+        now = {r.name: r.status for r in op.routes}
+        assert now["unfused"] == routes.DEFAULT and now["triton_norm_gate"] == routes.OPT_IN
+        assert now["triton_norm_route"] == routes.MEASURED_NEGATIVE  # not DEFAULT: left as it is
+        vs.apply("rank")  # first in order: nothing ahead of it; the last variant's changes undone
+        now = {r.name: r.status for r in op.routes}
+        assert now["triton_norm_route"] == routes.DEFAULT and now["triton_norm_gate"] == routes.DEFAULT
+        vs.apply("base")
+        assert {r.name: r.status for r in op.routes} == before
+    finally:
+        for r in op.routes:
+            r.status = before[r.name]
