@@ -31,7 +31,9 @@ launch except the grid bounds named below):
       counter: no second launch. An earlier merge read every one of the S partials head by
       head ([SP, BD] tiles; H200, Qwen3-30B-A3B decode at B = 1, S = 66: 15.7 us a layer
       against 6.3 for split + reduce). FOLD is off unless a config asks, or
-      LOWBIT_DECODE_FOLD=1 for an A/B.
+      LOWBIT_DECODE_FOLD=1 for an A/B: in the engine (H100, docs/BENCHMARKS.md "Fused
+      decode routes, timed") it was 1.009x at B = 1 and short context, but 0.821x (nvfp4)
+      and 0.871x (bf16) at 32,768 tokens, where one program merges 66 splits in turn.
       ROPE (the rope_attention op): q_ptr is the projection's q | k | v rows; each program
       norms and rotates its G heads' q in registers (_rope_q: the rope op's math, the
       rotation partner of column d loaded beside it), and the split holding the last key
