@@ -192,10 +192,11 @@ def _synthetic(p: float | None, cfg: EngineConfig) -> dict:
 
 
 def _forward_runner(llm: LLM, ids: torch.Tensor, batch) -> tuple:
-    """(a callable that runs the target's forward + logits over ids, how it runs). On CUDA the
-    forward is captured once in a CUDA graph and replayed, as the engine's verify steps are
-    (an eager forward of a large model is launch-bound: it times the host, not the verify);
-    a forward that cannot be captured runs eagerly, and the reason goes in the record."""
+    """(a callable that runs the target's forward + logits over ids and returns the logits,
+    how it runs). On CUDA the forward is captured once in a CUDA graph and replayed, as the
+    engine's verify steps are (an eager forward of a large model is launch-bound: it times
+    the host, not the verify); a forward that cannot be captured runs eagerly, and the
+    reason goes in the record."""
     eng, dev = llm.engine, torch.device(llm.device)
 
     def forward():
@@ -211,8 +212,12 @@ def _forward_runner(llm: LLM, ids: torch.Tensor, batch) -> tuple:
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            forward()
-        return graph.replay, "graph"
+            out = forward()
+
+        def replay():
+            graph.replay()
+            return out  # the graph's static output, rewritten by each replay
+        return replay, "graph"
     except Exception as e:  # noqa: BLE001 - whatever stops the capture, the eager forward still times
         torch.cuda.synchronize(dev)
         return forward, f"eager (capture failed: {str(e).splitlines()[0][:160]})"
