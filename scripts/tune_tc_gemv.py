@@ -150,8 +150,9 @@ def _variants(cfg: dict, grouped: bool = False, ring: bool = False) -> dict[str,
     split-K width at WAVES 1 and at twice the shipped WAVES (not for the expert-grouped
     kernel, which does not split K), narrow programs (BN 16 on one warp, BN 32 on two, at
     WAVES 1 and the shipped WAVES, PREFETCH 1 and 2: a program's split-K chain of partial
-    store, counter and reload goes where the narrow grid needs no split), and with `ring` the shared-memory ring (RING r) at a
-    few split widths (fewer splits give each program more steps to keep in flight).
+    store, counter and reload goes where the narrow grid needs no split), and with `ring`
+    the shared-memory ring (RING r) at a few split widths (fewer splits give each program
+    more steps to keep in flight).
     The ring is off by default: on the H100 it lost at M = 1 and in every MoE schedule, and
     the two M = 8 wins it had alone made the engine's x8 decode 4 % slower
     (docs/BENCHMARKS.md "H100 call at 803f65c")."""

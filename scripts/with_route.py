@@ -1,11 +1,12 @@
-"""Run a lowbit command with OPT_IN routes switched on in-process.
+"""Run a lowbit command with chosen routes switched on in-process.
 
   python scripts/with_route.py OP ROUTE [OP ROUTE ...] -- lowbit-args...
   e.g. python scripts/with_route.py linear torch_scaled_mm -- eval demo --quantization fp8 ...
 
 Unlike LOWBIT_ROUTE_<OP>=ROUTE, which forces the route on every call and fails on the calls
-it refuses (the dense lm_head for a quantized-weight route), this gives the route DEFAULT
-status in its registration slot: calls it admits take it, the others keep their routes.
+it refuses (the dense lm_head for a quantized-weight route), this makes the route the op's
+first choice (`Op.prefer`: DEFAULT status, the DEFAULT routes ahead of it set aside): calls
+it admits take it, the others keep their routes.
 For quality records of a route before it is promoted (docs/BENCHMARKS.md#quality).
 """
 
@@ -28,7 +29,7 @@ def run(argv: list[str]) -> int:
     if not pairs or len(pairs) % 2:
         raise SystemExit(__doc__)
     for op, name in zip(pairs[::2], pairs[1::2]):
-        routes.ops()[op].get(name).status = routes.DEFAULT
+        routes.ops()[op].prefer(name)
     return main(argv[cut + 1:])
 
 

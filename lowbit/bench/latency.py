@@ -382,12 +382,8 @@ class Variants:
             else:
                 os.environ[k] = x
         v = self.by_label[label]
-        for o, r in v.routes:  # r becomes the op's first choice where it admits the call
-            ahead = routes.ops()[o].names()
-            for name in ahead[:ahead.index(r)]:
-                if routes.ops()[o].get(name).status == routes.DEFAULT:
-                    routes.ops()[o].get(name).status = routes.OPT_IN
-            routes.ops()[o].get(r).status = routes.DEFAULT
+        for o, r in v.routes:
+            routes.ops()[o].prefer(r)
         os.environ.update(v.env)
         if label not in self.graphs:
             self.graphs[label] = self.runner.fresh_graphs()

@@ -76,6 +76,16 @@ class Op:
             f"valid names: {', '.join(self.names())} (or auto)."
         )
 
+    def prefer(self, name: str) -> None:
+        """Make route `name` the first choice of the calls it admits (an A/B, in-process):
+        DEFAULT status, and the DEFAULT routes ahead of it in selection order set to OPT_IN.
+        The caller restores the statuses."""
+        route = self.get(name)
+        for r in self.routes[:self.routes.index(route)]:
+            if r.status == DEFAULT:
+                r.status = OPT_IN
+        route.status = DEFAULT
+
 
 _OPS: dict[str, Op] = {}
 _CALLS: Counter = Counter()  # (op, layer, route) -> calls

@@ -26,9 +26,9 @@ one by one. Written in Gluon (triton.experimental.gluon) because the layouts are
   ring of r steps instead (`_mainloop_ring`), r - 1 steps in flight without registers;
   admitted where the ring's shared memory fits the device (`admitted_ring`), LOWBIT_TC_RING=0
   turns it off. LOWBIT_TC_NARROW=1 / 2 (`narrowed`, an A/B switch): launches of up to 8 rows
-  run programs of one warp and 16 rows instead of their tuned configs. No load is masked: rows past N and activation rows past M read the last valid
-  row, and their products land in accumulator rows / columns that are never stored (K is
-  whole 128-code groups).
+  run programs of one warp and 16 rows instead of their tuned configs. No load is masked:
+  rows past N and activation rows past M read the last valid row, and their products land
+  in accumulator rows / columns that are never stored (K is whole 128-code groups).
 The kernel's MOE modes (per-slot expert FC1 / FC2) and the K loop (`_mainloop`) also serve
 lowbit.kernels.tc_moe. Configs: "tc_gemv" in lowbit/kernels/configs/<device>.json
 (scripts/tune_tc_gemv.py).

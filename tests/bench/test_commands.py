@@ -26,7 +26,7 @@ def test_bench_needs_a_subcommand(capsys):
 
 
 def test_with_route_switches_opt_in_routes_on(capsys):
-    """scripts/with_route.py: the named routes (OPT_IN or MEASURED_NEGATIVE) run with DEFAULT status inside the
+    """scripts/with_route.py: the named routes (OPT_IN or MEASURED_NEGATIVE) are their op's first choice inside the
     command (here `lowbit routes` prints them), and an unknown route fails with the valid names."""
     import importlib.util
     from pathlib import Path
@@ -37,19 +37,17 @@ def test_with_route_switches_opt_in_routes_on(capsys):
     spec = importlib.util.spec_from_file_location("with_route", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    route = routes.ops()["linear"].get("torch_scaled_mm")
-    before = route.status
+    touched = [r for op in ("linear", "norm_gate", "rope_attention") for r in routes.ops()[op].routes]
+    was = [r.status for r in touched]  # prefer() also sets aside the DEFAULT routes ahead
     try:
         assert mod.run(["linear", "torch_scaled_mm", "--", "routes"]) in (0, None)
         row = next(ln for ln in capsys.readouterr().out.splitlines() if "torch_scaled_mm" in ln)
-        assert "DEFAULT" in row and before == routes.OPT_IN
+        assert "DEFAULT" in row and was[touched.index(routes.ops()["linear"].get("torch_scaled_mm"))] == routes.OPT_IN
     finally:
-        route.status = before
+        for route, status in zip(touched, was):
+            route.status = status
     with pytest.raises(Exception, match="triton_tc_gemv"):
         mod.run(["linear", "no_such_route", "--", "routes"])
-    fused = [routes.ops()["norm_gate"].get("triton_norm_route"),
-             routes.ops()["rope_attention"].get("triton_rope_decode")]
-    was = [r.status for r in fused]
     try:  # several pairs: each route on (MEASURED_NEGATIVE ones too: an A/B may ask for them)
         assert mod.run(["norm_gate", "triton_norm_route", "rope_attention", "triton_rope_decode",
                         "--", "routes"]) in (0, None)
@@ -57,7 +55,7 @@ def test_with_route_switches_opt_in_routes_on(capsys):
         for name in ("triton_norm_route", "triton_rope_decode"):
             assert "DEFAULT" in next(ln for ln in out if name in ln), name
     finally:
-        for route, status in zip(fused, was):
+        for route, status in zip(touched, was):
             route.status = status
     with pytest.raises(SystemExit):
         mod.run(["norm_gate", "--", "routes"])  # an op without its route

@@ -249,3 +249,23 @@ def test_moe_decode_route_token_limits(monkeypatch, case, t, want):
     monkeypatch.setattr(moe_op, "fused_moe", lambda *a, **k: ran.append("tiles"))
     moe_op._run("decode")(call)
     assert ran == [want]
+
+
+def test_prefer_makes_a_route_the_first_choice(op):
+    """Op.prefer (bench variants, scripts/with_route.py): the route gets DEFAULT status and the
+    DEFAULT routes ahead of it step aside, so the calls it admits take it and the others fall
+    through to the routes after it."""
+    entry = routes.ops()[op]
+    was = {r.name: r.status for r in entry.routes}
+    try:
+        entry.prefer("slow")
+        assert {r.name: r.status for r in entry.routes} == {
+            "small": OPT_IN, "fancy": OPT_IN, "slow": DEFAULT, "torch": DEFAULT}
+        assert routes.select(op, Call(4)).name == "slow"
+        for r in entry.routes:
+            r.status = was[r.name]
+        entry.prefer("fancy")  # small steps aside; odd sizes fall through to the reference
+        assert routes.select(op, Call(4)).name == "fancy" and routes.select(op, Call(3)).name == "torch"
+    finally:
+        for r in entry.routes:
+            r.status = was[r.name]
