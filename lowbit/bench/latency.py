@@ -314,7 +314,8 @@ def fitting_cells(row: list[Cell], max_len: int) -> tuple[list[Cell], list[str]]
 
 # switches that the code reads at every call (so a variant's graphs capture them); others,
 # LOWBIT_PDL among them, are read once per process and need a run of their own
-VARIANT_ENV = ("LOWBIT_DECODE_FOLD", "LOWBIT_SLOT_FUSION", "LOWBIT_TC_RING", "LOWBIT_TC_NARROW")
+VARIANT_ENV = ("LOWBIT_DECODE_FOLD", "LOWBIT_SLOT_FUSION", "LOWBIT_TC_RING", "LOWBIT_TC_NARROW",
+               launch.OVERLAY_ENV)
 
 
 @dataclass
@@ -322,7 +323,8 @@ class Variant:
     """`--variant LABEL=ITEM,ITEM`: ITEM is OP:ROUTE (the route made the op's first choice
     for the run: DEFAULT status, and the op's DEFAULT routes ahead of it in selection order
     set aside as OPT_IN, so calls it admits take it; `norm_gate:unfused` times a promoted
-    route's predecessor) or NAME:VALUE for a switch of VARIANT_ENV."""
+    route's predecessor) or NAME:VALUE for a switch of VARIANT_ENV
+    (LOWBIT_LAUNCH_CONFIGS:<path> times a tuner's launch configs)."""
     label: str
     routes: list[tuple[str, str]] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -342,6 +344,8 @@ class Variant:
                 if key not in VARIANT_ENV:
                     raise LowbitError(f"--variant {text!r}: {key} is not read at every call, so graphs "
                                       f"of one process cannot differ in it; variants take {', '.join(VARIANT_ENV)}")
+                if key == launch.OVERLAY_ENV:
+                    launch.overlay_file(value)  # a bad file fails here, before any model loads
                 v.env[key] = value
             else:
                 op = routes.ops().get(key)

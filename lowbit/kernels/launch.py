@@ -10,6 +10,11 @@ the faster of the two linear kernels as `scripts/tune_kernels.py` measured it.
 Lookup order: device file exact shape, device default, default.json exact shape,
 default.json default. `scripts/tune_kernels.py` writes device files.
 
+LOWBIT_LAUNCH_CONFIGS=<path> names an overlay in the same layout (a tuner's output, such as
+`scripts/tune_tc_gemv.py`'s tc_tuned.json), looked up before the device file. It is read at
+every call, so `bench latency --variant tuned=LOWBIT_LAUNCH_CONFIGS:<path>` times a tuner's
+configs in the engine, beside the shipped ones, before they are merged into a device file.
+
 A device with no file of its own may borrow a tuned sibling's (`configs/aliases.json`:
 device slug -> the slug whose file it reads, for GPUs of the same die and SM count, e.g. the
 H100 SXM and the H200: GH100, 132 SMs, their HBM differs). `config_status` says which file
@@ -30,9 +35,11 @@ from pathlib import Path
 
 import torch
 
+from lowbit.errors import LowbitError
 from lowbit.kernels.runtime import device_name, interpreting
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+OVERLAY_ENV = "LOWBIT_LAUNCH_CONFIGS"
 log = logging.getLogger("lowbit")
 
 
@@ -44,6 +51,27 @@ def slug(name: str) -> str:
 def _file(name: str) -> dict:
     path = CONFIG_DIR / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+@functools.cache
+def overlay_file(path: str) -> dict:
+    """An overlay's tables; a missing or malformed file is an error, not the shipped configs."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise LowbitError(f"{OVERLAY_ENV}={path}: not a readable JSON launch-config file ({e})") from e
+    if not isinstance(table, dict) or not any(isinstance(v, dict) for k, v in table.items() if k != "device"):
+        raise LowbitError(f"{OVERLAY_ENV}={path}: no kernel tables (expected {{\"<kernel>\": "
+                          "{\"<fmt>:<N>x<K>\": {\"<M bucket>\": {config}}}})")
+    here = device_name() if torch.cuda.is_available() else None
+    if table.get("device") and here and slug(table["device"]) != slug(here):
+        log.warning("%s=%s was tuned on %s; this device is %s", OVERLAY_ENV, path, table["device"], here)
+    return table
+
+
+def _overlay() -> dict:
+    path = os.environ.get(OVERLAY_ENV)
+    return overlay_file(path) if path else {}
 
 
 @functools.cache
@@ -70,9 +98,11 @@ def config_status(device: str | None = None) -> str:
     """Which tuned file serves the device, for the bench record's footer."""
     own = slug(device or device_name())
     name = _device_file(own)
+    extra = f", under the overlay {os.environ[OVERLAY_ENV]}" if os.environ.get(OVERLAY_ENV) else ""
     if name is None:
-        return f"launch configs: NONE tuned for {own} (defaults; can be much slower)"
-    return f"launch configs: {name}.json" + ("" if name == own else f" (borrowed by {own}: same die and SM count)")
+        return f"launch configs: NONE tuned for {own} (defaults; can be much slower){extra}"
+    return (f"launch configs: {name}.json" + ("" if name == own else f" (borrowed by {own}: same die and SM count)")
+            + extra)
 
 
 def _pick(buckets: dict, m: int) -> dict | None:
@@ -90,7 +120,7 @@ def lookup(kernel: str, fmt: str | tuple[str, ...], n: int, k: int, m: int,
     """The launch config of kernel for a weight [n, k] in fmt and m rows of activations. fmt
     may be a tuple, most specific first (("lut4-e2m1-e4m3-16", "lut4")): the first tuned
     entry for the shape wins, then the table's default."""
-    files = (_device(device), _file("default"))
+    files = (_overlay(), _device(device), _file("default"))
     fmts = (fmt,) if isinstance(fmt, str) else fmt
     for f in files:
         table = f.get(kernel, {})
@@ -106,7 +136,8 @@ def choice(fmt: str, n: int, k: int, m: int, device: str | None = None) -> str |
     """"gemv" or "gemm": the kernel measured faster for a weight [n, k] in fmt at m rows
     (the device file's "choice" table, exact shapes only, M buckets as for configs), or
     None where this device and shape were not measured."""
-    buckets = _device(device).get("choice", {}).get(f"{fmt}:{n}x{k}")
+    key = f"{fmt}:{n}x{k}"
+    buckets = _overlay().get("choice", {}).get(key) or _device(device).get("choice", {}).get(key)
     if not buckets:
         return None
     keys = sorted(int(b) for b in buckets)
@@ -116,6 +147,7 @@ def choice(fmt: str, n: int, k: int, m: int, device: str | None = None) -> str |
 def clear_cache() -> None:
     _file.cache_clear()
     _device_file.cache_clear()
+    overlay_file.cache_clear()
     _pdl_status.cache_clear()
 
 

@@ -167,6 +167,16 @@ def test_variant_parse_and_refusals():
             Variant.parse(bad)
 
 
+def test_a_variant_can_time_a_tuners_launch_configs(tmp_path):
+    """LOWBIT_LAUNCH_CONFIGS:<path> is a variant switch; the file is checked when the variant
+    is parsed, before a model loads."""
+    good = tmp_path / "tuned.json"
+    good.write_text('{"device": "NVIDIA H200", "tc_moe": {"nvfp4:128x2048": {"1": {"fc1": {"BN": 32}}}}}')
+    assert Variant.parse(f"tuned=LOWBIT_LAUNCH_CONFIGS:{good}").env == {"LOWBIT_LAUNCH_CONFIGS": str(good)}
+    with pytest.raises(LowbitError, match="not a readable JSON"):
+        Variant.parse(f"tuned=LOWBIT_LAUNCH_CONFIGS:{tmp_path / 'missing.json'}")
+
+
 def test_variants_interleave_in_one_process_and_restore(tiny_moe_dir, tmp_path, capsys, monkeypatch):
     """Two variants beside the base: every cell timed under each, repeat by repeat in turn
     (base, fold, gate; base, fold, gate), one record with their cells; the switches and the

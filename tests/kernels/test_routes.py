@@ -1,5 +1,6 @@
 """The route registry: selection, forcing (fail closed), strict env parsing, counters."""
 
+import json
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -269,3 +270,35 @@ def test_prefer_makes_a_route_the_first_choice(op):
     finally:
         for r in entry.routes:
             r.status = was[r.name]
+
+
+def test_a_launch_config_overlay_comes_first_and_a_bad_one_is_refused(monkeypatch, tmp_path):
+    """LOWBIT_LAUNCH_CONFIGS names a tuner's output: its shapes and choices win over the device
+    file's, shapes it lacks fall through, and a missing or table-less file is an error."""
+    from lowbit.kernels import launch
+
+    device = {"tc_gemv": {"nvfp4:64x32": {"1": {"BN": 64}, "8": {"BN": 128}}, "nvfp4:16x32": {"1": {"BN": 16}}},
+              "choice": {"nf4:64x32": {"1": "gemv"}}}
+    monkeypatch.setattr(launch, "_file", lambda name: device if name == "cpu" else {})
+    monkeypatch.setattr(launch, "_device_file", lambda name: name)
+    tuned = tmp_path / "tc_tuned.json"
+    tuned.write_text(json.dumps({"device": "cpu", "tc_gemv": {"nvfp4:64x32": {"1": {"BN": 32, "WAVES": 2}}},
+                                 "choice": {"nf4:64x32": {"1": "gemm"}}, "ab": [{"kernel": "x"}]}))
+    assert launch.lookup("tc_gemv", "nvfp4", 64, 32, 1, device="cpu") == {"BN": 64}
+    monkeypatch.setenv(launch.OVERLAY_ENV, str(tuned))
+    assert launch.lookup("tc_gemv", "nvfp4", 64, 32, 1, device="cpu") == {"BN": 32, "WAVES": 2}
+    assert launch.lookup("tc_gemv", "nvfp4", 64, 32, 3, device="cpu") == {"BN": 32, "WAVES": 2}  # its largest bucket
+    assert launch.lookup("tc_gemv", "nvfp4", 16, 32, 1, device="cpu") == {"BN": 16}  # not in the overlay
+    assert launch.choice("nf4", 64, 32, 1, device="cpu") == "gemm"
+    assert "under the overlay" in launch.config_status("cpu")
+    for text, why in (("{not json", "not a readable JSON"), ('{"device": "x", "ab": []}', "no kernel tables")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        monkeypatch.setenv(launch.OVERLAY_ENV, str(bad))
+        launch.overlay_file.cache_clear()
+        with pytest.raises(LowbitError, match=why):
+            launch.lookup("tc_gemv", "nvfp4", 64, 32, 1, device="cpu")
+    monkeypatch.setenv(launch.OVERLAY_ENV, str(tmp_path / "absent.json"))
+    with pytest.raises(LowbitError, match="absent.json: not a readable"):
+        launch.lookup("tc_gemv", "nvfp4", 64, 32, 1, device="cpu")
+    launch.overlay_file.cache_clear()
