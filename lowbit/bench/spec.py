@@ -135,7 +135,8 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
             "repeats": repeats, "graphs": graph_status(plain.engine),
             "verify_graph_steps": spec.engine.runner.spec_graph_steps,
             "prefill_graphs": prefill_graph_status(spec.engine), "draft_chains": _chain_status(spec),
-            "cells": cells, "step_profiles": profiles, **_synthetic(synthetic, cfg),
+            "cells": at_expected_length(cells, _synthetic(synthetic, cfg), cfg.speculative_adaptive),
+            "step_profiles": profiles, **_synthetic(synthetic, cfg),
             "adaptive": cfg.speculative_adaptive, **_k_history(spec)}
 
 
@@ -177,6 +178,18 @@ def _k_history(spec: LLM) -> dict:
     if adapt is None:
         return {}
     return {"k_history": adapt.history, "k_now": adapt.current(), "adaptive_steps": adapt.num_steps}
+
+
+def at_expected_length(cells: list[dict], synthetic: dict, adaptive: bool) -> list[dict]:
+    """Synthetic cells at a fixed k: the speedup rescaled from the accepted length the seeded
+    draws gave to the one the rate gives on average (a verify step's time does not depend on
+    how many of its drafts pass, so tokens a second scale with tokens a step). A short run's
+    draws can sit well off the mean; this is the figure to compare across runs."""
+    want = synthetic.get("synthetic_expected_accepted_length")
+    for c in cells:
+        if want and not adaptive and c.get("mean_accepted_length"):
+            c["speedup_at_expected_length"] = c["speedup"] * want / c["mean_accepted_length"]
+    return cells
 
 
 def _synthetic(p: float | None, cfg: EngineConfig) -> dict:
@@ -322,6 +335,11 @@ def summary_md(rec: dict) -> str:
             if "steady_speedup" in c:
                 foot += (f"; over the {len(c['steady_repeats'])} that captured none: "
                          f"{c['steady_speedup']:.2f}x")
+    for c in rec["cells"]:
+        if "speedup_at_expected_length" in c:
+            foot += (f"  \n{c['test']}: {c['speedup_at_expected_length']:.2f}x at the expected accepted length "
+                     f"({rec['synthetic_expected_accepted_length']:.2f}; these draws gave "
+                     f"{c['mean_accepted_length']:.2f}, {c['speedup']:.2f}x)")
     foot += f"  \ncost model's choice from the bench's measurements: {picks}"
     if rec.get("adaptive"):
         changes = ", ".join(f"step {h['step']} B{h['batch_bucket']}: k = {h['k']}" for h in rec["k_history"])

@@ -62,6 +62,8 @@ def test_latency_spec_synthetic_acceptance(tiny_moe_dir, tmp_path, capsys):
     assert cell["same_tokens"] is None and cell["accept_rate_per_position"] == [1.0, 1.0]
     assert cell["mean_accepted_length"] == pytest.approx(8 / 3)  # 3 + 3 + 2, as the self-draft above
     assert table_rows(rec)[0][-1] == "not compared"
+    assert cell["speedup_at_expected_length"] == pytest.approx(cell["speedup"] * 3 / (8 / 3))
+    assert "at the expected accepted length (3.00; these draws gave 2.67" in out
 
 
 def test_synthetic_acceptance_needs_spec(capsys):
@@ -82,6 +84,7 @@ def test_latency_spec_adaptive_records_the_engines_choices(tiny_moe_dir, tmp_pat
     assert rec["k_now"] == {"1": rec["k_history"][-1]["k"]} == rec["cells"][0]["k_now"]
     assert table_rows(rec)[0][2] == f"auto <= 2, now B1:{rec['k_now']['1']}"
     assert "k chosen by the engine (--speculative-adaptive" in out
+    assert "speedup_at_expected_length" not in rec["cells"][0]  # k varies: no one expected length
 
 
 def test_steady_speedup_leaves_out_the_repeats_that_captured():
