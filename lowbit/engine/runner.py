@@ -207,7 +207,9 @@ class ModelRunner:
         if self.spec is not None and (self.spec.needs_hidden or any(r.draft_token_ids for r in reqs)):
             return PendingOutput(self._execute_spec(sched.scheduled, input_ids, batch, reqs, mode))
         if reqs and self._graph_ready(batch, len(reqs), mode):
+            self.spans.lap("launch")
             tokens, logits = self._replay(batch, mode)
+            self.spans.lap("replay")
             out = RunnerOutput()
         elif self._prefill_bucket is not None and self.prefill_graphs.ready(self._prefill_bucket, mode):
             tokens, logits = self.prefill_graphs.run(self._prefill_bucket, mode)
@@ -339,7 +341,9 @@ class ModelRunner:
         the drafter's follow-up over the positions made real."""
         graph_rows = None
         if self._prefill_bucket is not None and self.prefill_graphs.ready(self._prefill_bucket, HIDDEN):
+            self.spans.lap("launch")
             hidden = self.prefill_graphs.run_hidden(self._prefill_bucket)[:batch.num_tokens]
+            self.spans.lap("replay")
             graph_rows = self.prefill_graphs.verify_rows(self._prefill_bucket)
             self.spec_graph_steps += 1
         else:

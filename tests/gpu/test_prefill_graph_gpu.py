@@ -125,3 +125,23 @@ def test_verify_steps_do_not_sync_before_their_read(moe_dir, synthetic):
     else:
         assert req.output_token_ids == warm.output_token_ids
     assert spec.blocks.num_free_blocks == spec.blocks.num_total_blocks
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_host_spans_time_the_graph_launch_apart(moe_dir, spec):
+    """A replayed step's cudaGraphLaunch is its own host phase ("replay"): a decode graph's in
+    plain decoding, a verify step's HIDDEN graph's with synthetic speculation."""
+    from lowbit import SamplingParams
+
+    kw = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_synthetic_accept=0.7) if spec else {}
+    eng = _engine(moe_dir, **kw)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+    prompt = list(range(40, 72)) * 2
+    for on in (False, True):  # the first run captures the graphs
+        eng.spans.reset(on)
+        eng.add_request(prompt, params)
+        while eng.has_unfinished():
+            eng.step()
+    host = eng.spans.per_step_us()
+    assert host.get("replay", 0) > 0 and host["launch"] >= 0, host
+    assert (eng.runner.spec_graph_steps > 0) == spec
