@@ -12,7 +12,10 @@
 #              PREFETCH 2, narrow programs (BN 16 / 32 on one / two warps), and with TC_RING_AB=1
 #              the shared-memory ring (RING 3 / 4 / 6 at WAVES 1 / 2 / 4; measured negative in the
 #              engine); scripts/tune_tc_gemv.py --prefetch-ab; TC_M, TC_MOE_T, TC_GROUPED_T (empty:
-#              none), TC_SHAPES narrow it), the fastest merged the same way
+#              none), TC_SHAPES narrow it), the fastest merged the same way; TC_ENGINE_AB=1 instead
+#              times the kept configs in the engine ($QUANT, -b TC_ENGINE_B (1,8), 3 repeats, through
+#              `--variant tuned=LOWBIT_LAUNCH_CONFIGS:$OUT/tc_tuned.json`) and merges nothing: a win
+#              alone is not a win in the graph (docs/KERNEL_NOTES.md)
 #   ncu        Nsight Compute over NCU_STEPS engine decode steps at each batch of NCU_BATCHES
 #              (default 1 8), $QUANT at the Qwen3-30B-A3B shape: every kernel's own time
 #              (ncu runs them one at a time: no PDL overlap), DRAM bytes, GB/s against the
@@ -130,7 +133,16 @@ if has prefetchab; then
   ring_ab=(); [ "${TC_RING_AB:-0}" = 1 ] && ring_ab=(--ring)
   timeout "${T_PREFETCHAB:-240}" python3 scripts/tune_tc_gemv.py --out "$OUT" --prefetch-ab "${ring_ab[@]}" \
     --m "${TC_M:-1,4,8,16}" --moe-t "${TC_MOE_T:-1,4,16,32}" --grouped-t "${TC_GROUPED_T-16,32,64}" --shapes "${TC_SHAPES:-}" 2>&1 | tee "$OUT/prefetch_ab.log" | tail -40
-  merge_tuned "$OUT/tc_tuned.json"
+  if [ "${TC_ENGINE_AB:-0}" = 1 ]; then  # the kept configs through the engine first, not merged
+    echo "== engine A/B: the tuner's kept configs (LOWBIT_LAUNCH_CONFIGS) against the shipped ones" | tee -a "$OUT/engine.log"
+    timeout "${T_TC_ENGINE_AB:-150}" python3 -m lowbit bench latency x --random-weights --config "$CONFIG" \
+      --quantization "$QUANT" -p 512 -n 128 -b "${TC_ENGINE_B:-1,8}" -d 0 -r 3 \
+      --variant "tuned=LOWBIT_LAUNCH_CONFIGS:$OUT/tc_tuned.json" --records "$RES" --append-md "$OUT/engine.md" 2>&1 \
+      | grep --line-buffered -v "^loading" | tee -a "$OUT/engine.log" | tail -25
+    failed "${PIPESTATUS[0]}" "engine A/B of the tuned configs"
+  else
+    merge_tuned "$OUT/tc_tuned.json"
+  fi
 fi
 
 if has kernels; then
