@@ -66,11 +66,11 @@ class HostSpans:
     a step, then `lap(name)` adds the time since the last lap to `name`. Off (the default)
     every call returns at once. Phases: plan (speculative drafts), schedule, propose, prepare
     (staging and upload), replay (a CUDA graph's launch call alone: cudaGraphLaunch, whose
-    host cost grows with the graph), launch (the rest of the launch: an eager forward, a plain
-    step's sampling and read-back), logits (a verify step's row gather, lm_head and the upload of its lists), accept
-    (a verify step's acceptance launched: the argmax, or the rule's ops), read wait (the host
-    blocked on the device for a step's tokens), update (tokens appended, text, deltas),
-    follow (the MTP layer's follow-up)."""
+    host cost grows with the graph), launch (the rest of the launch: an eager forward, a
+    plain step's sampling and read-back), logits (a verify step's row gather, lm_head and the
+    upload of its lists), accept (a verify step's acceptance launched: the argmax, or the
+    rule's ops), read wait (the host blocked on the device for a step's tokens), update
+    (tokens appended, text, deltas), follow (the MTP layer's follow-up)."""
 
     def __init__(self) -> None:
         self.on = False
