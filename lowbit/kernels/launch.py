@@ -63,6 +63,9 @@ def overlay_file(path: str) -> dict:
     if not isinstance(table, dict) or not any(isinstance(v, dict) for k, v in table.items() if k != "device"):
         raise LowbitError(f"{OVERLAY_ENV}={path}: no kernel tables (expected {{\"<kernel>\": "
                           "{\"<fmt>:<N>x<K>\": {\"<M bucket>\": {config}}}})")
+    kernels = sorted(k for k, v in table.items() if isinstance(v, dict) and k != "choice")
+    log.warning("%s=%s: its launch configs (%s) come before the shipped ones", OVERLAY_ENV, path,
+                ", ".join(kernels) or "choices only")
     here = device_name() if torch.cuda.is_available() else None
     if table.get("device") and here and slug(table["device"]) != slug(here):
         log.warning("%s=%s was tuned on %s; this device is %s", OVERLAY_ENV, path, table["device"], here)

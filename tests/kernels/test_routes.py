@@ -272,7 +272,7 @@ def test_prefer_makes_a_route_the_first_choice(op):
             r.status = was[r.name]
 
 
-def test_a_launch_config_overlay_comes_first_and_a_bad_one_is_refused(monkeypatch, tmp_path):
+def test_a_launch_config_overlay_comes_first_and_a_bad_one_is_refused(monkeypatch, tmp_path, caplog):
     """LOWBIT_LAUNCH_CONFIGS names a tuner's output: its shapes and choices win over the device
     file's, shapes it lacks fall through, and a missing or table-less file is an error."""
     from lowbit.kernels import launch
@@ -286,7 +286,10 @@ def test_a_launch_config_overlay_comes_first_and_a_bad_one_is_refused(monkeypatc
                                  "choice": {"nf4:64x32": {"1": "gemm"}}, "ab": [{"kernel": "x"}]}))
     assert launch.lookup("tc_gemv", "nvfp4", 64, 32, 1, device="cpu") == {"BN": 64}
     monkeypatch.setenv(launch.OVERLAY_ENV, str(tuned))
-    assert launch.lookup("tc_gemv", "nvfp4", 64, 32, 1, device="cpu") == {"BN": 32, "WAVES": 2}
+    launch.overlay_file.cache_clear()
+    with caplog.at_level("WARNING", logger="lowbit"):
+        assert launch.lookup("tc_gemv", "nvfp4", 64, 32, 1, device="cpu") == {"BN": 32, "WAVES": 2}
+    assert "its launch configs (tc_gemv) come before the shipped ones" in caplog.text  # said once, not silent
     assert launch.lookup("tc_gemv", "nvfp4", 64, 32, 3, device="cpu") == {"BN": 32, "WAVES": 2}  # its largest bucket
     assert launch.lookup("tc_gemv", "nvfp4", 16, 32, 1, device="cpu") == {"BN": 16}  # not in the overlay
     assert launch.choice("nf4", 64, 32, 1, device="cpu") == "gemm"
