@@ -205,7 +205,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--variant", action="append", default=None, metavar="LABEL=OP:ROUTE[,...]",
                    help="also time every cell with these routes as their op's first choice (OP:ROUTE: DEFAULT, "
                         "the DEFAULT routes ahead of it set aside) or "
-                        "these switches (LOWBIT_DECODE_FOLD:1, LOWBIT_SLOT_FUSION:0, LOWBIT_TC_RING:0, LOWBIT_TC_NARROW:1), "
+                        f"these switches ({', '.join(f'{k}:VALUE' for k in latency.VARIANT_ENV)}), "
                         "in the same process, each repeat interleaved with the base run's; "
                         "repeatable, one model load for an A/B of routes")
     p.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md")

@@ -128,6 +128,7 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
                                         rehearse=arm == "spec")) is not None}
     for c in cells:
         c["cost_model"] = cost_model(c, verify, cfg.speculative_method)
+    syn = _synthetic(synthetic, cfg)
     return {"verify": verify, "kind": "latency_spec", "model": cfg.config if cfg.random_weights else cfg.model,
             "weight_format": plain.loaded.weight_format, "device": plain.device,
             "method": cfg.speculative_method, "num_speculative_tokens": cfg.num_draft_tokens,
@@ -135,8 +136,8 @@ def measure(cfg: EngineConfig, gen: list[int], repeats: int, text: str = PROMPT)
             "repeats": repeats, "graphs": graph_status(plain.engine),
             "verify_graph_steps": spec.engine.runner.spec_graph_steps,
             "prefill_graphs": prefill_graph_status(spec.engine), "draft_chains": _chain_status(spec),
-            "cells": at_expected_length(cells, _synthetic(synthetic, cfg), cfg.speculative_adaptive),
-            "step_profiles": profiles, **_synthetic(synthetic, cfg),
+            "cells": at_expected_length(cells, syn, cfg.speculative_adaptive),
+            "step_profiles": profiles, **syn,
             "adaptive": cfg.speculative_adaptive, **_k_history(spec)}
 
 

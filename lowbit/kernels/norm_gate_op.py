@@ -28,8 +28,9 @@ it and fails on a prefill's longer calls):
                 router spec.
   triton_norm_gate  DEFAULT: nvfp4 tg128 1.035x at B = 1 (busy step 2,399 against 2,445
                 us), 1.003x at B = 8 (H100, bench/records/20261207T154612-latency-h100.json,
-                `--variant normgate=norm_gate:triton_norm_gate`); bf16 not timed alone (the
-                ranking route, which does this and more, cost bf16 less than nvfp4).
+                `--variant normgate=norm_gate:triton_norm_gate`); on the H200 (959c1b7,
+                bench/records/20261207T171256 / T171431-latency-h200.json) the unfused pair
+                runs nvfp4 C1 at 0.976x and bf16 C1 at 0.982x of it, level at B = 8 and 32.
                 T <= 16 tokens, D <= 8192: program (token block, expert block) adds the
                 residual, normalizes its BT rows in float32 with norm_op's roundings, and
                 takes the dot products with its BE experts' float32 gate rows (read before
