@@ -354,8 +354,7 @@ def summary_md(rec: dict) -> str:
     for arm, p in rec.get("step_profiles", {}).items():
         lines = format_profile(p).splitlines()
         foot += f"  \n{arm} step profile: {lines[0]}"
-        if p.get("host_us"):
-            foot += f"; {lines[1].strip()}"
+        foot += "".join(f"; {line.strip()}" for line in lines[1:] if line.startswith("    host "))
     if rec.get("synthetic"):
         foot = (f"{rec['synthetic_note']}; expected accepted length "
                 f"{rec['synthetic_expected_accepted_length']:.2f}  \n" + foot)

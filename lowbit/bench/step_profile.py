@@ -20,6 +20,11 @@ sampling, the token read-back) and reports per step:
                   .HostSpans): "read wait" is the host blocked on the device, the rest is
                   host work; with async scheduling it overlaps the device, without it
                   (speculative decoding) the device idles through it
+  host_calls      the profiled steps' CUDA runtime calls on the host (cudaGraphLaunch,
+                  cudaMemcpyAsync, cudaLaunchKernel, cudaEventSynchronize, ...): name, calls
+                  and host us a step, the most time first; and host_ops, the count of
+                  top-level torch ops a step (each costs its dispatch on the host). Under the
+                  profiler a call costs more than without it: read them as shares
 `profile_prefill(engine, tokens)` does the same for one prompt of `tokens` tokens (the
 engine's own prefill steps, chunked as the scheduler chunks them; kernels are summed over
 the whole prompt, and `batch` is the prompt length).
@@ -51,6 +56,22 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _host_calls(events, steps: int, top: int = 8) -> dict:
+    """The host side of the profiled steps: CUDA runtime calls (name, calls a step, us a
+    step; the costliest `top`) and top-level torch ops a step."""
+    calls, us, ops = Counter(), Counter(), 0
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if e.name.startswith("cuda"):
+            calls[e.name] += 1
+            us[e.name] += e.time_range.end - e.time_range.start
+        elif e.name.startswith("aten::") and e.cpu_parent is None:
+            ops += 1
+    return {"host_calls": [(n, calls[n] / steps, us[n] / steps) for n, _ in us.most_common(top)],
+            "host_ops": ops / steps}
+
+
 def _summary(prof, steps: int, layers: int, step_us: float, top: int) -> dict:
     """Kernels per step (and per layer), their GPU time, the wall time against it, and the
     `top` kernels by time (name, launches and us per step)."""
@@ -63,7 +84,8 @@ def _summary(prof, steps: int, layers: int, step_us: float, top: int) -> dict:
     return {"steps": steps, "kernels": len(kernels) / steps, "per_layer": len(kernels) / steps / layers,
             "kernel_us": sum(times.values()) / steps, "busy_us": busy, "step_us": step_us,
             "overhead": step_us / max(busy, 1e-9),
-            "top": [(n[:80], names[n] / steps, times[n] / steps) for n, _ in times.most_common(top)]}
+            "top": [(n[:80], names[n] / steps, times[n] / steps) for n, _ in times.most_common(top)],
+            **_host_calls(prof.events(), steps)}
 
 
 def into_decode(engine, batch: int, context: int, max_tokens: int, rehearse: bool = False,
@@ -163,6 +185,11 @@ def format_profile(p: dict) -> str:
     if p.get("tokens_per_step", p["batch"]) != p["batch"]:
         head += f", {p['tokens_per_step']:.2f} tokens per step"
     rows = [f"    {n:<80} x{c:<6.1f} {t:8.1f} us" for n, c, t in p["top"]]
+    host = []
     if p.get("host_us"):
-        rows.insert(0, "    host us a step: " + ", ".join(f"{k} {v:.0f}" for k, v in p["host_us"].items()))
+        host.append("    host us a step: " + ", ".join(f"{k} {v:.0f}" for k, v in p["host_us"].items()))
+    if p.get("host_calls"):
+        host.append(f"    host CUDA calls a step (profiled; {p['host_ops']:.0f} top-level torch ops): "
+                    + ", ".join(f"{n} x{c:.1f} {t:.0f} us" for n, c, t in p["host_calls"]))
+    rows = host + rows
     return "\n".join([head, *rows])
