@@ -42,7 +42,7 @@ from lowbit.engine.prefill_graphs import HIDDEN, PrefillGraphs, prefill_graphs_w
 from lowbit.engine.request import Request, TokenLogprob
 from lowbit.engine.sampling import SamplingState, token_logprobs
 from lowbit.engine.scheduler import SchedulerOutput
-from lowbit.engine.staging import Padding, StepInputs, to_device
+from lowbit.engine.staging import Padding, StepInputs
 from lowbit.kernels.sample_op import sample_rows
 
 log = logging.getLogger("lowbit")
@@ -331,8 +331,9 @@ class ModelRunner:
 
     # -- speculative decoding (lowbit.engine.speculative) ----------------------------------
     def _propose(self, scheduled: list[tuple[Request, int]]) -> None:
-        rows = to_device([self._seat(r) for r, _ in scheduled], self.device)
-        self.spec.propose(scheduled, self.sampling, rows, self.sampling.mode_for([r.params for r, _ in scheduled]))
+        rows = [self._seat(r) for r, _ in scheduled]
+        self.spec.propose(scheduled, self.sampling, rows, self.device,
+                          self.sampling.mode_for([r.params for r, _ in scheduled]))
 
     def _execute_spec(self, scheduled: list[tuple[Request, int]], input_ids: torch.Tensor,
                       batch: ForwardBatch, reqs: list[Request], mode) -> RunnerOutput:

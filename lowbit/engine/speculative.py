@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -60,7 +61,7 @@ from lowbit.engine.metrics import HostSpans
 from lowbit.engine.paged_cache import PagedKVCache
 from lowbit.engine.prefill_graphs import prefill_graphs_wanted
 from lowbit.engine.request import Request
-from lowbit.engine.staging import read_back, to_device
+from lowbit.engine.staging import read_list, to_device
 from lowbit.errors import LowbitError
 
 log = logging.getLogger("lowbit")
@@ -127,11 +128,18 @@ class Drafting:
     reqs: list[Request]
     num_real: list[int]
     num_drafts: list[int]
-    rows: torch.Tensor  # [B] sampler rows
+    row_ids: list[int]  # [B] sampler rows
+    device: torch.device
     sampling: object  # SamplingState
     mode: object  # SampleMode of the drafting requests
     flat: torch.Tensor | None = None  # [N + 1] the drafted tokens on the device, then a 0 (`write`)
     where: dict[str, list[int]] = field(default_factory=dict)  # request id -> its drafts' indices in flat
+
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        """The sampler rows [B] on the device, uploaded when a drafter first samples (an
+        n-gram step never does: it pays no upload)."""
+        return to_device(self.row_ids, self.device)
 
     def sample(self, logits: torch.Tensor, picks: list[int], j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft j of the requests `picks` from logits [len(picks), V]: tokens [len(picks)]
@@ -465,13 +473,14 @@ class SpecDecoder:
             if ok and self.synthetic_accept is not None:  # every verify step carries k drafts
                 req.draft_token_ids += [(req.draft_token_ids or req.token_ids)[-1]] * (k - len(req.draft_token_ids))
 
-    def propose(self, scheduled: list[tuple[Request, int]], sampling, rows: torch.Tensor, mode) -> None:
+    def propose(self, scheduled: list[tuple[Request, int]], sampling, rows: list[int], device: torch.device,
+                mode) -> None:
         """Cut drafts to the scheduled windows and let a model drafter fill them (step 2)."""
         num_real = [min(n, req.num_tokens - req.num_computed_tokens) for req, n in scheduled]
         for (req, n), real in zip(scheduled, num_real):
             del req.draft_token_ids[n - real:]
         work = Drafting([r for r, _ in scheduled], num_real, [len(r.draft_token_ids) for r, _ in scheduled],
-                        rows, sampling, mode)
+                        rows, device, sampling, mode)
         t0 = self.adapt.clock() if self.sample is not None else 0.0
         qs = self.drafter.propose(work)
         self.draft_probs = {work.reqs[i].request_id: q for i, q in qs.items()}
@@ -540,7 +549,7 @@ class SpecDecoder:
             tokens, n = accept(logits, drafts.view(P, K), num_drafts, sampling, rows[sel], steps[sel],
                                mode, q, sampled, forced)
             self.spans.lap("accept")
-            host = read_back(torch.cat((n[:, None], tokens), 1)).tolist()  # the step's one wait
+            host = read_list(torch.cat((n[:, None], tokens), 1))  # the step's one wait
             self.spans.lap("read wait")
         return picks, self._emit(picks, ks, host), logits
 
@@ -568,7 +577,7 @@ class SpecDecoder:
         P, K1 = len(ks), K + 1
         self.spans.lap("accept")
         n_t = target.shape[0]
-        got = read_back(target if self.drafted is None else torch.cat((target, drafts))).tolist()  # the step's one wait
+        got = read_list(target if self.drafted is None else torch.cat((target, drafts)))  # the step's one wait
         self.spans.lap("read wait")
         target_host = got[:n_t] if rows_of is None else [got[i] for i in rows_of]
         drafted = got[n_t:] if self.drafted is not None else listed
