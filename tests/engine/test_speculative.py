@@ -19,7 +19,7 @@ from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.block_manager import BlockManager
 from lowbit.engine.kv_cache import ContiguousKVCache
 from lowbit.engine.request import Request
-from lowbit.engine.speculative import SpecStats, ngram_lookup
+from lowbit.engine.speculative import NgramDrafter, NgramIndex, SpecStats, ngram_lookup
 from lowbit.errors import LowbitError
 from lowbit.kernels import routes
 from lowbit.server.metrics import render
@@ -107,6 +107,28 @@ def test_ngram_lookup():
     assert ngram_lookup([5, 6, 1, 2, 4, 8, 6, 1, 2], 3) == [4, 8, 6]  # the longest suffix first
     assert ngram_lookup([4, 4], 3) == [4]
     assert ngram_lookup([1, 2, 3], 3) == []
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 7, 100])
+def test_the_ngram_index_answers_as_the_scan_while_the_tokens_grow(vocab):
+    """The drafter's incremental index against the scan, each step of a growing list (small
+    vocabularies: many and overlapping matches), and a list it did not index (cut short, or
+    its last indexed token changed) indexed anew. A request's tokens only grow."""
+    import random
+    rng = random.Random(vocab)
+    for _ in range(40):
+        ids, index = [rng.randrange(vocab)], NgramIndex()
+        for _ in range(40):
+            k = rng.randrange(1, 8)
+            assert index.lookup(ids, k) == ngram_lookup(ids, k), (ids, k)
+            ids = ids + [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
+        for other in (ids[:len(ids) // 2], ids[:-2] + [vocab + 1] + ids[-1:]):
+            assert index.lookup(other, 5) == ngram_lookup(other, 5)
+    drafter = NgramDrafter()
+    req = Request("r", [1, 2, 3, 1, 2], SamplingParams(), 4)
+    assert drafter.plan(req, 2) == [3, 1] and "r" in drafter.index
+    drafter.release("r")
+    assert not drafter.index
 
 
 def test_trim_gives_back_draft_blocks_first_in_line():
