@@ -50,6 +50,7 @@ import logging
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from lowbit.engine.acceptance import accept, draft_tokens
@@ -122,32 +123,73 @@ def ngram_lookup(ids: list[int], k: int) -> list[int]:
 
 class NgramIndex:
     """`ngram_lookup` over one request's append-only tokens at a constant cost a step: for
-    each suffix length n, the latest start of every n-gram that ends before the last token.
-    A step indexes the positions added since the last call (n dict writes each) and looks
-    its suffixes up, where `ngram_lookup` scans the context (milliseconds a step at 32k
-    tokens, all of it serial with the device). Same answers (tests/engine/test_speculative.py);
-    a list that is not the indexed one grown (shorter, or a changed token) is indexed anew."""
+    each suffix length n, the latest start of every n-gram that ends before the last token,
+    keyed by the n-gram packed into one int (21 bits a token). A step indexes the positions
+    added since the last call and looks its suffixes up, where `ngram_lookup` scans the
+    context (milliseconds a step at 32k tokens when the suffix is rare, all of it serial
+    with the device). A long stretch (the prompt) is keyed with numpy. Same answers as the
+    scan (tests/engine/test_speculative.py); a list that is not the indexed one grown
+    (shorter, or its last indexed token changed) is indexed anew, and ids past 21 bits (no
+    vocabulary has them) fall back to the scan."""
+
+    BITS = 21
+    VECTOR_FROM = 64  # new positions from which numpy keys them
 
     def __init__(self) -> None:
-        self.starts: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)}
+        self.starts: dict[int, dict[int, int]] = {n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)}
         self.done = 0  # n-grams ending before position `done` are indexed
         self.seen: int | None = None  # the token at done - 1 when indexed
+        self.scan = False  # an id too wide for the packed keys: ngram_lookup instead
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
         n_ids = len(ids)
         if n_ids < self.done or (self.done and ids[self.done - 1] != self.seen):
             self.__init__()
-        for end in range(self.done, n_ids - 1):  # the n-grams ending at end, each n
-            for n, starts in self.starts.items():
-                if end + 1 >= n:
-                    starts[tuple(ids[end + 1 - n:end + 1])] = end + 1 - n
-        if n_ids - 1 > self.done:
+        if n_ids - 1 > self.done and not self.scan:
+            self._index(ids, self.done, n_ids - 1)
             self.done, self.seen = n_ids - 1, ids[n_ids - 2]
+        if self.scan or (ids and not 0 <= ids[-1] < 1 << self.BITS):
+            self.scan = True
+            return ngram_lookup(ids, k)
         for n in range(min(NGRAM_MAX, n_ids - 1), NGRAM_MIN - 1, -1):
-            i = self.starts[n].get(tuple(ids[n_ids - n:]))
+            i = self.starts[n].get(self._key(ids[n_ids - n:]))
             if i is not None:
                 return ids[i + n:i + n + k]
         return []
+
+    def _key(self, gram: list[int]) -> int:
+        key = 0
+        for t in gram:
+            key = (key << self.BITS) | t
+        return key
+
+    def _index(self, ids: list[int], lo: int, hi: int) -> None:
+        """Index the n-grams ending at positions lo .. hi - 1."""
+        first = max(0, lo - NGRAM_MAX + 1)
+        if hi - lo < self.VECTOR_FROM:
+            window = ids[first:hi]
+            if any(not 0 <= t < 1 << self.BITS for t in window):
+                self.scan = True
+                return
+            for end in range(lo, hi):
+                for n, starts in self.starts.items():
+                    if end + 1 >= n:
+                        starts[self._key(ids[end + 1 - n:end + 1])] = end + 1 - n
+            return
+        a = np.asarray(ids[first:hi], dtype=np.int64)
+        if a.size and (a.min() < 0 or a.max() >= 1 << self.BITS):
+            self.scan = True
+            return
+        for n, starts in self.starts.items():
+            e0 = max(lo, n - 1)  # the first end with a whole n-gram
+            if e0 >= hi:
+                continue
+            r0 = e0 - n + 1 - first  # the first n-gram's start in `a`
+            count = hi - e0
+            keys = a[r0:r0 + count].copy()
+            for j in range(1, n):
+                keys = (keys << self.BITS) | a[r0 + j:r0 + j + count]
+            starts.update(zip(keys.tolist(), range(e0 - n + 1, e0 - n + 1 + count)))
 
 
 @dataclass
