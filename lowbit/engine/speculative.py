@@ -151,17 +151,15 @@ class NgramIndex:
         if self.scan or (ids and not 0 <= ids[-1] < 1 << self.BITS):
             self.scan = True
             return ngram_lookup(ids, k)
+        keys, key = {}, 0
+        for n in range(1, min(NGRAM_MAX, n_ids - 1) + 1):  # the suffix's keys, shortest first
+            key |= ids[n_ids - n] << (self.BITS * (n - 1))
+            keys[n] = key
         for n in range(min(NGRAM_MAX, n_ids - 1), NGRAM_MIN - 1, -1):
-            i = self.starts[n].get(self._key(ids[n_ids - n:]))
+            i = self.starts[n].get(keys[n])
             if i is not None:
                 return ids[i + n:i + n + k]
         return []
-
-    def _key(self, gram: list[int]) -> int:
-        key = 0
-        for t in gram:
-            key = (key << self.BITS) | t
-        return key
 
     def _index(self, ids: list[int], lo: int, hi: int) -> None:
         """Index the n-grams ending at positions lo .. hi - 1."""
@@ -171,10 +169,12 @@ class NgramIndex:
             if any(not 0 <= t < 1 << self.BITS for t in window):
                 self.scan = True
                 return
-            for end in range(lo, hi):
-                for n, starts in self.starts.items():
-                    if end + 1 >= n:
-                        starts[self._key(ids[end + 1 - n:end + 1])] = end + 1 - n
+            for end in range(lo, hi):  # each n's key extends the shorter one's: one shift an n
+                key = 0
+                for n in range(1, min(NGRAM_MAX, end + 1) + 1):
+                    key |= ids[end + 1 - n] << (self.BITS * (n - 1))
+                    if n >= NGRAM_MIN:
+                        self.starts[n][key] = end + 1 - n
             return
         a = np.asarray(ids[first:hi], dtype=np.int64)
         if a.size and (a.min() < 0 or a.max() >= 1 << self.BITS):
