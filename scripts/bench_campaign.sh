@@ -16,7 +16,9 @@
 # CONCURRENCY (1,2,4,8,16,32), LONG_CONTEXT (32768),
 # INPUT_LEN (128), OUTPUT_LEN (32), DEVICE (empty: cuda when present), DTYPE (auto: bf16 on a GPU).
 # LONG_CONTEXT=0 skips the long-context serving level; the server's --max-num-seqs is the
-# largest CONCURRENCY level. LATENCY=0 skips both Qwen3 latency stages; MODELS="stem:format
+# largest CONCURRENCY level, its KV pool KV_TOKENS tokens (empty, the default: sized from
+# --gpu-memory-utilization, as a user's; records before e03c42b used 262144, which bf16
+# weights leave no room for on an 80 GB card). LATENCY=0 skips both Qwen3 latency stages; MODELS="stem:format
 # ..." adds latency cells (MODEL_CELLS, default "-p 512 -n 64 -b 1,8") for other configs.
 # `lowbit serve` needs fastapi and uvicorn; where they are missing (the GPU image has
 # httpx but no fastapi/uvicorn/pydantic/starlette) carry their wheels in .whl/
@@ -86,7 +88,7 @@ fi
 if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
     say "start lowbit serve on port $PORT"
     "${LB[@]}" serve x "${COMMON[@]}" --port "$PORT" --served-model-name campaign-random \
-        --max-num-seqs "$MAX_SEQS" --kv-cache-tokens 262144 > "$WORK/logs/serve.log" 2>&1 &
+        --max-num-seqs "$MAX_SEQS" ${KV_TOKENS:+--kv-cache-tokens "$KV_TOKENS"} > "$WORK/logs/serve.log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 180); do
         healthy && break

@@ -179,19 +179,35 @@ def available_ram_bytes() -> int:
 def pool_tokens(cfg, arch, dtype: torch.dtype, device: torch.device, num_layers: int,
                 activation_bytes: int = 0, extra_per_token: int = 0) -> int:
     """How many tokens the KV pool holds: an explicit knob first, else memory-derived, each
-    token costing its KV bytes plus `extra_per_token` (a draft model's pool, as many tokens)."""
-    if cfg.num_gpu_blocks_override:
-        return cfg.num_gpu_blocks_override * cfg.block_size
-    if cfg.kv_cache_tokens:
-        return cfg.kv_cache_tokens
+    token costing its KV bytes plus `extra_per_token` (a draft model's pool, as many tokens).
+    On CUDA an explicit size must fit the same budget as a derived one (the
+    --gpu-memory-utilization share of the card, less what is in use and the step's
+    activations): a pool that leaves no room for the activations would fail at the first
+    long step, out of memory, with the engine stopped; it is refused at start-up instead."""
     per_token = kv_bytes_per_token(arch, dtype, num_layers, cfg.tensor_parallel_size) + extra_per_token
+    explicit = (cfg.num_gpu_blocks_override * cfg.block_size if cfg.num_gpu_blocks_override
+                else cfg.kv_cache_tokens)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = total * cfg.gpu_memory_utilization - (total - free) - activation_bytes
+        if explicit:
+            if explicit * per_token > budget:
+                knob = ("--num-gpu-blocks-override " + str(cfg.num_gpu_blocks_override)
+                        if cfg.num_gpu_blocks_override else f"--kv-cache-tokens {cfg.kv_cache_tokens}")
+                raise LowbitError(
+                    f"{knob}: a KV pool of {explicit} tokens needs {explicit * per_token / 2**30:.1f} GiB, and "
+                    f"{max(budget, 0) / 2**30:.1f} GiB is left at --gpu-memory-utilization "
+                    f"{cfg.gpu_memory_utilization} ({(total - free) / 2**30:.1f} GiB in use, "
+                    f"{activation_bytes / 2**30:.1f} GiB for a step's activations): at most "
+                    f"{max(int(budget // per_token), 0)} tokens fit; lower it, or leave it out to size the "
+                    f"pool from the memory")
+            return explicit
         if budget <= 0:
             raise LowbitError(
                 f"no GPU memory left for the KV cache at --gpu-memory-utilization "
                 f"{cfg.gpu_memory_utilization}; raise it or lower --max-num-batched-tokens")
         return int(budget // per_token)
+    if explicit:
+        return explicit
     need = cfg.max_num_seqs * cfg.max_model_len  # no point in more than every sequence full
     return int(min(available_ram_bytes() * CPU_POOL_FRACTION // per_token, need))

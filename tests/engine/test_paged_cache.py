@@ -93,3 +93,34 @@ def test_mla_bytes_per_token_count_the_latent_once_for_all_heads():
     per_head = arch.num_heads * (arch.qk_nope_head_dim + Dr + arch.v_head_dim) * L * 2  # uncompressed K/V
     assert per_head / latent == pytest.approx(71.1, abs=0.05)  # tokens the same pool holds
     assert kv_bytes_per_token(arch, torch.bfloat16, L, tp=8) == latent  # every rank caches the whole latent
+
+
+def test_an_explicit_pool_that_leaves_no_room_for_activations_is_refused_at_start_up(monkeypatch, tiny_model):
+    """On CUDA, --kv-cache-tokens / --num-gpu-blocks-override must fit the memory budget (the
+    utilization share less what is in use and the activations): a pool too big for it is a
+    clear start-up error, not an out-of-memory failure at the first long step. The card is
+    faked: mem_get_info is the only CUDA call pool_tokens makes."""
+    from lowbit.config import EngineConfig
+    from lowbit.engine.paged_cache import pool_tokens
+    from lowbit.errors import LowbitError
+    from lowbit.models.config import load_config
+
+    arch = load_config(tiny_model)
+    per = kv_bytes_per_token(arch, torch.bfloat16, 2)
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 80 * gib))  # 50 GiB in use
+    cuda = torch.device("cuda")
+    act = 2 * gib
+    budget = 80 * gib * 0.9 - 50 * gib - act  # 20 GiB
+    fits = int(budget // per)
+    cfg = EngineConfig(model="x", kv_cache_tokens=fits)
+    assert pool_tokens(cfg, arch, torch.bfloat16, cuda, 2, act) == fits
+    assert pool_tokens(EngineConfig(model="x"), arch, torch.bfloat16, cuda, 2, act) == fits  # derived: the same
+    with pytest.raises(LowbitError, match=rf"--kv-cache-tokens {fits + 1}: .* at most {fits} tokens fit"):
+        pool_tokens(EngineConfig(model="x", kv_cache_tokens=fits + 1), arch, torch.bfloat16, cuda, 2, act)
+    blocks = EngineConfig(model="x", num_gpu_blocks_override=fits // 16 + 1, block_size=16)
+    with pytest.raises(LowbitError, match="--num-gpu-blocks-override"):
+        pool_tokens(blocks, arch, torch.bfloat16, cuda, 2, act)
+    # on the CPU an explicit size is taken as given
+    assert pool_tokens(EngineConfig(model="x", kv_cache_tokens=fits + 1), arch, torch.bfloat16,
+                       torch.device("cpu"), 2) == fits + 1
