@@ -270,6 +270,7 @@ class ModelRunner:
             vals["last_index"].append(starts[-1] - 1)
             context.append(start)
         vals["query_start"] = starts
+        self.spans.lap("lists")
         graph_bucket = self._bucket(scheduled, starts)
         self._prefill_bucket = self._prefill_bucket_for(scheduled, starts) if not graph_bucket else None
         pad_tokens = None
@@ -277,11 +278,13 @@ class ModelRunner:
             pad_tokens, graph_bucket = self._prefill_bucket
         self.inputs.stage(vals, [r.block_table for r, _ in scheduled], pad_to=graph_bucket, pending=pending,
                           pad_tokens=pad_tokens, drafts=drafts)
+        self.spans.lap("stage")
         self.inputs.upload()
         if pending:
             self.inputs.fill_pending(self.last_sampled.tokens)
         if drafts:
             self.inputs.fill_drafts(self.spec.drafted[0])
+        self.spans.lap("upload")
         t, b = starts[-1], len(scheduled)
         tok, seq = self.inputs.tokens(t), self.inputs.seqs(b)
         width = max(len(r.block_table) for r, _ in scheduled)

@@ -176,12 +176,12 @@ def test_host_spans_split_a_steps_wall_time_into_its_phases(make_engine, spec):
         eng.step()
     wall = time.perf_counter() - t0
     host = eng.spans.per_step_us()
-    want = {"schedule", "prepare", "launch", "read wait", "update"} | (
+    want = {"schedule", "lists", "stage", "upload", "prepare", "launch", "read wait", "update"} | (
         {"plan", "propose", "logits", "accept", "follow"} if spec else set())
     assert want <= set(host), host
     assert all(v >= 0 for v in host.values()) and eng.spans.steps == 4
     assert sum(host.values()) * 4 <= wall * 1e6 * 1.001
-    assert host["launch"] > 0 and host["prepare"] > 0
+    assert host["launch"] > 0 and host["prepare"] > 0 and host["stage"] > 0 and host["upload"] > 0
     eng.spans.reset(on=False)
     eng.step()
     assert not eng.spans.total
