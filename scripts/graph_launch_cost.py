@@ -1,0 +1,97 @@
+"""Host cost of one cudaGraphLaunch for each CUDA graph an engine captures: the plain decode
+graphs and the speculative verify step's HIDDEN prefill graphs, at a real config's shape with
+random weights. A verify step's replay span is 166-315 us on the GPU hosts where a plain
+decode graph of as many kernels launches in 21-30 us, idle device or not
+(docs/BENCHMARKS.md "H200 calls at 5991041"); this times each graph's launch call alone, with
+the device idle (synchronized before) and busy (right after another replay of the same
+graph), and with --dump DIR writes each graph's DOT (torch's debug dump) and counts its node
+kinds. Run it once with LOWBIT_PDL=0 too: programmatic launch edges are one difference a
+graph's launch may pay for.
+
+    python scripts/graph_launch_cost.py [--config lowbit/model_configs/Qwen__Qwen3-30B-A3B.json]
+        [--quantization nvfp4] [--k 7] [--repeats 50] [--dump /tmp/graphs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from lowbit.engine.llm import LLM
+from lowbit.engine.sampling import SamplingParams
+
+
+def launch_us(graph: torch.cuda.CUDAGraph, repeats: int, busy: bool) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        if busy:
+            graph.replay()  # the timed launch then queues behind a running replay
+        t0 = time.perf_counter()
+        graph.replay()
+        out.append(1e6 * (time.perf_counter() - t0))
+    torch.cuda.synchronize()
+    return out
+
+
+def node_kinds(dot: Path) -> dict[str, int]:
+    """Node kinds in a cudaGraphDebugDotPrint file: the word after each label's opening."""
+    text = dot.read_text(errors="replace")
+    kinds = Counter(m.group(1).upper() for m in re.finditer(r'label="\{?\s*([A-Za-z_]+)', text))
+    return {"edges": text.count("->"), **dict(kinds.most_common(8))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="lowbit/model_configs/Qwen__Qwen3-30B-A3B.json")
+    ap.add_argument("--quantization", default="nvfp4")
+    ap.add_argument("--k", type=int, default=7, help="drafts a verify step (its graph holds k + 1 tokens)")
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--dump", type=Path, help="write each graph's DOT here and count its node kinds")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("graph_launch_cost.py needs CUDA")
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        base = torch.cuda.CUDAGraph
+
+        class DebugGraph(base):  # keeps the cudaGraph_t after instantiation, for debug_dump
+            def __init__(self, *a, **k) -> None:
+                super().__init__(*a, **k)
+                self.enable_debug_mode()
+
+        torch.cuda.CUDAGraph = DebugGraph
+    common = dict(random_weights=True, config=args.config, quantization=args.quantization, kv_cache_tokens=4096)
+    spec = LLM("x", speculative_method="ngram", num_speculative_tokens=args.k, speculative_synthetic_accept=0.7,
+               **common)
+    plain = LLM("x", loaded=spec.loaded, **common)
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    for llm in (plain, spec):
+        llm.generate([list(range(3, 67))], sp)
+    graphs = [(f"decode {key[0]}", g) for key, g in plain.engine.runner.graphs.graphs.items()]
+    graphs += [(f"verify {key[0]}x{key[1]} {key[2]}", g)
+               for key, g in spec.engine.runner.prefill_graphs.graphs.items()]
+    rows = []
+    for name, g in graphs:
+        idle, busy = launch_us(g, args.repeats, False), launch_us(g, args.repeats, True)
+        row = {"graph": name, "idle_us_median": statistics.median(idle), "idle_us_min": min(idle),
+               "busy_us_median": statistics.median(busy), "busy_us_min": min(busy)}
+        if args.dump:
+            path = args.dump / (re.sub(r"\W+", "_", name) + ".dot")
+            g.debug_dump(str(path))
+            row["nodes"] = node_kinds(path)
+        rows.append(row)
+        print(json.dumps(row))
+    print(f"device {torch.cuda.get_device_name()}; LOWBIT_PDL as set in the environment; "
+          f"{args.repeats} launches a graph and state")
+
+
+if __name__ == "__main__":
+    main()
