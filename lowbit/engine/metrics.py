@@ -66,9 +66,9 @@ class HostSpans:
     a step, then `lap(name)` adds the time since the last lap to `name`. Off (the default)
     every call returns at once. Phases: plan (speculative drafts), schedule, propose, the
     step's inputs in four (lists: the per-token host lists; stage: the graph bucket and the
-    pinned buffers filled; upload: the copies to the device and the on-device fills of pending
-    and drafted tokens; prepare: the device views and the batch), replay (a CUDA graph's launch call alone: cudaGraphLaunch, whose
-    host cost grows with the graph), launch (the rest of the launch: an eager forward, a
+    pinned buffers filled; upload: the copies to the device and the on-device fills of
+    pending and drafted tokens; prepare: the device views and the batch), replay (a CUDA
+    graph's launch call alone: cudaGraphLaunch, whose host cost grows with the graph), launch (the rest of the launch: an eager forward, a
     plain step's sampling and read-back), logits (a verify step's row gather, lm_head and the
     upload of its lists), accept (a verify step's acceptance launched: the argmax, or the
     rule's ops), read wait (the host blocked on the device for a step's tokens), update
