@@ -94,6 +94,7 @@ class StepInputs:
         self.tables_np = self.host_tables.numpy()
         self._uploaded = torch.cuda.Event() if pin else None
         self._views: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # tokens() / seqs() per n
+        self._copy_pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # upload()'s, per T
         self.num_tokens = self.num_seqs = self.width = self.num_pending = self.num_drafts = 0
 
     def stage(self, values: dict[str, list[int]], tables: list[list[int]], pad_to: int = 0,
@@ -137,8 +138,12 @@ class StepInputs:
         and pending pairs in one copy, each token field's rows, the drafts' pairs, the tables."""
         nb = self.device.type == "cuda"
         self._small_dev.copy_(self._small_host, non_blocking=nb)
-        for f in self.TOKEN_FIELDS:
-            self.dev[f][:self.num_tokens].copy_(self.host[f][:self.num_tokens], non_blocking=nb)
+        pairs = self._copy_pairs.get(self.num_tokens)
+        if pairs is None:  # slicing costs more host time than the copy call: kept per count
+            n = self.num_tokens
+            pairs = self._copy_pairs[n] = [(self.dev[f][:n], self.host[f][:n]) for f in self.TOKEN_FIELDS]
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=nb)
         for f in self.DRAFTS:
             if self.num_drafts:
                 self.dev[f][:self.num_drafts].copy_(self.host[f][:self.num_drafts], non_blocking=nb)
