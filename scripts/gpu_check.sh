@@ -50,6 +50,9 @@
 #              captured, triton_mla_rope and triton_silu_mul), torch
 #              (LOWBIT_ROUTE_LATENT_ATTENTION=torch), unfused (the mla_rope and act ops on
 #              their torch twins)
+#   launch     scripts/graph_launch_cost.py at the Qwen3-30B-A3B shape, $QUANT: each captured decode and
+#              verify graph's launch call alone (idle and busy device), with LOWBIT_PDL=1 then 0, the
+#              graphs' DOT dumps and node kinds in the archive
 #   spec       speculative decoding: the demo with ngram and its draft (k = 3, SPEC_DEMO_K="1 2 3 4"
 #              one run a k; SPEC_DEMO=0 skips them), and the synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape,
 #              $QUANT at k = 3 (SPEC_SYN_K="1 3 7": one run a k, the verify step at T = 2, 4, 8,
@@ -302,6 +305,16 @@ c.update(num_hidden_layers=4, num_nextn_predict_layers=1); json.dump(c, open('/t
     $([ "${SPEC_SYN_ADAPTIVE:-0}" = 1 ] && echo --speculative-adaptive) \
     -n 128 -r 3 --records "$RES" 2>&1 | grep --line-buffered -v "^loading" | tee -a "$OUT/spec.log"
   failed "${PIPESTATUS[0]}" "spec synthetic k = $k"
+  done
+fi
+
+if has launch; then  # each captured graph's cudaGraphLaunch alone, idle and busy, PDL on and off
+  for pdl in 1 0; do
+    echo "== launch: graph launch cost, $QUANT, LOWBIT_PDL=$pdl" | tee -a "$OUT/launch.log"
+    LOWBIT_PDL=$pdl timeout "${T_LAUNCH:-150}" python3 scripts/graph_launch_cost.py --config "$CONFIG" \
+      --quantization "$QUANT" --dump "$RES/graphs_pdl$pdl" 2>&1 | grep --line-buffered -v "^loading" \
+      | tee -a "$OUT/launch.log"
+    failed "${PIPESTATUS[0]}" "launch LOWBIT_PDL=$pdl"
   done
 fi
 

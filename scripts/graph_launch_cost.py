@@ -41,11 +41,16 @@ def launch_us(graph: torch.cuda.CUDAGraph, repeats: int, busy: bool) -> list[flo
     return out
 
 
+NODE_KINDS = ("KERNEL", "MEMCPY", "MEMSET", "HOST", "EVENT_RECORD", "WAIT_EVENT", "MEM_ALLOC", "MEM_FREE",
+              "EMPTY", "GRAPH", "CONDITIONAL")
+
+
 def node_kinds(dot: Path) -> dict[str, int]:
-    """Node kinds in a cudaGraphDebugDotPrint file: the word after each label's opening."""
+    """Node kinds named in a cudaGraphDebugDotPrint file (the upper-case type words of its
+    node labels), its edges, and the lines that mention a programmatic (PDL) dependency."""
     text = dot.read_text(errors="replace")
-    kinds = Counter(m.group(1).upper() for m in re.finditer(r'label="\{?\s*([A-Za-z_]+)', text))
-    return {"edges": text.count("->"), **dict(kinds.most_common(8))}
+    kinds = Counter(re.findall(r"\b(" + "|".join(NODE_KINDS) + r")\b", text))
+    return {"edges": text.count("->"), "programmatic": len(re.findall(r"(?i)programmatic", text)), **kinds}
 
 
 def main() -> None:

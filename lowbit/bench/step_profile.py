@@ -13,7 +13,7 @@ sampling, the token read-back) and reports per step:
                   just before the profiled ones, without the profiler (which slows the host)
   overhead        step_us / busy_us: 1.0 when the GPU runs back to back; the host and the
                   gaps between kernels account for the rest
-  top             the ten kernels with the most GPU time per step (name, count, us)
+  top             the 30 kernels with the most GPU time per step (name, count, us)
   tokens_per_step tokens the timed steps emitted, per step (all sequences): `batch` for
                   plain decode, more with speculative decoding's accepted drafts
   host_us         the timed steps' host time per phase, us a step (lowbit.engine.metrics
@@ -138,7 +138,7 @@ def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64, st
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    return {"batch": batch, **_summary(prof, steps, engine.arch.num_layers, 1e6 * wall / steps, 10),
+    return {"batch": batch, **_summary(prof, steps, engine.arch.num_layers, 1e6 * wall / steps, 30),
             "tokens_per_step": emitted / steps, "host_us": host}
 
 
