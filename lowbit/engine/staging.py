@@ -4,10 +4,14 @@ Shapes: T tokens of the step (<= max_tokens), B sequences (<= max_seqs), W block
 width (<= max_blocks).
 Host side, every field lives in a pinned buffer that `stage()` fills from Python lists
 (through numpy views: one slice assignment a field); the sequence fields and the pending
-pairs are views of one small buffer. `upload()` issues non-blocking copies into persistent
-device buffers laid out the same way (one for the small buffer, one a token field, the
-drafts' pairs when there are some, the tables: five for a decode step), the same buffers a
-captured decode graph reads, so a replay needs no further copy. The upload
+pairs are views of one small buffer, and so are the token fields of a step of up to
+COMPACT_TOKENS tokens (a second copy of each field's first rows, at the buffer's end; a
+longer step uses full-length fields of their own). `upload()` issues non-blocking copies
+into persistent device buffers laid out the same way (one for the small buffer, one a token
+field for a long step, the drafts' pairs when there are some, the tables: two for a decode
+or verify step), the same buffers a captured graph reads, so a replay needs no further copy.
+A graph of up to COMPACT_TOKENS tokens reads the compact fields, a longer one the others,
+as the step it replays was staged. The upload
 records an event; the next `stage()` waits on it before it overwrites the pinned memory,
 so a copy still in flight never reads the next step's values.
 
@@ -45,6 +49,9 @@ from dataclasses import dataclass
 import torch
 
 
+COMPACT_TOKENS = 256  # steps of up to this many tokens send their token fields in the small buffer
+
+
 @dataclass
 class Padding:
     scratch_row: int  # KV pool row padded tokens write
@@ -69,19 +76,27 @@ class StepInputs:
         # the sequence fields and the pending pairs share one buffer on each side (typed views
         # at fixed offsets, 8-byte aligned): `upload` sends them in one copy, the whole buffer
         # (a few KiB), where one copy a field cost a host-to-device call each
+        # a step of up to `compact` tokens (decode buckets, verify steps) keeps its token
+        # fields in that buffer too ("@" copies of the fields, at its end): its upload is the
+        # one copy and the tables' (a copy a token field cost 20 us of host time each on the
+        # GPU hosts); longer steps use the full-length fields
+        self.compact = min(max_tokens, COMPACT_TOKENS)
         small = {**{f: max_seqs for f in self.SEQ_FIELDS}, "query_start": max_seqs + 1,
-                 **{f: max_seqs for f in self.PENDING}}  # pending pairs: [K <= B]
+                 **{f: max_seqs for f in self.PENDING},  # pending pairs: [K <= B]
+                 **{f + "@": self.compact for f in self.TOKEN_FIELDS}}
         offsets, nbytes = {}, 0
         for f, n in small.items():
             offsets[f] = nbytes
             nbytes += -(-n * dtypes.get(f, torch.long).itemsize // 8) * 8
         self._small_host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
         self._small_dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self._compact_host, self._compact_dev = {}, {}
         for f, n in small.items():
             dt = dtypes.get(f, torch.long)
             span = slice(offsets[f], offsets[f] + n * dt.itemsize)
-            self.host[f] = self._small_host[span].view(dt)
-            self.dev[f] = self._small_dev[span].view(dt)
+            host, dev = (self._compact_host, self._compact_dev) if f.endswith("@") else (self.host, self.dev)
+            host[f.rstrip("@")] = self._small_host[span].view(dt)
+            dev[f.rstrip("@")] = self._small_dev[span].view(dt)
         self.host_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
         self.block_tables = torch.full((max_seqs, max_blocks), padding.scratch_block,
                                        dtype=torch.int32, device=device)
@@ -91,9 +106,10 @@ class StepInputs:
         # numpy views of the pinned buffers: a slice assignment from a Python list is one call
         # (a torch.as_tensor and a copy per field cost several times more host time a step)
         self.host_np = {f: t.numpy() for f, t in self.host.items()}
+        self._compact_np = {f: t.numpy() for f, t in self._compact_host.items()}
         self.tables_np = self.host_tables.numpy()
         self._uploaded = torch.cuda.Event() if pin else None
-        self._views: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # tokens() / seqs() per n
+        self._views: dict[tuple, dict[str, torch.Tensor]] = {}  # tokens() / seqs() per n
         self._copy_pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # upload()'s, per T
         self.num_tokens = self.num_seqs = self.width = self.num_pending = self.num_drafts = 0
 
@@ -117,9 +133,10 @@ class StepInputs:
         fill = {"input_ids": 0, "positions": 0, "slot_mapping": self.pad.scratch_row,
                 "seq_lens": 1, "rows": self.pad.sampler_row, "steps": 0, "last_index": 0,
                 "sample_rows": self.pad.sampler_row, "query_start": n_tok, "picks": 0}
+        token_np = self._compact_np if n_tok <= self.compact else self.host_np
         for f in self.FIELDS:
             n = n_tok if f in self.TOKEN_FIELDS else n_seq + (f == "query_start")
-            vals, buf = values[f], self.host_np[f]
+            vals, buf = values[f], (token_np if f in self.TOKEN_FIELDS else self.host_np)[f]
             buf[:len(vals)] = vals
             buf[len(vals):n] = fill[f]
         if pad_tokens is None and n_seq > b:  # decode padding: padded sequence i owns token i
@@ -137,13 +154,14 @@ class StepInputs:
         """Non-blocking copies of the staged rows into the device buffers: the sequence fields
         and pending pairs in one copy, each token field's rows, the drafts' pairs, the tables."""
         nb = self.device.type == "cuda"
-        self._small_dev.copy_(self._small_host, non_blocking=nb)
-        pairs = self._copy_pairs.get(self.num_tokens)
-        if pairs is None:  # slicing costs more host time than the copy call: kept per count
-            n = self.num_tokens
-            pairs = self._copy_pairs[n] = [(self.dev[f][:n], self.host[f][:n]) for f in self.TOKEN_FIELDS]
-        for dst, src in pairs:
-            dst.copy_(src, non_blocking=nb)
+        self._small_dev.copy_(self._small_host, non_blocking=nb)  # a compact step's tokens too
+        if self.num_tokens > self.compact:
+            pairs = self._copy_pairs.get(self.num_tokens)
+            if pairs is None:  # slicing costs more host time than the copy call: kept per count
+                n = self.num_tokens
+                pairs = self._copy_pairs[n] = [(self.dev[f][:n], self.host[f][:n]) for f in self.TOKEN_FIELDS]
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=nb)
         for f in self.DRAFTS:
             if self.num_drafts:
                 self.dev[f][:self.num_drafts].copy_(self.host[f][:self.num_drafts], non_blocking=nb)
@@ -166,16 +184,19 @@ class StepInputs:
         """input_ids[at[i]] = source[src[i]] for the n staged (at, src) pairs of `fields`."""
         if n:
             at, src = (self.dev[f][:n] for f in fields)
-            self.dev["input_ids"].index_copy_(0, at, source.index_select(0, src))
+            self.tokens()["input_ids"].index_copy_(0, at, source.index_select(0, src))
 
     def tokens(self, n: int | None = None) -> dict[str, torch.Tensor]:
         """Device views of the token fields, n rows (default: the staged count). The views
         are kept per n (the buffers never move): a step pays no slicing (a few us of host
         time a view on CUDA). Read-only: do not add keys."""
         n = self.num_tokens if n is None else n
-        views = self._views.get(("tokens", n))
+        compact = self.num_tokens <= self.compact  # where the staged step's tokens went
+        assert not compact or n <= self.compact, f"{n} token rows of a step staged with {self.num_tokens}"
+        views = self._views.get(("tokens", n, compact))
         if views is None:
-            views = self._views[("tokens", n)] = {f: self.dev[f][:n] for f in self.TOKEN_FIELDS}
+            dev = self._compact_dev if compact else self.dev
+            views = self._views[("tokens", n, compact)] = {f: dev[f][:n] for f in self.TOKEN_FIELDS}
         return views
 
     def seqs(self, n: int | None = None) -> dict[str, torch.Tensor]:

@@ -260,3 +260,36 @@ def test_the_flag_is_on_by_default_and_named_as_vllm_names_it():
     EngineConfig.add_cli_args(parser)
     assert EngineConfig.from_cli(parser.parse_args([])).async_scheduling
     assert not EngineConfig.from_cli(parser.parse_args(["--no-async-scheduling"])).async_scheduling
+
+
+def test_short_steps_send_their_tokens_in_the_small_buffer_and_long_ones_apart():
+    """Up to `compact` tokens, a step's token fields are views into the one small buffer (one
+    copy sends them with the sequence fields); a longer step uses the full-length fields.
+    Steps alternate between the two and each reads back what it staged; pending tokens are
+    filled into whichever the step uses."""
+    inputs = StepInputs(400, 4, 2, Padding(0, 0, 4), torch.device("cpu"))
+    assert inputs.compact == 256
+    small = range(inputs._small_dev.data_ptr(), inputs._small_dev.data_ptr() + inputs._small_dev.numel())
+
+    def step(n: int, pending=()):
+        values = {"input_ids": [7 + i for i in range(n)], "positions": list(range(n)),
+                  "slot_mapping": [3 * i for i in range(n)], "seq_lens": [n], "rows": [0], "steps": [n],
+                  "query_start": [0, n], "last_index": [n - 1], "sample_rows": [0], "picks": [0]}
+        inputs.stage(values, [[1]], pending=list(pending))
+        inputs.upload()
+        return values
+
+    for n in (5, 300, 256, 257, 1, 300):
+        values = step(n)
+        tok = inputs.tokens()
+        assert (tok["input_ids"].data_ptr() in small) == (n <= 256), n
+        for f in StepInputs.TOKEN_FIELDS:
+            assert tok[f].tolist() == values[f], (n, f)
+        assert inputs.seqs()["seq_lens"].tolist() == [n]
+    for n in (3, 290):
+        step(n, pending=[(1, 2)])
+        inputs.fill_pending(torch.tensor([40, 41, 42]))
+        assert inputs.tokens()["input_ids"][:3].tolist() == [7, 42, 9], n
+    with pytest.raises(AssertionError):
+        step(4)
+        inputs.tokens(300)  # more rows than a compact step has
