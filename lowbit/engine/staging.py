@@ -48,7 +48,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 COMPACT_TOKENS = 256  # steps of up to this many tokens send their token fields in the small buffer
 
 
