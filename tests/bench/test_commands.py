@@ -1,6 +1,7 @@
 import argparse
 
 import pytest
+import torch
 
 from lowbit.bench.commands import int_list
 from lowbit.cli import main
@@ -95,3 +96,30 @@ def test_ncu_summary_groups_kernels_and_converts_units():
     assert "| _tc_gemv_kernel | 384 |" in mod.format_summary(s)
     with pytest.raises(SystemExit, match="no ncu CSV header"):
         mod.read_ncu_csv("==PROF== nothing profiled\n")
+
+
+def test_graph_launch_cost_counts_the_node_kinds_of_a_graph_dump(tmp_path):
+    """scripts/graph_launch_cost.py --dump: a cudaGraphDebugDotPrint file's node kinds (the
+    upper-case type words of its labels), its edges, and its programmatic-dependency lines.
+    The launch timing itself needs CUDA; without it the script says so and exits."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "graph_launch_cost.py"
+    spec = importlib.util.spec_from_file_location("graph_launch_cost", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    dot = tmp_path / "g.dot"
+    dot.write_text('digraph dot {\n"n0"[label="{KERNEL | {ID | 0} | _tc_gemv_kernel}"];\n'
+                   '"n1"[label="{MEMSET | {ID | 1}}"];\n"n2"[label="{KERNEL | {ID | 2}}"];\n'
+                   '"n0" -> "n1";\n"n1" -> "n2" [label="programmatic"];\n}\n')
+    assert mod.node_kinds(dot) == {"edges": 2, "programmatic": 1, "KERNEL": 2, "MEMSET": 1}
+    if not torch.cuda.is_available():
+        import sys
+        argv = sys.argv
+        try:
+            sys.argv = ["graph_launch_cost.py"]
+            with pytest.raises(SystemExit, match="needs CUDA"):
+                mod.main()
+        finally:
+            sys.argv = argv
