@@ -136,6 +136,9 @@ class NgramIndex:
     VECTOR_FROM = 64  # new positions from which numpy keys them
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.starts: dict[int, dict[int, int]] = {n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)}
         self.done = 0  # n-grams ending before position `done` are indexed
         self.seen: int | None = None  # the token at done - 1 when indexed
@@ -144,7 +147,7 @@ class NgramIndex:
     def lookup(self, ids: list[int], k: int) -> list[int]:
         n_ids = len(ids)
         if n_ids < self.done or (self.done and ids[self.done - 1] != self.seen):
-            self.__init__()
+            self.reset()
         if n_ids - 1 > self.done and not self.scan:
             self._index(ids, self.done, n_ids - 1)
             self.done, self.seen = n_ids - 1, ids[n_ids - 2]

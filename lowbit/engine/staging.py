@@ -77,8 +77,8 @@ class StepInputs:
         # (a few KiB), where one copy a field cost a host-to-device call each
         # a step of up to `compact` tokens (decode buckets, verify steps) keeps its token
         # fields in that buffer too ("@" copies of the fields, at its end): its upload is the
-        # one copy and the tables' (a copy a token field cost 20 us of host time each on the
-        # GPU hosts); longer steps use the full-length fields
+        # one copy and the tables' (on the H200 host the five copies of a verify step took
+        # 121 us); longer steps use the full-length fields
         self.compact = min(max_tokens, COMPACT_TOKENS)
         small = {**{f: max_seqs for f in self.SEQ_FIELDS}, "query_start": max_seqs + 1,
                  **{f: max_seqs for f in self.PENDING},  # pending pairs: [K <= B]
@@ -109,7 +109,6 @@ class StepInputs:
         self.tables_np = self.host_tables.numpy()
         self._uploaded = torch.cuda.Event() if pin else None
         self._views: dict[tuple, dict[str, torch.Tensor]] = {}  # tokens() / seqs() per n
-        self._copy_pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # upload()'s, per T
         self.num_tokens = self.num_seqs = self.width = self.num_pending = self.num_drafts = 0
 
     def stage(self, values: dict[str, list[int]], tables: list[list[int]], pad_to: int = 0,
@@ -154,13 +153,9 @@ class StepInputs:
         and pending pairs in one copy, each token field's rows, the drafts' pairs, the tables."""
         nb = self.device.type == "cuda"
         self._small_dev.copy_(self._small_host, non_blocking=nb)  # a compact step's tokens too
-        if self.num_tokens > self.compact:
-            pairs = self._copy_pairs.get(self.num_tokens)
-            if pairs is None:  # slicing costs more host time than the copy call: kept per count
-                n = self.num_tokens
-                pairs = self._copy_pairs[n] = [(self.dev[f][:n], self.host[f][:n]) for f in self.TOKEN_FIELDS]
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=nb)
+        if self.num_tokens > self.compact:  # a long step: a copy a token field
+            for f in self.TOKEN_FIELDS:
+                self.dev[f][:self.num_tokens].copy_(self.host[f][:self.num_tokens], non_blocking=nb)
         for f in self.DRAFTS:
             if self.num_drafts:
                 self.dev[f][:self.num_drafts].copy_(self.host[f][:self.num_drafts], non_blocking=nb)
