@@ -69,7 +69,10 @@ def main() -> None:
 
         class DebugGraph(base):  # keeps the cudaGraph_t after instantiation, for debug_dump
             def __init__(self, *a, **k) -> None:
-                super().__init__(*a, **k)
+                try:  # torch >= 2.7 drops the cudaGraph_t at instantiation unless told to keep it
+                    super().__init__(*a, keep_graph=True, **k)
+                except TypeError:
+                    super().__init__(*a, **k)
                 self.enable_debug_mode()
 
         torch.cuda.CUDAGraph = DebugGraph
@@ -91,7 +94,7 @@ def main() -> None:
         if args.dump:
             path = args.dump / (re.sub(r"\W+", "_", name) + ".dot")
             g.debug_dump(str(path))
-            row["nodes"] = node_kinds(path)
+            row["nodes"] = node_kinds(path) if path.exists() else "no dump written"
         rows.append(row)
         print(json.dumps(row))
     print(f"device {torch.cuda.get_device_name()}; LOWBIT_PDL as set in the environment; "
