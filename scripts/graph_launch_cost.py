@@ -1,11 +1,12 @@
 """Host cost of one cudaGraphLaunch for each CUDA graph an engine captures: the plain decode
 graphs and the speculative verify step's HIDDEN prefill graphs, at a real config's shape with
-random weights. A verify step's replay span is 166-315 us on the GPU hosts where a plain
-decode graph of as many kernels launches in 21-30 us, idle device or not
-(docs/BENCHMARKS.md "H200 calls at 5991041"); this times each graph's launch call alone, with
-the device idle (synchronized before) and busy (right after another replay of the same
-graph), and with --dump DIR writes each graph's DOT (torch's debug dump) and counts its node
-kinds. Run it once with LOWBIT_PDL=0 too: programmatic launch edges are one difference a
+random weights. A verify step's replay span in the engine is 158-315 us on the GPU hosts
+where a plain decode graph of as many kernels launches in 21-30 us; launched alone here, on an
+idle device, the same verify graph takes 18 us (H100, docs/BENCHMARKS.md "H100 calls at
+f0083c9"), so the engine's cost comes from the state it launches in. This times each graph's
+launch call alone from four device states (`launch_us`: idle, busy, after a pinned copy, after
+an event wait), and with --dump DIR writes each graph's DOT (torch's debug dump) and counts its
+node kinds. Run it once with LOWBIT_PDL=0 too: programmatic launch edges are one difference a
 graph's launch may pay for.
 
     python scripts/graph_launch_cost.py [--config lowbit/model_configs/Qwen__Qwen3-30B-A3B.json]
@@ -27,13 +28,36 @@ import torch
 from lowbit.engine.llm import LLM
 from lowbit.engine.sampling import SamplingParams
 
+STATES = ("idle", "busy", "copy", "event", "switch")
 
-def launch_us(graph: torch.cuda.CUDAGraph, repeats: int, busy: bool) -> list[float]:
+
+def launch_us(graph: torch.cuda.CUDAGraph, repeats: int, state: str,
+              other: torch.cuda.CUDAGraph | None = None) -> list[float]:
+    """Each launch of `graph` alone, from a device state:
+    idle   synchronized before;
+    busy   right after another replay of the same graph (the timed launch queues behind it);
+    copy   synchronized, then a 4 KiB pinned host-to-device copy issued just before (the
+           engine's upload: a verify step launches its graph right after it);
+    event  an event recorded and waited on before (the engine's wait for a step's tokens);
+    switch synchronized after a replay of another graph (`other`: a verify step's bucket
+           changes when its drafts run short)."""
+    host = torch.zeros(4096, dtype=torch.uint8, pin_memory=True)
+    dev = torch.zeros(4096, dtype=torch.uint8, device="cuda")
+    done = torch.cuda.Event()
     out = []
     for _ in range(repeats):
         torch.cuda.synchronize()
-        if busy:
-            graph.replay()  # the timed launch then queues behind a running replay
+        if state == "busy":
+            graph.replay()
+        elif state == "copy":
+            dev.copy_(host, non_blocking=True)
+        elif state == "event":
+            graph.replay()
+            done.record()
+            done.synchronize()
+        elif state == "switch" and other is not None:
+            other.replay()
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         graph.replay()
         out.append(1e6 * (time.perf_counter() - t0))
@@ -87,10 +111,11 @@ def main() -> None:
     graphs += [(f"verify {key[0]}x{key[1]} {key[2]}", g)
                for key, g in spec.engine.runner.prefill_graphs.graphs.items()]
     rows = []
-    for name, g in graphs:
-        idle, busy = launch_us(g, args.repeats, False), launch_us(g, args.repeats, True)
-        row = {"graph": name, "idle_us_median": statistics.median(idle), "idle_us_min": min(idle),
-               "busy_us_median": statistics.median(busy), "busy_us_min": min(busy)}
+    for i, (name, g) in enumerate(graphs):
+        row = {"graph": name}
+        for state in STATES:
+            us = launch_us(g, args.repeats, state, graphs[i - 1][1])
+            row[f"{state}_us_median"], row[f"{state}_us_min"] = round(statistics.median(us), 1), round(min(us), 1)
         if args.dump:
             path = args.dump / (re.sub(r"\W+", "_", name) + ".dot")
             g.debug_dump(str(path))
