@@ -51,6 +51,12 @@ class EngineConfig:
     prefill_graphs: bool = _opt(True, "capture prefill and mixed steps in CUDA graphs too, one per (token, "
                                       "sequence) bucket at its first step (off: they run eagerly, "
                                       "launch-bound; decode graphs stay on)")
+    cuda_graph_capture: str = _opt(
+        "auto", "when CUDA graphs are captured: start (every decode bucket and the prefill buckets, up to "
+                "the graph limit, before the engine is ready, as vLLM does: no request pays for a capture), "
+                "lazy (each bucket at its first step: a faster start, but the first step of each new shape "
+                "waits for its capture); auto: start for lowbit serve, lazy elsewhere",
+        choices=["auto", "start", "lazy"])
     async_scheduling: bool = _opt(True, "schedule and launch step N+1 while the device runs step N, then read "
                                         "step N's tokens (off: each step waits for its tokens before the next "
                                         "is scheduled); steps that cannot overlap run synchronously")

@@ -50,7 +50,7 @@ from lowbit.engine.output import append_token, take_delta
 from lowbit.engine.paged_cache import PagedKVCache, kv_bytes_per_token, parse_kv_dtype, pool_tokens
 from lowbit.engine.request import Request, RequestDelta, RequestRejected
 from lowbit.engine.runner import ModelRunner, PendingOutput, RunnerOutput
-from lowbit.engine.sampling import SamplingParams
+from lowbit.engine.sampling import SampleMode, SamplingParams
 from lowbit.engine.scheduler import Scheduler, SchedulerOutput
 from lowbit.engine.speculative import SpecDecoder, make_spec_decoder
 from lowbit.errors import LowbitError
@@ -164,6 +164,37 @@ class LLMEngine:
             log.warning("async scheduling is off (each step waits for its tokens): %s", self.async_off)
         self.num_overlapped_steps = 0
         self.sync_steps: dict[str, int] = {}  # why a step ran synchronously -> steps
+        self.startup_capture: dict | None = None  # --cuda-graph-capture start: what was captured
+        if self.config.cuda_graph_capture == "start" and self.runner.graphs is not None:
+            self._capture_graphs()
+
+    def startup_modes(self) -> list[SampleMode]:
+        """The sampler modes a start-up capture covers: greedy (deterministic clients and the
+        benches) and the mode of a request that names no sampling field (the model's
+        generation_config over the API defaults), unless that one applies penalties (a
+        penalties graph needs the count table that the first such request builds)."""
+        fields = {k: v for k, v in self.loaded.generation_config.items()
+                  if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") and v is not None}
+        try:
+            default = SamplingParams(**fields)
+        except (TypeError, ValueError, LowbitError):
+            default = SamplingParams()
+        modes = [self.runner.sampling.mode_for([SamplingParams(temperature=0.0)])]
+        mode = self.runner.sampling.mode_for([default])
+        if mode not in modes and not mode.penalties:
+            modes.append(mode)
+        return modes
+
+    def _capture_graphs(self) -> None:
+        modes = self.startup_modes()
+        log.info("capturing CUDA graphs before serving (--cuda-graph-capture start): every decode bucket "
+                 "and the prefill shapes, sampler modes %s", modes)
+        self.startup_capture = r = self.runner.capture_graphs(modes)
+        if r["skipped"]:
+            log.warning("CUDA graphs are captured at their first step, not at start: %s", r["skipped"])
+            return
+        log.info("captured %d decode and %d prefill CUDA graphs in %.1f s", r["decode"], r["prefill"],
+                 r["seconds"])
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.loaded.generation_config.get("eos_token_id") or []) | set(self.arch.eos_token_id)

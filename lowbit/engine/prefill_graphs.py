@@ -28,7 +28,9 @@ replay); any other verify gathers its windows' rows of the logits. Above that si
 verify's logits over each window and its acceptance run after the replay.
 
 A bucket is captured at its first step (a warm-up step first, with torch's sync debug
-mode set to error, as the decode graphs do). At most `max_graphs` are kept: past that,
+mode set to error, as the decode graphs do), or before the engine is ready with
+--cuda-graph-capture start (`ModelRunner.capture_graphs`: padding-only steps of each shape,
+in the order of `capture_order`). At most `max_graphs` are kept: past that,
 steps of a new shape run eagerly, with a WARNING once. Steps that need host-side work
 between layers run eagerly: prompt log-probabilities (every row's logits), speculative
 verification before HIDDEN graphs existed, an expert cache (it routes on the host), and
@@ -50,7 +52,7 @@ from lowbit.kernels.sample_op import sample_rows
 
 log = logging.getLogger("lowbit")
 
-MAX_GRAPHS = 48
+MAX_GRAPHS = 96  # at the defaults (2,048 tokens, 256 sequences) there are 80 shapes a mode
 HIDDEN = "hidden"  # the mode of a verify step's graph: hidden states out, no sampling
 # HIDDEN graphs up to this many tokens also write every row's logits and argmax (lm_head over
 # T' rows: a k = 3 verify at batch 1 runs 4; 64 rows of float32 logits at Qwen3's vocabulary
@@ -99,6 +101,13 @@ class PrefillGraphs:
             return None
         b = next((x for x in self.seq_buckets if x >= num_seqs + (t > num_tokens)), None)
         return None if b is None else (t, b)
+
+    def capture_order(self) -> list[tuple[int, int]]:
+        """Every (T', B') a step that is not a pure decode can pad to, fewest sequences first
+        (the order a start-up capture takes them in: the shapes of one prompt arriving beside
+        few decodes before those of large bursts). Such a step has more tokens than
+        sequences, so B' <= T'."""
+        return [(t, b) for b in self.seq_buckets for t in self.token_buckets if b <= t]
 
     def ready(self, bucket: tuple[int, int], mode=None) -> bool:
         """Whether the step staged for `bucket` replays a graph (capturing it first if new)."""

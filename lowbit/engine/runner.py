@@ -29,6 +29,7 @@ eagerly through the acceptance rule (`_execute_spec`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -164,6 +165,35 @@ class ModelRunner:
 
     def use_graphs(self, pair: tuple[DecodeGraphs | None, PrefillGraphs | None]) -> None:
         self.graphs, self.prefill_graphs = pair
+
+    @torch.inference_mode()
+    def capture_graphs(self, modes: list) -> dict:
+        """Capture now, before any request: every decode bucket in each sampler mode, then the
+        prefill shapes (`PrefillGraphs.capture_order`) in each mode until the prefill graph limit.
+        Each capture runs on a padding-only step (every row the scratch row, block and sampler
+        row: nothing a request owns is read or written), so no request later waits for a
+        capture of these shapes. {"decode": n, "prefill": n, "seconds": s, "skipped": why}."""
+        t0 = time.perf_counter()
+        out = {"decode": 0, "prefill": 0, "seconds": 0.0, "skipped": None}
+        if self.before_forward:
+            out["skipped"] = "steps have host hooks (an expert cache): their graphs are captured at first use"
+            return out
+        empty = {f: [] for f in StepInputs.FIELDS} | {"query_start": [0]}
+        for mode in modes:
+            for b in self.graphs.buckets if self.graphs is not None else []:
+                self.inputs.stage(empty, [], pad_to=b)
+                self.inputs.upload()
+                out["decode"] += self.graphs.ready(b, mode)
+        pre = self.prefill_graphs
+        for mode in modes if pre is not None else []:
+            for t, b in pre.capture_order():
+                if len(pre.graphs) >= pre.max_graphs:
+                    break
+                self.inputs.stage(empty, [], pad_to=b, pad_tokens=t)
+                self.inputs.upload()
+                out["prefill"] += pre.ready((t, b), mode)
+        out["seconds"] = time.perf_counter() - t0
+        return out
 
     # -- sampler rows ---------------------------------------------------------------------
     def _seat(self, req: Request) -> int:

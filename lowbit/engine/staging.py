@@ -142,7 +142,7 @@ class StepInputs:
         elif n_tok > t:  # prefill padding: the padded tokens are sequence b's prompt
             assert n_seq > b, "a padded prefill step needs a padded sequence"
             self.host_np["seq_lens"][b] = n_tok - t
-        width = max(len(row) for row in tables)
+        width = max((len(row) for row in tables), default=1)  # none: a padding-only step
         self.tables_np[:n_seq, :width] = self.pad.scratch_block
         for i, row in enumerate(tables):
             self.tables_np[i, :len(row)] = row

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -28,9 +29,18 @@ from lowbit.server.app import create_app
 log = logging.getLogger("lowbit")
 
 
+def server_config(config: EngineConfig) -> EngineConfig:
+    """The server's defaults over `config`: --cuda-graph-capture auto means start (no request
+    of a server waits for a graph capture)."""
+    if config.cuda_graph_capture == "auto":
+        return dataclasses.replace(config, cuda_graph_capture="start")
+    return config
+
+
 def build(config: EngineConfig):
     """(app, async engine) for `config`; the engine starts loading when the app starts (under
     tensor / expert parallelism, this rank's shard, driving the other ranks)."""
+    config = server_config(config)
     config.validate()
     if config.parallel:  # refused before the server starts, not later in the engine thread
         check_launched(config.tensor_parallel_size, config.expert_parallel_size)
