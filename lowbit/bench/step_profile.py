@@ -20,6 +20,7 @@ sampling, the token read-back) and reports per step:
                   .HostSpans): "read wait" is the host blocked on the device, the rest is
                   host work; with async scheduling it overlaps the device, without it
                   (speculative decoding) the device idles through it
+  host_us_max     the longest single lap of each phase, us: a mean made by one slow lap
   host_calls      the profiled steps' CUDA runtime calls on the host (cudaGraphLaunch,
                   cudaMemcpyAsync, cudaLaunchKernel, cudaEventSynchronize, ...): name, calls
                   and host us a step, the most time first; and host_ops, the count of
@@ -126,7 +127,7 @@ def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64, st
         engine.step()
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    host = engine.spans.per_step_us()
+    host, host_max = engine.spans.per_step_us(), engine.spans.peak_us()
     engine.spans.reset(on=False)
     emitted = sum(r.num_tokens for r in engine.requests.values()) - before
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -139,7 +140,7 @@ def profile_decode(engine, batch: int = 1, steps: int = 8, context: int = 64, st
     while engine.has_unfinished():
         engine.step()
     return {"batch": batch, **_summary(prof, steps, engine.arch.num_layers, 1e6 * wall / steps, 30),
-            "tokens_per_step": emitted / steps, "host_us": host}
+            "tokens_per_step": emitted / steps, "host_us": host, "host_us_max": host_max}
 
 
 def profile_prefill(engine, tokens: int = 512, repeats: int = 2) -> dict | None:
@@ -187,7 +188,10 @@ def format_profile(p: dict) -> str:
     rows = [f"    {n:<80} x{c:<6.1f} {t:8.1f} us" for n, c, t in p["top"]]
     host = []
     if p.get("host_us"):
-        host.append("    host us a step: " + ", ".join(f"{k} {v:.0f}" for k, v in p["host_us"].items()))
+        peak = p.get("host_us_max") or {}
+        host.append("    host us a step (the longest lap where it is over 3x the mean): " + ", ".join(
+            f"{k} {v:.0f}" + (f" (max {peak[k]:.0f})" if peak.get(k, 0) > 3 * v else "")
+            for k, v in p["host_us"].items()))
     if p.get("host_calls"):
         host.append(f"    host CUDA calls a step (profiled; {p['host_ops']:.0f} top-level torch ops): "
                     + ", ".join(f"{n} x{c:.1f} {t:.0f} us" for n, c, t in p["host_calls"]))

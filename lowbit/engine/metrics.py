@@ -77,11 +77,12 @@ class HostSpans:
     def __init__(self) -> None:
         self.on = False
         self.total: Counter = Counter()
+        self.peak: Counter = Counter()  # the longest single lap of each phase, s
         self.steps = 0
         self._t = 0.0
 
     def reset(self, on: bool) -> None:
-        self.on, self.total, self.steps = on, Counter(), 0
+        self.on, self.total, self.peak, self.steps = on, Counter(), Counter(), 0
 
     def start(self) -> None:
         if self.on:
@@ -92,8 +93,14 @@ class HostSpans:
         if self.on:
             now = time.perf_counter()
             self.total[name] += now - self._t
+            self.peak[name] = max(self.peak[name], now - self._t)
             self._t = now
 
     def per_step_us(self) -> dict[str, float]:
         return {k: 1e6 * v / max(self.steps, 1) for k, v in self.total.items()}
+
+    def peak_us(self) -> dict[str, float]:
+        """The longest single lap of each phase, us: a mean that one slow lap makes (a
+        garbage collection, a graph's first launch) shows here as a peak near steps x mean."""
+        return {k: 1e6 * v for k, v in self.peak.items()}
 

@@ -41,3 +41,24 @@ def test_host_calls_rank_runtime_calls_and_count_top_level_ops():
     p = {"batch": 1, "kernels": 10, "per_layer": 2.0, "kernel_us": 120.0, "busy_us": 80.0, "step_us": 88.0,
          "overhead": 1.1, "top": [], "host_us": {"prepare": 5.0}, **out}
     assert "cudaGraphLaunch x1.0 300 us" in format_profile(p)
+
+
+def test_host_spans_keep_each_phases_longest_lap_and_the_footer_names_a_lopsided_one(monkeypatch):
+    from lowbit.engine import metrics
+    from lowbit.engine.metrics import HostSpans
+
+    clock = iter([0.0, 0.000010, 0.000030, 1.0, 1.000010, 1.001010])  # us: replay 20, then 1,000
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    spans = HostSpans()
+    spans.reset(on=True)
+    for _ in range(2):
+        spans.start()
+        spans.lap("prepare")
+        spans.lap("replay")
+    mean, peak = spans.per_step_us(), spans.peak_us()
+    assert round(mean["replay"]) == 510 and round(peak["replay"]) == 1000 and round(peak["prepare"]) == 10
+    p = {"batch": 1, "kernels": 10, "per_layer": 2.0, "kernel_us": 120.0, "busy_us": 80.0, "step_us": 88.0,
+         "overhead": 1.1, "top": [], "host_us": {"prepare": 20.0, "replay": 100.0},
+         "host_us_max": {"prepare": 30.0, "replay": 700.0}}
+    text = format_profile(p)
+    assert "replay 100 (max 700)" in text and "prepare 20," in text and "prepare 20 (max" not in text
