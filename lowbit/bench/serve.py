@@ -197,7 +197,8 @@ async def run_load(cfg: LoadConfig, log=print) -> dict:
 
 STARTUP_SERIES = {"lowbit:startup_seconds": "time_to_ready_s",
                   "lowbit:peak_memory_bytes": "peak_memory_bytes",
-                  "lowbit:kv_cache_tokens": "kv_cache_tokens"}
+                  "lowbit:kv_cache_tokens": "kv_cache_tokens",
+                  "lowbit:graph_capture_seconds": "graph_capture_s"}
 
 
 def server_startup(metrics: dict[str, float] | None) -> dict:
@@ -220,7 +221,8 @@ def startup_line(rec: dict) -> str:
     mem = s.get("peak_memory_bytes")
     return ("server start-up: ready in " + (f"{s['time_to_ready_s']:.1f} s" if "time_to_ready_s" in s else "?")
             + ", peak memory " + (f"{mem / 2**30:.2f} GiB {s.get('peak_memory_bytes_labels', '')}" if mem else "?")
-            + ", KV pool " + (f"{int(s['kv_cache_tokens'])} tokens" if "kv_cache_tokens" in s else "?"))
+            + ", KV pool " + (f"{int(s['kv_cache_tokens'])} tokens" if "kv_cache_tokens" in s else "?")
+            + (f", CUDA graphs captured at start in {s['graph_capture_s']:.1f} s" if "graph_capture_s" in s else ""))
 
 
 async def _warm(client: Client, cfg: LoadConfig, model: str, maker: PromptMaker, prefix,

@@ -48,6 +48,7 @@ def render(engine: LLMEngine | None, model_name: str, startup: StartupReport | N
         _vllm_metrics(vllm, engine)
         _spec_metrics(vllm, engine)
         _block_metrics(own, engine)
+        _graph_metrics(own, engine)
         _draft_length_metrics(own, engine)
         _expert_cache_metrics(own, engine)
     if startup is not None:
@@ -113,6 +114,22 @@ def _block_metrics(out: Exposition, engine: LLMEngine) -> None:
                [({}, blocks.num_free_blocks)])
     out.metric("kv_cache_blocks", "gauge", "KV cache blocks in the pool.", [({}, blocks.num_total_blocks)])
     out.metric("kv_cache_tokens", "gauge", "Tokens the KV cache pool holds.", [({}, engine.kv_cache.num_tokens)])
+
+
+def _graph_metrics(out: Exposition, engine: LLMEngine) -> None:
+    """CUDA graphs held now (decode and prefill) and the start-up capture's seconds: a count
+    that grows between two scrapes means a request waited for a capture."""
+    runner = getattr(engine, "runner", None)
+    held = [(kind, holder) for kind, holder in (("decode", getattr(runner, "graphs", None)),
+                                                ("prefill", getattr(runner, "prefill_graphs", None)))
+            if holder is not None]
+    if held:
+        out.metric("cuda_graphs", "gauge", "CUDA graphs captured so far, by kind.",
+                   [({"kind": kind}, len(holder.graphs)) for kind, holder in held])
+    cap = getattr(engine, "startup_capture", None)
+    if cap is not None:
+        out.metric("graph_capture_seconds", "gauge", "Seconds the start-up CUDA graph capture took "
+                   "(--cuda-graph-capture start).", [({}, round(cap["seconds"], 3))])
 
 
 def _expert_cache_metrics(out: Exposition, engine: LLMEngine) -> None:

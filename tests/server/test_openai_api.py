@@ -165,3 +165,29 @@ def test_streamed_logprobs_match_the_non_streamed_ones(server, echo):
     assert merged["tokens"] == whole.logprobs.tokens
     assert merged["text_offset"] == whole.logprobs.text_offset
     assert merged["token_logprobs"] == pytest.approx(whole.logprobs.token_logprobs, abs=1e-4)
+
+
+def test_graph_gauges_count_the_graphs_held_and_the_start_up_capture():
+    """lowbit:cuda_graphs counts each holder's graphs now (a count that grows between two
+    scrapes: a request waited for a capture); graph_capture_seconds is the start-up capture's
+    time, which `bench serve` keeps in its start-up line."""
+    from types import SimpleNamespace
+
+    from lowbit.bench.client import parse_prometheus
+    from lowbit.bench.serve import server_startup, startup_line
+    from lowbit.server.metrics import Exposition, _graph_metrics
+
+    runner = SimpleNamespace(graphs=SimpleNamespace(graphs={(1, None): 0, (2, None): 0}),
+                             prefill_graphs=SimpleNamespace(graphs={(16, 1, None): 0}))
+    out = Exposition("m", "lowbit")
+    _graph_metrics(out, SimpleNamespace(runner=runner, startup_capture={"seconds": 3.214}))
+    parsed = parse_prometheus("\n".join(out.lines) + "\n")
+    assert parsed['lowbit:cuda_graphs{model_name="m",kind="decode"}'] == 2
+    assert parsed['lowbit:cuda_graphs{model_name="m",kind="prefill"}'] == 1
+    assert parsed['lowbit:graph_capture_seconds{model_name="m"}'] == 3.214
+    up = server_startup({'lowbit:graph_capture_seconds{model_name="m"}': 3.214, "lowbit:startup_seconds": 20.0})
+    assert "captured at start in 3.2 s" in startup_line({"server_startup": up})
+    out = Exposition("m", "lowbit")
+    _graph_metrics(out, SimpleNamespace(runner=SimpleNamespace(graphs=None, prefill_graphs=None),
+                                        startup_capture=None))
+    assert out.lines == []  # the CPU: no graphs, no series
