@@ -14,7 +14,9 @@
 # Knobs (env): CONFIG, QUANT (nvfp4), PORT (8011), BUDGET_S (540), REPEATS (3), CELLS
 # ("-p 512 -n 128 -d 0,32768"), T_LATENCY (170: each Qwen3 latency stage's cap),
 # CONCURRENCY (1,2,4,8,16,32), LONG_CONTEXT (32768),
-# INPUT_LEN (128), OUTPUT_LEN (32), DEVICE (empty: cuda when present), DTYPE (auto: bf16 on a GPU).
+# INPUT_LEN (128), OUTPUT_LEN (32), DEVICE (empty: cuda when present), DTYPE (auto: bf16 on a GPU),
+# SERVE_FLAGS (more flags for lowbit serve, e.g. "--cuda-graph-capture lazy" for the A/B of the
+# start-up capture).
 # LONG_CONTEXT=0 skips the long-context serving level; the server's --max-num-seqs is the
 # largest CONCURRENCY level, its KV pool KV_TOKENS tokens (empty, the default: sized from
 # --gpu-memory-utilization, as a user's; records before e03c42b used 262144, which bf16
@@ -88,7 +90,8 @@ fi
 if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
     say "start lowbit serve on port $PORT"
     "${LB[@]}" serve x "${COMMON[@]}" --port "$PORT" --served-model-name campaign-random \
-        --max-num-seqs "$MAX_SEQS" ${KV_TOKENS:+--kv-cache-tokens "$KV_TOKENS"} > "$WORK/logs/serve.log" 2>&1 &
+        --max-num-seqs "$MAX_SEQS" ${KV_TOKENS:+--kv-cache-tokens "$KV_TOKENS"} ${SERVE_FLAGS:-} \
+        > "$WORK/logs/serve.log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 180); do
         healthy && break
