@@ -15,6 +15,7 @@ its last delta (finish_reason "abort").
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -158,6 +159,11 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             self.engine = self._factory()
+            # the model, its routes and the tokenizer are hundreds of thousands of objects that
+            # live as long as the process: out of the collector's reach, a full collection
+            # while serving no longer walks them (135 ms for the demo engine's heap on the CPU)
+            gc.collect()
+            gc.freeze()
             while self._apply_commands(block=not self.engine.has_unfinished()):
                 if self.engine.has_unfinished():
                     for delta in self.engine.step():

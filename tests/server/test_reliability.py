@@ -346,3 +346,31 @@ def test_sigterm_aborts_streams_that_outlive_the_timeout_and_exits_0(tiny_model,
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_engine_thread_freezes_the_heap_once_the_engine_is_built():
+    """Objects that live as long as the server (the model, routes, tokenizer) leave the
+    collector's reach once the engine is built, so a full collection while serving does not
+    walk them; the freeze comes after the engine exists, so the engine is among them."""
+    import gc
+
+    seen = {}
+
+    class Probe:
+        def has_unfinished(self):
+            return False
+
+    def factory():
+        gc.unfreeze()  # whatever an earlier server froze
+        seen["probe"] = Probe()
+        return seen["probe"]
+
+    engine = AsyncLLMEngine(factory, max_queued_requests=1)
+    try:
+        engine.start()
+        wait_for(lambda: engine.is_ready and gc.get_freeze_count() > 0, what="the frozen heap")
+        assert engine.engine is seen["probe"]
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # the interpreter's and the test session's objects, the probe among them
+    finally:
+        gc.unfreeze()  # the daemon engine thread waits for commands; the test session's heap is its own again
