@@ -51,7 +51,8 @@
 #              (LOWBIT_ROUTE_LATENT_ATTENTION=torch), unfused (the mla_rope and act ops on
 #              their torch twins)
 #   launch     scripts/graph_launch_cost.py at the Qwen3-30B-A3B shape, $QUANT: each captured decode and
-#              verify graph's launch call alone (idle and busy device), with LOWBIT_PDL=1 then 0, the
+#              verify graph's launch call alone (idle, busy, after a copy, an event wait, another graph),
+#              with LOWBIT_PDL=1 then 0 (LAUNCH_PDL="1": on only), the
 #              graphs' DOT dumps and node kinds in the archive
 #   spec       speculative decoding: the demo with ngram and its draft (k = 3, SPEC_DEMO_K="1 2 3 4"
 #              one run a k; SPEC_DEMO=0 skips them), and the synthetic 0.7 acceptance cell at the Qwen3-30B-A3B shape,
@@ -309,7 +310,7 @@ c.update(num_hidden_layers=4, num_nextn_predict_layers=1); json.dump(c, open('/t
 fi
 
 if has launch; then  # each captured graph's cudaGraphLaunch alone, idle and busy, PDL on and off
-  for pdl in 1 0; do
+  for pdl in ${LAUNCH_PDL:-1 0}; do  # LAUNCH_PDL="1": the default only
     echo "== launch: graph launch cost, $QUANT, LOWBIT_PDL=$pdl" | tee -a "$OUT/launch.log"
     LOWBIT_PDL=$pdl timeout "${T_LAUNCH:-150}" python3 scripts/graph_launch_cost.py --config "$CONFIG" \
       --quantization "$QUANT" --dump "$RES/graphs_pdl$pdl" 2>&1 | grep --line-buffered -v "^loading" \
