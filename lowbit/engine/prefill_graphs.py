@@ -83,7 +83,9 @@ class PrefillGraphs:
         self.model, self.inputs, self.sampling, self.kv_cache = model, inputs, sampling, kv_cache
         self.device, self.pool_owner, self.max_graphs = device, pool_owner, max_graphs
         self.token_buckets = token_buckets(max_tokens)
-        self.seq_buckets = seq_buckets(max_num_seqs)
+        # one more than --max-num-seqs: a full batch whose tokens pad to a bucket needs the padded
+        # tokens' own sequence (without it such steps of a full batch ran eagerly, launch-bound)
+        self.seq_buckets = seq_buckets(max_num_seqs + 1)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.eager: dict[tuple, str] = {}  # (T', B', mode) -> why its steps run eagerly
         self.full = False  # max_graphs reached (warned once)

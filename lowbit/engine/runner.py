@@ -126,8 +126,10 @@ class ModelRunner:
         max_blocks = -(-max_model_len // kv_cache.block_size)
         max_tokens = max(max_num_batched_tokens or max_model_len, max_num_seqs)
         pad = Padding(kv_cache.scratch_row, kv_cache.scratch_block, self.sampling.scratch_row)
-        self.inputs = StepInputs(max_tokens, max_num_seqs, max_blocks, pad, device)
+        # sequence rows for a full batch and a prefill bucket's padded prompt
+        self.inputs = StepInputs(max_tokens, max_num_seqs + 1, max_blocks, pad, device)
         self._prefill_bucket: tuple[int, int] | None = None  # the staged step's prefill graph bucket
+        self._unbucketed_warned = False
         self.graphs_off = graphs_wanted(model, device, enforce_eager)
         if self.graphs_off is not None and device.type == "cuda":
             log.warning("decode CUDA graphs are off (every decode step runs eagerly, slowly): %s",
@@ -346,7 +348,12 @@ class ModelRunner:
             return None
         if any(r.wants_prompt_logprobs for r, _ in scheduled):
             return None
-        return self.prefill_graphs.bucket_for(starts[-1], len(scheduled))
+        bucket = self.prefill_graphs.bucket_for(starts[-1], len(scheduled))
+        if bucket is None and not self._unbucketed_warned:  # the scheduler's limits should prevent it
+            self._unbucketed_warned = True
+            log.warning("a step of %d tokens over %d sequences fits no prefill graph bucket: such steps run "
+                        "eagerly (slow)", starts[-1], len(scheduled))
+        return bucket
 
     def _sample_eager(self, scheduled: list[tuple[Request, int]], batch: ForwardBatch,
                       hidden: torch.Tensor, mode) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ def test_bucket_for_pads_a_sequence_for_the_padded_tokens():
     assert g.bucket_for(512, 1) == (512, 1)  # exact: no padded sequence
     assert g.bucket_for(500, 1) == (512, 2)  # 12 padded tokens form sequence 1
     assert g.bucket_for(2048, 8) == (2048, 8)
-    assert g.bucket_for(2047, 8) is None  # no room for the padded sequence
+    assert g.bucket_for(2047, 8) == (2048, 9)  # a full batch: the padded sequence is the ninth
     assert g.bucket_for(2049, 1) is None
 
 
@@ -85,7 +85,7 @@ class StaticPrefill(PrefillGraphs):
 
 
 def install_static(runner, max_tokens: int) -> None:
-    """Give the runner a StaticPrefill of buckets up to max_tokens tokens and 4 sequences."""
+    """Give the runner a StaticPrefill of buckets up to max_tokens tokens and 4 sequences (5 rows)."""
     runner.prefill_graphs = StaticPrefill(runner.model, runner.inputs, runner.sampling, runner.kv_cache,
                                           max_tokens, 4, runner.device, SimpleNamespace(pool=None))
     runner.prefill_graphs.shapes = []
@@ -169,3 +169,19 @@ def test_refusal_names_the_route(monkeypatch):
     assert "torch" in attention_op.prefill_graph_refusal("latent_attention")
     monkeypatch.setenv("LOWBIT_ROUTE_ATTENTION", "torch")
     assert "LOWBIT_ROUTE_ATTENTION=torch" in attention_op.prefill_graph_refusal("attention")
+
+
+def test_a_full_batch_pads_into_the_extra_sequence_bucket(device_read_prefill):
+    """--max-num-seqs requests at once: a mixed step of all of them whose tokens pad to a
+    bucket needs one more sequence row (the padded prompt); it replays the (T', max + 1)
+    graph with the eager engine's tokens instead of running eagerly."""
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    prompts = PROMPTS + ["Four at once, so the batch is full"]
+    kw = dict(device="cpu", kv_cache_tokens=512, max_num_batched_tokens=16, max_num_seqs=4)
+    want = [o.outputs[0].token_ids for o in LLM("demo", **kw).generate(prompts, sp)]
+    llm = LLM("demo", **kw)
+    r = llm.engine.runner
+    install_static(r, 16)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert got == want
+    assert (16, 5) in r.prefill_graphs.shapes, r.prefill_graphs.shapes

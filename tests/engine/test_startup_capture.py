@@ -107,7 +107,8 @@ def test_a_startup_capture_touches_only_the_scratch_rows_and_gives_the_eager_tok
     assert out["decode"] == 2 * len(h.dec.buckets) == 2 * 3 and out["skipped"] is None
     assert [(b, m) for b, m, _, _ in h.dec.staged] == [(b, m) for m in modes for b in (1, 2, 4)]
     order = h.pre.capture_order()
-    assert order == [(t, 1) for t in (2, 4, 8, 16)] + [(t, 2) for t in (2, 4, 8, 16)] + [(t, 4) for t in (4, 8, 16)]
+    assert order == [(t, 1) for t in (2, 4, 8, 16)] + [(t, 2) for t in (2, 4, 8, 16)] + \
+        [(t, 4) for t in (4, 8, 16)] + [(8, 5), (16, 5)]  # 5: four sequences and the padded prompt
     assert out["prefill"] == 2 * len(order) and [(t, b, m) for t, b, m, _, _ in h.pre.staged] == \
         [(t, b, m) for m in modes for t, b in order]
     for b, _, seqs, toks in h.dec.staged:
