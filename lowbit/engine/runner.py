@@ -39,7 +39,12 @@ from lowbit.engine.batch import ForwardBatch
 from lowbit.engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from lowbit.engine.metrics import HostSpans
 from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
-from lowbit.engine.prefill_graphs import HIDDEN, PrefillGraphs, prefill_graphs_wanted
+from lowbit.engine.prefill_graphs import (
+    HIDDEN,
+    STARTUP_GRAPHS,
+    PrefillGraphs,
+    prefill_graphs_wanted,
+)
 from lowbit.engine.request import Request, TokenLogprob
 from lowbit.engine.sampling import SamplingState, token_logprobs
 from lowbit.engine.scheduler import SchedulerOutput
@@ -171,7 +176,8 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_graphs(self, modes: list) -> dict:
         """Capture now, before any request: every decode bucket in each sampler mode, then the
-        prefill shapes (`PrefillGraphs.capture_order`) in each mode until the prefill graph limit.
+        prefill shapes (`PrefillGraphs.capture_order`) in each mode, up to STARTUP_GRAPHS of them
+        (the graph limit keeps room for the modes a start does not cover).
         Each capture runs on a padding-only step (every row the scratch row, block and sampler
         row: nothing a request owns is read or written), so no request later waits for a
         capture of these shapes. {"decode": n, "prefill": n, "seconds": s, "skipped": why}."""
@@ -189,7 +195,7 @@ class ModelRunner:
         pre = self.prefill_graphs
         for mode in modes if pre is not None else []:
             for t, b in pre.capture_order():
-                if len(pre.graphs) >= pre.max_graphs:
+                if len(pre.graphs) >= min(pre.max_graphs, STARTUP_GRAPHS):
                     break
                 self.inputs.stage(empty, [], pad_to=b, pad_tokens=t)
                 self.inputs.upload()

@@ -133,6 +133,20 @@ def test_the_prefill_limit_caps_a_startup_capture(device_read_attention):
     assert out["prefill"] == 5 and list(h.pre.graphs) == [(*s, SampleMode()) for s in h.pre.capture_order()[:5]]
 
 
+def test_a_startup_capture_leaves_room_for_the_modes_it_did_not_cover(device_read_attention, monkeypatch):
+    from lowbit.engine import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "STARTUP_GRAPHS", 3)
+    llm = LLM("demo", device="cpu", kv_cache_tokens=512, max_num_batched_tokens=16, max_num_seqs=4)
+    h = eager_holders(llm, max_seqs=4, max_tokens=16, max_graphs=5)
+    assert h.runner.capture_graphs([SampleMode()])["prefill"] == 3
+    filters = SampleMode(random=True, filters=True)  # a top-p request's steps, later
+    h.runner.inputs.stage({f: [] for f in StepInputs.FIELDS} | {"query_start": [0]}, [], pad_to=1, pad_tokens=16)
+    with torch.inference_mode():  # as the runner's steps run
+        assert h.pre.ready((16, 1), filters)
+    assert (16, 1, filters) in h.pre.graphs and len(h.pre.graphs) == 4
+
+
 def test_an_engine_with_host_hooks_captures_at_first_use():
     llm = LLM("demo", device="cpu", kv_cache_tokens=512, max_num_seqs=4)
     h = eager_holders(llm, max_seqs=4, max_tokens=16)

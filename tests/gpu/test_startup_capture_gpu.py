@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lowbit.engine.prefill_graphs import STARTUP_GRAPHS
 from tests.gpu.engines import GPU_ONLY, cuda_engine
 
 pytestmark = GPU_ONLY
@@ -46,7 +47,7 @@ def test_a_startup_capture_serves_a_run_with_the_lazy_engines_tokens(moe_dir, sa
     r, cap = eager_start.runner, eager_start.startup_capture
     modes = eager_start.startup_modes()
     assert cap["skipped"] is None and cap["decode"] == len(r.graphs.buckets) * len(modes), cap
-    assert cap["prefill"] == min(len(r.prefill_graphs.capture_order()) * len(modes), r.prefill_graphs.max_graphs)
+    assert cap["prefill"] == min(len(r.prefill_graphs.capture_order()) * len(modes), STARTUP_GRAPHS)
     assert not r.graphs.eager and not r.prefill_graphs.eager
     before = (set(r.graphs.graphs), set(r.prefill_graphs.graphs))
     mode = r.sampling.mode_for([params])
