@@ -110,20 +110,24 @@ def device_read_prefill(monkeypatch) -> list[tuple[int, int]]:
     return seen
 
 
+def static_against_eager(prompts: list[str], sp: SamplingParams) -> list[tuple]:
+    """The demo in 16-token steps over 4 sequences, with a StaticPrefill, gives the eager
+    engine's tokens; the shapes its prefill steps ran at."""
+    kw = dict(device="cpu", kv_cache_tokens=512, max_num_batched_tokens=16, max_num_seqs=4)
+    want = [o.outputs[0].token_ids for o in LLM("demo", **kw).generate(prompts, sp)]
+    llm = LLM("demo", **kw)
+    install_static(llm.engine.runner, 16)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert got == want
+    return llm.engine.runner.prefill_graphs.shapes
+
+
 @pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=0.8, seed=3, repetition_penalty=1.2)])
 def test_padded_prefill_steps_give_the_eager_tokens(device_read_prefill, params):
     """Chunked prompts beside decodes (16-token steps): every step that is not a pure decode
     runs the prefill step function on the bucket's padded inputs; greedy and seeded sampled
     tokens (with penalties, which count on the sampler rows) are the eager engine's."""
-    sp = SamplingParams(max_tokens=8, ignore_eos=True, **params)
-    kw = dict(device="cpu", kv_cache_tokens=512, max_num_batched_tokens=16, max_num_seqs=4)
-    want = [o.outputs[0].token_ids for o in LLM("demo", **kw).generate(PROMPTS, sp)]
-    llm = LLM("demo", **kw)
-    r = llm.engine.runner
-    install_static(r, 16)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
-    assert got == want
-    shapes = r.prefill_graphs.shapes
+    shapes = static_against_eager(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True, **params))
     assert shapes and all(t == 16 for t, _ in shapes), shapes
     assert any(b > 1 for _, b in shapes)  # mixed steps (chunks beside decodes, or a padded prompt)
     assert device_read_prefill and all(t == 16 for t, _ in device_read_prefill)
@@ -175,13 +179,6 @@ def test_a_full_batch_pads_into_the_extra_sequence_bucket(device_read_prefill):
     """--max-num-seqs requests at once: a mixed step of all of them whose tokens pad to a
     bucket needs one more sequence row (the padded prompt); it replays the (T', max + 1)
     graph with the eager engine's tokens instead of running eagerly."""
-    sp = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
     prompts = PROMPTS + ["Four at once, so the batch is full"]
-    kw = dict(device="cpu", kv_cache_tokens=512, max_num_batched_tokens=16, max_num_seqs=4)
-    want = [o.outputs[0].token_ids for o in LLM("demo", **kw).generate(prompts, sp)]
-    llm = LLM("demo", **kw)
-    r = llm.engine.runner
-    install_static(r, 16)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    assert got == want
-    assert (16, 5) in r.prefill_graphs.shapes, r.prefill_graphs.shapes
+    shapes = static_against_eager(prompts, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0))
+    assert (16, 5) in shapes, shapes

@@ -34,3 +34,16 @@ def finish_without_syncs(engine) -> None:
             engine.step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def run_staggered(engine, prompts, params, stagger: int = 3) -> list[list[int]]:
+    """Requests arrive `stagger` steps apart, so chunks run beside decodes (mixed steps);
+    each request's output token ids."""
+    reqs, pending = [], list(prompts)
+    while pending or engine.has_unfinished():
+        if pending:
+            reqs.append(engine.add_request(pending.pop(0), params))
+        for _ in range(stagger):
+            if engine.has_unfinished():
+                engine.step()
+    return [r.output_token_ids for r in reqs]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.engines import GPU_ONLY, cuda_engine, finish_without_syncs
+from tests.gpu.engines import GPU_ONLY, cuda_engine, finish_without_syncs, run_staggered
 
 pytestmark = GPU_ONLY
 
@@ -24,18 +24,6 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def _run(engine, prompts, params, stagger: int = 3) -> list[list[int]]:
-    """Requests arrive `stagger` steps apart, so chunks run beside decodes (mixed steps)."""
-    reqs, pending = [], list(prompts)
-    while pending or engine.has_unfinished():
-        if pending:
-            reqs.append(engine.add_request(pending.pop(0), params))
-        for _ in range(stagger):
-            if engine.has_unfinished():
-                engine.step()
-    return [r.output_token_ids for r in reqs]
-
-
 @pytest.mark.parametrize("sampler", [dict(temperature=0.0), dict(temperature=0.9, seed=7, repetition_penalty=1.1)])
 def test_prefill_graph_tokens_equal_eager_tokens(moe_dir, sampler):
     from lowbit import SamplingParams
@@ -46,7 +34,7 @@ def test_prefill_graph_tokens_equal_eager_tokens(moe_dir, sampler):
     for on in (True, False):
         engine = _engine(moe_dir, prefill_graphs=on)
         assert (engine.runner.prefill_graphs is not None) == on, engine.runner.prefill_graphs_off
-        outs[on] = _run(engine, prompts, params)
+        outs[on] = run_staggered(engine, prompts, params)
         if on:
             pg = engine.runner.prefill_graphs
             assert not pg.eager, pg.eager

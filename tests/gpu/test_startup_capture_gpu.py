@@ -11,24 +11,13 @@ import pytest
 import torch
 
 from lowbit.engine.prefill_graphs import STARTUP_GRAPHS
-from tests.gpu.engines import GPU_ONLY, cuda_engine
+from tests.gpu.engines import GPU_ONLY, cuda_engine, run_staggered
 
 pytestmark = GPU_ONLY
 
 
 def _engine(path, **kw):
     return cuda_engine(path, **{**dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=1024), **kw})
-
-
-def _run(engine, prompts, params, stagger: int = 3) -> list[list[int]]:
-    reqs, pending = [], list(prompts)
-    while pending or engine.has_unfinished():
-        if pending:
-            reqs.append(engine.add_request(pending.pop(0), params))
-        for _ in range(stagger):
-            if engine.has_unfinished():
-                engine.step()
-    return [r.output_token_ids for r in reqs]
 
 
 @pytest.mark.parametrize("sampler", [dict(temperature=0.0), dict(temperature=0.9, seed=7)])
@@ -41,7 +30,7 @@ def test_a_startup_capture_serves_a_run_with_the_lazy_engines_tokens(moe_dir, sa
     params = SamplingParams(max_tokens=8, ignore_eos=True, **sampler)
     lazy = _engine(moe_dir, cuda_graph_capture="lazy")
     assert not lazy.runner.graphs.graphs and lazy.startup_capture is None
-    want = _run(lazy, prompts, params)
+    want = run_staggered(lazy, prompts, params)
 
     eager_start = _engine(moe_dir, cuda_graph_capture="start")
     r, cap = eager_start.runner, eager_start.startup_capture
@@ -52,10 +41,10 @@ def test_a_startup_capture_serves_a_run_with_the_lazy_engines_tokens(moe_dir, sa
     before = (set(r.graphs.graphs), set(r.prefill_graphs.graphs))
     mode = r.sampling.mode_for([params])
     if mode in modes:
-        got = _run(eager_start, prompts, params)
+        got = run_staggered(eager_start, prompts, params)
         assert (set(r.graphs.graphs), set(r.prefill_graphs.graphs)) == before  # nothing captured mid-run
         assert r.prefill_graphs.replays > 0
     else:  # a mode the start did not cover is captured at its first step, as before
-        got = _run(eager_start, prompts, params)
+        got = run_staggered(eager_start, prompts, params)
         assert set(r.graphs.graphs) > before[0]
     assert got == want
