@@ -52,8 +52,8 @@ class EngineConfig:
                                       "sequence) bucket at its first step (off: they run eagerly, "
                                       "launch-bound; decode graphs stay on)")
     cuda_graph_capture: str = _opt(
-        "auto", "when CUDA graphs are captured: start (every decode bucket and the prefill buckets, up to "
-                "the graph limit, before the engine is ready, as vLLM does: no request pays for a capture), "
+        "auto", "when CUDA graphs are captured: start (every decode bucket and up to 96 prefill buckets, in "
+                "greedy and the default request's sampler mode, before the engine is ready, as vLLM does: no request pays for a capture), "
                 "lazy (each bucket at its first step: a faster start, but the first step of each new shape "
                 "waits for its capture); auto: start for lowbit serve, lazy elsewhere",
         choices=["auto", "start", "lazy"])
