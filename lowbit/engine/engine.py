@@ -49,8 +49,8 @@ from lowbit.engine.metrics import EngineStats, HostSpans
 from lowbit.engine.output import append_token, take_delta
 from lowbit.engine.paged_cache import PagedKVCache, kv_bytes_per_token, parse_kv_dtype, pool_tokens
 from lowbit.engine.request import Request, RequestDelta, RequestRejected
-from lowbit.engine.runner import ModelRunner, PendingOutput, RunnerOutput
-from lowbit.engine.sampling import SampleMode, SamplingParams
+from lowbit.engine.runner import NO_GRAPHS, ModelRunner, PendingOutput, RunnerOutput
+from lowbit.engine.sampling import SampleMode, SamplingParams, model_sampling_defaults
 from lowbit.engine.scheduler import Scheduler, SchedulerOutput
 from lowbit.engine.speculative import SpecDecoder, make_spec_decoder
 from lowbit.errors import LowbitError
@@ -165,7 +165,7 @@ class LLMEngine:
         self.num_overlapped_steps = 0
         self.sync_steps: dict[str, int] = {}  # why a step ran synchronously -> steps
         self.startup_capture: dict | None = None  # --cuda-graph-capture start: what was captured
-        if self.config.cuda_graph_capture == "start" and self.runner.graphs is not None:
+        if self.config.cuda_graph_capture == "start":
             self._capture_graphs()
 
     def startup_modes(self) -> list[SampleMode]:
@@ -173,10 +173,8 @@ class LLMEngine:
         benches) and the mode of a request that names no sampling field (the model's
         generation_config over the API defaults), unless that one applies penalties (a
         penalties graph needs the count table that the first such request builds)."""
-        fields = {k: v for k, v in self.loaded.generation_config.items()
-                  if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") and v is not None}
         try:
-            default = SamplingParams(**fields)
+            default = SamplingParams(**model_sampling_defaults(self.loaded.generation_config))
         except (TypeError, ValueError, LowbitError):
             default = SamplingParams()
         modes = [self.runner.sampling.mode_for([SamplingParams(temperature=0.0)])]
@@ -186,10 +184,10 @@ class LLMEngine:
         return modes
 
     def _capture_graphs(self) -> None:
-        modes = self.startup_modes()
-        log.info("capturing CUDA graphs before serving (--cuda-graph-capture start): every decode bucket "
-                 "and the prefill shapes, sampler modes %s", modes)
-        self.startup_capture = r = self.runner.capture_graphs(modes)
+        r = self.runner.capture_graphs(self.startup_modes())
+        if r["skipped"] == NO_GRAPHS:  # the CPU, --enforce-eager: nothing to capture
+            return
+        self.startup_capture = r
         if r["skipped"]:
             log.warning("CUDA graphs are captured at their first step, not at start: %s", r["skipped"])
             return

@@ -52,6 +52,7 @@ from lowbit.engine.staging import Padding, StepInputs
 from lowbit.kernels.sample_op import sample_rows
 
 log = logging.getLogger("lowbit")
+NO_GRAPHS = "no CUDA graphs (the CPU, --enforce-eager or a model that refuses them)"
 
 
 @dataclass
@@ -183,12 +184,17 @@ class ModelRunner:
         capture of these shapes. {"decode": n, "prefill": n, "seconds": s, "skipped": why}."""
         t0 = time.perf_counter()
         out = {"decode": 0, "prefill": 0, "seconds": 0.0, "skipped": None}
+        if self.graphs is None:
+            out["skipped"] = NO_GRAPHS
+            return out
         if self.before_forward:
             out["skipped"] = "steps have host hooks (an expert cache): their graphs are captured at first use"
             return out
+        log.info("capturing CUDA graphs before serving (--cuda-graph-capture start): every decode bucket "
+                 "and the prefill shapes, sampler modes %s", modes)
         empty = {f: [] for f in StepInputs.FIELDS} | {"query_start": [0]}
         for mode in modes:
-            for b in self.graphs.buckets if self.graphs is not None else []:
+            for b in self.graphs.buckets:
                 self.inputs.stage(empty, [], pad_to=b)
                 self.inputs.upload()
                 out["decode"] += self.graphs.ready(b, mode)

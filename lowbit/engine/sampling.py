@@ -22,8 +22,8 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.kernels.sample_op import SampleMode, apply_penalties, filter_logits
 
-__all__ = ["SamplingParams", "SamplingState", "SampleMode", "apply_penalties", "filter_logits",
-           "penalize", "token_logprobs"]
+__all__ = ["MODEL_DEFAULTS", "SamplingParams", "SamplingState", "SampleMode", "apply_penalties", "filter_logits",
+           "model_sampling_defaults", "penalize", "token_logprobs"]
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -36,6 +36,16 @@ def _is_int(v) -> bool:
 
 def _refuse(msg: str):
     raise LowbitError(msg)
+
+
+# the sampling fields a model's generation_config.json may recommend (a request that leaves
+# one out takes the model's value: the server, and a start-up graph capture's default mode)
+MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(generation_config: dict) -> dict:
+    """The sampling settings a model's generation_config.json recommends."""
+    return {k: generation_config[k] for k in MODEL_DEFAULTS if generation_config.get(k) is not None}
 
 
 @dataclass

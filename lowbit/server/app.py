@@ -22,6 +22,7 @@ from lowbit.config import EngineConfig
 from lowbit.engine.async_engine import AsyncLLMEngine, EngineUnavailable, QueueFull
 from lowbit.engine.prompt import PromptEncoder
 from lowbit.engine.request import RequestRejected
+from lowbit.engine.sampling import model_sampling_defaults
 from lowbit.errors import LowbitError
 from lowbit.server import metrics, serving, startup
 from lowbit.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, error_body
@@ -30,7 +31,6 @@ from lowbit.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    model_sampling_defaults,
 )
 
 log = logging.getLogger("lowbit")

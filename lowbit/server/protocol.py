@@ -18,19 +18,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from lowbit.engine.request import RequestRejected
-from lowbit.engine.sampling import SamplingParams
+from lowbit.engine.sampling import MODEL_DEFAULTS, SamplingParams
 from lowbit.errors import LowbitError
 
 log = logging.getLogger("lowbit")
 
 PromptType = str | list[int] | list[str] | list[list[int]]
-MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
-
-
-def model_sampling_defaults(generation_config: dict) -> dict:
-    """The sampling settings a model's generation_config.json recommends."""
-    return {k: generation_config[k] for k in MODEL_DEFAULTS if generation_config.get(k) is not None}
 
 
 def checked_params(fields: dict, names: dict[str, str]) -> SamplingParams:

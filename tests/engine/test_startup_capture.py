@@ -14,6 +14,7 @@ from lowbit import LLM, SamplingParams
 from lowbit.config import EngineConfig
 from lowbit.engine.cuda_graphs import DecodeGraphs
 from lowbit.engine.prefill_graphs import PrefillGraphs
+from lowbit.engine.runner import NO_GRAPHS
 from lowbit.engine.sampling import SampleMode
 from lowbit.engine.staging import Padding, StepInputs
 from lowbit.kernels import routes
@@ -182,3 +183,4 @@ def test_serve_captures_at_start_and_the_others_at_first_use():
     assert server_config(EngineConfig(cuda_graph_capture="lazy")).cuda_graph_capture == "lazy"
     llm = LLM("demo", device="cpu", kv_cache_tokens=512, max_num_seqs=4, cuda_graph_capture="start")
     assert llm.engine.startup_capture is None  # no graphs on the CPU: nothing to capture
+    assert llm.engine.runner.capture_graphs([SampleMode()])["skipped"] == NO_GRAPHS

@@ -1,7 +1,8 @@
 import pytest
 
+from lowbit.engine.sampling import model_sampling_defaults
 from lowbit.errors import LowbitError
-from lowbit.server.protocol import ChatCompletionRequest, CompletionRequest, model_sampling_defaults
+from lowbit.server.protocol import ChatCompletionRequest, CompletionRequest
 
 GEN = {"do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.95, "eos_token_id": [0, 2]}
 
