@@ -191,8 +191,9 @@ class LLMEngine:
         if r["skipped"]:
             log.warning("CUDA graphs are captured at their first step, not at start: %s", r["skipped"])
             return
-        log.info("captured %d decode and %d prefill CUDA graphs in %.1f s", r["decode"], r["prefill"],
-                 r["seconds"])
+        log.info("captured %d decode and %d prefill CUDA graphs in %.1f s (decode %.1f s, prefill %.1f s; "
+                 "slowest %.2f s: %s)", r["decode"], r["prefill"], r["seconds"], r["decode_seconds"],
+                 r["prefill_seconds"], *r["slowest"])
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.loaded.generation_config.get("eos_token_id") or []) | set(self.arch.eos_token_id)

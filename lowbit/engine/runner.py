@@ -181,9 +181,21 @@ class ModelRunner:
         (the graph limit keeps room for the modes a start does not cover).
         Each capture runs on a padding-only step (every row the scratch row, block and sampler
         row: nothing a request owns is read or written), so no request later waits for a
-        capture of these shapes. {"decode": n, "prefill": n, "seconds": s, "skipped": why}."""
+        capture of these shapes. {"decode": n, "prefill": n, "seconds": s, "decode_seconds": s,
+        "prefill_seconds": s, "slowest": [seconds, "kind shape mode"], "skipped": why}."""
         t0 = time.perf_counter()
-        out = {"decode": 0, "prefill": 0, "seconds": 0.0, "skipped": None}
+        out = {"decode": 0, "prefill": 0, "seconds": 0.0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
+               "slowest": [0.0, ""], "skipped": None}
+
+        def timed(kind: str, ready, shape, mode) -> int:
+            t = time.perf_counter()
+            n = ready(shape, mode)
+            dt = time.perf_counter() - t
+            out[f"{kind}_seconds"] += dt
+            if dt > out["slowest"][0]:
+                out["slowest"] = [dt, f"{kind} {shape} {mode}"]
+            return n
+
         if self.graphs is None:
             out["skipped"] = NO_GRAPHS
             return out
@@ -197,7 +209,7 @@ class ModelRunner:
             for b in self.graphs.buckets:
                 self.inputs.stage(empty, [], pad_to=b)
                 self.inputs.upload()
-                out["decode"] += self.graphs.ready(b, mode)
+                out["decode"] += timed("decode", self.graphs.ready, b, mode)
         pre = self.prefill_graphs
         for mode in modes if pre is not None else []:
             for t, b in pre.capture_order():
@@ -205,7 +217,7 @@ class ModelRunner:
                     break
                 self.inputs.stage(empty, [], pad_to=b, pad_tokens=t)
                 self.inputs.upload()
-                out["prefill"] += pre.ready((t, b), mode)
+                out["prefill"] += timed("prefill", pre.ready, (t, b), mode)
         out["seconds"] = time.perf_counter() - t0
         return out
 
