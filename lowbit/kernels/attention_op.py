@@ -46,23 +46,35 @@ from lowbit.kernels.attention import (
     reference_latent_attention,
     reference_paged_attention,
 )
-from lowbit.kernels.latent import MAX_LATENT, MAX_ROPE_DIM, latent_decode, latent_prefill
+from lowbit.kernels.latent import (
+    MAX_LATENT,
+    MAX_ROPE_DIM,
+    latent_decode,
+    latent_prefill,
+    latent_splits,
+)
 from lowbit.kernels.runtime import capability, triton_refusal
 
 BENCH = "docs/BENCHMARKS.md#attention"
 ENGINE_RECORD = ("docs/BENCHMARKS.md#decode-graph (engine tg at the Qwen3-30B-A3B shape, H200: the torch "
                  "route kept decode eager at 15.1 tok/s bf16; with this route graphs capture: 224-235)")
 GRAPH_SAFE_DECODE = ("triton_paged_decode", "triton_paged")  # routes a captured decode may run
-GRAPH_SAFE_LATENT_DECODE = ("triton_latent_decode",)
+GRAPH_SAFE_LATENT_DECODE = ("triton_latent_decode_uv", "triton_latent_decode")
 GRAPH_SAFE_LATENT_PREFILL = ("triton_latent_prefill",)
 GRAPH_SAFE_PREFILL = ("triton_paged_prefill", "triton_paged")  # read the staged query_start
-DECODE_ONLY = ("triton_paged_decode", "triton_latent_decode")
+DECODE_ONLY = ("triton_paged_decode", "triton_latent_decode_uv", "triton_latent_decode")
 LATENT_RECORD = ("docs/BENCHMARKS.md#decode-graph (DeepSeek-V2-Lite bf16, H200: the torch route keeps "
                  "decode eager at 13.4 tok/s, 61.8 ms a step for 5.0 ms of kernels; this route is what "
                  "lets the step be captured; its own engine record is still to be taken)")
 LATENT_PREFILL_RECORD = ("docs/BENCHMARKS.md#decode-graph (DeepSeek-V2-Lite bf16, H200: the torch route "
                          "loops over sequences with host lengths, prefill steps eager; this route is "
                          "what lets them be captured; its engine record is still to be taken)")
+LATENT_UV_RECORD = ("no GPU record yet: it takes the W_UV batched GEMM (a cuBLAS split-K GEMM and its "
+                    "reduce a layer at DeepSeek-V2-Lite C1, H100) into the reduce launch; checked against "
+                    "the unfused route in tests/kernels/test_latent_attention.py")
+# the fused reduce reads W_UV[h] once per (token, head): 2 MiB a token at V2-Lite / V3 (from
+# L2 after the first), where the batched GEMM reads it once a step; kept to small decode batches
+LATENT_UV_MAX_TOKENS = 16
 MAX_HEAD_DIM = 256
 
 
@@ -225,6 +237,19 @@ class LatentCall:
     scale: float
     forced: bool = False
     written: bool = False  # the paged pool already holds c_kv / k_pe (the mla_rope op wrote them)
+    # [H, Dv, C] (unit column stride): the value up-projection W_UV. Given, the op returns
+    # o[t, h] = W_UV[h] @ context[t, h], [T, H, Dv], instead of the latent context
+    w_uv: torch.Tensor | None = None
+
+
+def _up(call: LatentCall, ctx: torch.Tensor) -> torch.Tensor:
+    """The op's output from the latent context [T, H, C]: itself, or W_UV applied per head
+    (one batched GEMM over heads; strided views, no copies)."""
+    if call.w_uv is None:
+        return ctx
+    o = ctx.new_empty(ctx.shape[0], ctx.shape[1], call.w_uv.shape[1])
+    torch.bmm(ctx.transpose(0, 1), call.w_uv.transpose(1, 2), out=o.transpose(0, 1))  # [H, T, Dv]
+    return o
 
 
 def _run_latent_torch(call: LatentCall) -> torch.Tensor:
@@ -246,7 +271,7 @@ def _run_latent_torch(call: LatentCall) -> torch.Tensor:
             assert start == 0, "a step over cached context needs a KV cache"
             kb, pb = call.c_kv[s:e], call.k_pe[s:e]
         out[s:e] = reference_latent_attention(call.q_lat[s:e], call.q_pe[s:e], kb, pb, start, call.scale)
-    return out
+    return _up(call, out)
 
 
 def _admit_latent_decode(call: LatentCall) -> str | None:
@@ -275,29 +300,61 @@ def _admit_latent(call: LatentCall) -> str | None:
     return None
 
 
-def _run_latent_decode(call: LatentCall) -> torch.Tensor:
-    """Write the step's latent at the slot mapping (device-side), then the split-KV kernel."""
-    batch, layer = call.batch, f"layers.{call.layer_idx}.attn"
+def _latent_pool(call: LatentCall) -> KVPool:
+    """The layer's pool, the step's latent written into it at the slot mapping (device-side)
+    unless the mla_rope op did."""
+    batch = call.batch
     c_kv, k_pe = call.c_kv[:, None], call.k_pe[:, None]  # [T, 1, C], [T, 1, Dr]
     pool = KVPool(*batch.kv_cache.layer_pool(call.layer_idx, c_kv, k_pe))
     if not call.written:
-        kv_write(c_kv, k_pe, pool, batch.slot_mapping, layer=layer)
-    return latent_decode(call.q_lat, call.q_pe, pool, batch.block_tables, batch.seq_lens, call.scale)
+        kv_write(c_kv, k_pe, pool, batch.slot_mapping, layer=f"layers.{call.layer_idx}.attn")
+    return pool
+
+
+def _run_latent_decode(call: LatentCall) -> torch.Tensor:
+    """The split-KV kernel and its reduce; W_UV (when given) as a batched GEMM after."""
+    pool, batch = _latent_pool(call), call.batch
+    return _up(call, latent_decode(call.q_lat, call.q_pe, pool, batch.block_tables, batch.seq_lens, call.scale))
+
+
+def _admit_latent_decode_uv(call: LatentCall) -> str | None:
+    if call.w_uv is None:
+        return "no W_UV given: the op returns the latent context"
+    t = call.q_lat.shape[0]
+    if t > LATENT_UV_MAX_TOKENS:
+        return f"{t} tokens > {LATENT_UV_MAX_TOKENS}: W_UV as one batched GEMM reads it once a step"
+    reason = _admit_latent_decode(call)
+    if reason is not None:
+        return reason
+    w = call.w_uv
+    if w.dtype != call.q_lat.dtype or w.stride(-1) != 1 or w.shape[0] != call.q_lat.shape[1] \
+            or w.shape[2] != call.q_lat.shape[2]:
+        return f"W_UV {list(w.shape)} {w.dtype} does not fit queries {list(call.q_lat.shape)} {call.q_lat.dtype}"
+    pool = KVPool(*call.batch.kv_cache.layer_pool(call.layer_idx, call.c_kv[:, None], call.k_pe[:, None]))
+    if latent_splits(call.q_lat, pool, call.batch.block_tables) == 1:
+        return "one split: the split kernel writes the context itself (W_UV as a batched GEMM)"
+    return None
+
+
+def _run_latent_decode_uv(call: LatentCall) -> torch.Tensor:
+    """The split-KV kernel, then the reduce with W_UV applied in the same launch."""
+    pool, batch = _latent_pool(call), call.batch
+    return latent_decode(call.q_lat, call.q_pe, pool, batch.block_tables, batch.seq_lens, call.scale,
+                         w_uv=call.w_uv)
 
 
 def _run_latent_prefill(call: LatentCall) -> torch.Tensor:
     """Write the step's latents at the slot mapping, then one query per token over its prefix."""
-    batch, layer = call.batch, f"layers.{call.layer_idx}.attn"
-    c_kv, k_pe = call.c_kv[:, None], call.k_pe[:, None]
-    pool = KVPool(*batch.kv_cache.layer_pool(call.layer_idx, c_kv, k_pe))
-    if not call.written:
-        kv_write(c_kv, k_pe, pool, batch.slot_mapping, layer=layer)
+    pool, batch = _latent_pool(call), call.batch
     starts = batch.query_start_dev
     if starts is None:
         starts = _starts_on_device(batch.query_start, call.q_lat.device)
-    return latent_prefill(call.q_lat, call.q_pe, pool, batch.block_tables, batch.seq_lens, starts, call.scale)
+    return _up(call, latent_prefill(call.q_lat, call.q_pe, pool, batch.block_tables, batch.seq_lens, starts,
+                                    call.scale))
 
 
+routes.register("latent_attention", routes.Route(
+    "triton_latent_decode_uv", routes.DEFAULT, LATENT_UV_RECORD, _admit_latent_decode_uv, _run_latent_decode_uv))
 routes.register("latent_attention", routes.Route(
     "triton_latent_decode", routes.DEFAULT, LATENT_RECORD, _admit_latent_decode, _run_latent_decode))
 routes.register("latent_attention", routes.Route(
@@ -308,7 +365,8 @@ routes.register("latent_attention", routes.Route(
 
 
 def latent_attention(call: LatentCall, *, layer: str = "") -> torch.Tensor:
-    """MLA's latent context [T, H, C] for a flat batch, by the route the registry picks."""
+    """MLA's latent context [T, H, C] for a flat batch (with call.w_uv: W_UV applied, [T, H,
+    Dv]), by the route the registry picks."""
     return routes.dispatch("latent_attention", call, layer)
 
 

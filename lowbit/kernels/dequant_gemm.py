@@ -160,12 +160,13 @@ def _gemv_kernel(
     codes_ptr, table_ptr, tidx_ptr, ab_ptr, scales_ptr, offs_ptr,
     M, N, K, KW, w_split, stride_xm, stride_ym, stride_cw, stride_sn, stride_on, g, one_bits,
     ids_ptr, tw_ptr, A, stride_ce, stride_te, stride_se, stride_oe, SPLIT_K, order_ptr,
+    sh_base, sh_ce, sh_cw, sh_gap,
     BITS: tl.constexpr, DECODE: tl.constexpr, SCALE_KIND: tl.constexpr, B: tl.constexpr,
     SROWS: tl.constexpr, HAS_TIDX: tl.constexpr, HAS_AB: tl.constexpr, HAS_OFFS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, MOE: tl.constexpr,
     SWIGLU: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, COMBINE: tl.constexpr,
-    ORDER: tl.constexpr,
+    ORDER: tl.constexpr, NSH: tl.constexpr,
 ):
     # MOE = 1 (expert FC1) / 2 (expert FC2): program axis 2 is a routed slot s (BM = 1);
     # the weight is expert ids[s] of a stack, the activation row is x[s // A] (FC1) or
@@ -177,6 +178,12 @@ def _gemv_kernel(
     # before the routing weight. Outputs are per slot: y [S, N].
     # ORDER (MOE modes): program axis 2 takes slot order[i], the slots sorted by expert, so the
     # programs reading one expert's weights run next to each other (its repeats hit L2).
+    # NSH > 0 (MOE modes, dense weights; not with ORDER or HAS_BIAS): each token has A + NSH
+    # slots, s = t * (A + NSH) + j; slots j < A are routed (ids / tw at t * A + j), slot
+    # A + c is shared expert c at weight 1.0, read from another tensor: row r of its matrix
+    # at word sh_base + c * sh_ce + r * sh_cw + (r >= N / 2) * sh_gap, sh_base counted from
+    # codes_ptr (DeepSeek's merged [gate | up] rows: sh_gap jumps from expert c's gate rows
+    # to its up rows; the down projection's column block c: sh_ce = I, sh_gap = 0).
     # y[m, n] = g * alpha_n * sum_w s[w, n] * (p[w, n] + beta_n / alpha_n * xs[w]) + sum_w o * xs
     # codes per 32-bit word (3-bit: per 24-bit group; dense bf16: 2 weights per word)
     CPW: tl.constexpr = 2 if BITS == 16 else (4 if BITS == 8 else 8)
@@ -189,11 +196,27 @@ def _gemv_kernel(
     rmask = rows < N
     e = 0
     xrow = pid_m * BM
+    AT = A + NSH  # slots a token
+    slot_w = 1.0
     if MOE > 0:
-        e = tl.load(ids_ptr + pid_m).to(tl.int64)
+        if NSH == 0:
+            e = tl.load(ids_ptr + pid_m).to(tl.int64)
+            if MOE == 2:
+                slot_w = tl.load(tw_ptr + pid_m)
+        else:
+            j = pid_m % AT
+            routed = j < A
+            r_slot = (pid_m // AT) * A + j
+            e = tl.load(ids_ptr + r_slot, mask=routed, other=0).to(tl.int64)
+            if MOE == 2:
+                slot_w = tl.load(tw_ptr + r_slot, mask=routed, other=1.0)
         if MOE == 1:
-            xrow = pid_m // A
+            xrow = pid_m // AT
     row_off = e * stride_ce + rows.to(tl.int64) * stride_cw
+    if NSH > 0:
+        sh_row = (sh_base + (j - A).to(tl.int64) * sh_ce + rows.to(tl.int64) * sh_cw
+                  + tl.where(rows >= N // 2, sh_gap, 0))
+        row_off = tl.where(routed, row_off, sh_row)
     srow_off = e * stride_se + (rows // SROWS).to(tl.int64) * stride_sn
     orow_off = e * stride_oe + rows.to(tl.int64) * stride_on
     if HAS_TIDX:
@@ -311,7 +334,7 @@ def _gemv_kernel(
             y += tl.reshape(tl.join(tl.join(tl.sum(aco0, 0), tl.sum(aco2, 0)),
                                     tl.join(tl.sum(aco1, 0), tl.sum(aco3, 0))), (BN, 4))
     if MOE == 2:
-        y = y * tl.load(tw_ptr + pid_m)  # the bias gets it in _bias_col
+        y = y * slot_w  # the bias gets it in _bias_col
     ms = m0 + tl.arange(0, BM)
     ymask = rmask[:, None] & (ms < M)[None, :]
     yoff = ms[None, :] * stride_ym + rows[:, None]
@@ -320,14 +343,14 @@ def _gemv_kernel(
             y += _bias_col(bias_ptr, e, rows, rmask, N, tw_ptr, pid_m, MOE)
         tl.store(y_ptr + yoff, y.to(y_ptr.dtype.element_ty), mask=ymask)
     elif COMBINE:  # MOE 2: the token's A slots x SPLIT_K partials meet in the workspace
-        tok = pid_m // A
+        tok = pid_m // AT
         tile = tok * tl.num_programs(0) + pid_n
         arrived = _publish(ws_ptr, ms[None, :] * N + rows[:, None], y, ymask, pid_k, M * N,
                            sem_ptr, tile)
-        if arrived == SPLIT_K * A - 1:  # the last one sums slot by slot, splits in order
+        if arrived == SPLIT_K * AT - 1:  # the last one sums slot by slot, splits in order
             tot = tl.zeros([BN, 1], tl.float32)
-            for slot in range(A):
-                sj = tok * A + slot
+            for slot in range(AT):
+                sj = tok * AT + slot
                 sl = _sum_splits(ws_ptr, sj * N + rows[:, None], rmask[:, None], M * N, SPLIT_K,
                                  tl.zeros([BN, 1], tl.float32))
                 if HAS_BIAS:
@@ -526,12 +549,12 @@ def lut_gemv(x: torch.Tensor, w: LutWeight | Fp8View, bias: torch.Tensor | None 
         x, y, x if bias is None else bias, ws, sem,
         codes, a.table, a.tidx, a.ab, a.scales, a.offs,
         m, n, k, kw, w_split, x.stride(0), y.stride(0), stride_cw, a.stride_sn, a.stride_on,
-        a.g, 0x3F800000, x, x, 1, 0, 0, 0, 0, split, x,
+        a.g, 0x3F800000, x, x, 1, 0, 0, 0, 0, split, x, 0, 0, 0, 0,
         BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
         SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
         HAS_BIAS=bias is not None, BM=bm, BN=bn, G=cfg["G"], SPLIT=split > 1,
         ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=0,
-        SWIGLU=False, LIMIT=0.0, ALPHA=0.0, COMBINE=False, ORDER=False,
+        SWIGLU=False, LIMIT=0.0, ALPHA=0.0, COMBINE=False, ORDER=False, NSH=0,
         num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 1),
     )

@@ -38,6 +38,11 @@ so a decode step can be captured in a CUDA graph and replayed at other lengths):
       from the same device length and chunk formula as the split kernel, so a short context
       under a wide (graph-static) S reads only the partials that hold keys (at B = 1 and
       S = 128 over 512 keys: 16 of 128), and C is spread over several programs a head.
+  _latent_reduce_uv_kernel grid (B, H, ceil(Dv / BV)) (MLA decode with W_UV given): the
+      same merge, in two passes (the merged max and denominator over the live splits, then
+      the context BCR columns at a time), each column block rounded to the output dtype and
+      multiplied by W_UV[h]'s rows v at once: out [B, H, Dv] with no [B, H, C] round trip and
+      no separate batched GEMM (which cuBLAS ran as a split-K GEMM and its reduce).
 Invariants: every key tile a program visits holds at least one visible key (n0 < end), so
 each row's running max is finite after it; every live split holds a key (split 0 holds
 key 0: seq_lens >= 1), so the merged max and denominator are finite and > 0. Masked loads never touch pool rows past
@@ -67,6 +72,7 @@ from lowbit.kernels.runtime import interpreting, tl, triton
 LATENT_CFG = dict(BH=16, BN=32, num_warps=8, num_stages=2)  # sm_90: 111 registers, no spill
 REDUCE_SPLITS = 16  # RS: partials merged per tile by the reduce kernel
 REDUCE_COLS = 128  # BCR: latent columns per reduce program (C = 512: 4 programs a head)
+UV_ROWS = 64  # BV: W_UV rows (output values) per program of the fused reduce (Dv = 128: 2 a head)
 MAX_LATENT = 1024  # C above this would not fit a program's registers (DeepSeek: 512)
 MAX_ROPE_DIM = 256
 
@@ -169,6 +175,51 @@ def _latent_reduce_kernel(part_ptr, ml_ptr, lens_ptr, out_ptr, S, stride_ot, str
     tl.store(out_ptr + b * stride_ot + h * stride_oh + c, (num / den).to(out_ptr.dtype.element_ty), mask=cmask)
 
 
+@triton.jit
+def _latent_reduce_uv_kernel(part_ptr, ml_ptr, lens_ptr, w_ptr, out_ptr, S, stride_wh, stride_wv,
+                             stride_ot, stride_oh, H: tl.constexpr, C: tl.constexpr, DV: tl.constexpr,
+                             BC: tl.constexpr, BCR: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+                             RS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    v = tl.program_id(2) * BV + tl.arange(0, BV)
+    vmask = v < DV
+    seq_len = tl.load(lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, S), BN) * BN  # the split kernel's
+    live = tl.cdiv(seq_len, chunk)
+    base = (b * H + h) * S
+    # pass 1: the merged max and denominator (every live split holds a key: both finite, den > 0)
+    m_run = tl.max(tl.full([RS], float("-inf"), tl.float32), 0)
+    den = tl.sum(tl.zeros([RS], tl.float32), 0)
+    for s0 in range(0, live, RS):
+        t = s0 + tl.arange(0, RS)
+        tmask = t < live
+        m_t = tl.load(ml_ptr + (base + t) * 2, mask=tmask, other=float("-inf"))
+        l_t = tl.load(ml_ptr + (base + t) * 2 + 1, mask=tmask, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_t, 0))
+        den = den * tl.math.exp2(m_run - m_new) + tl.sum(l_t * tl.math.exp2(m_t - m_new), 0)
+        m_run = m_new
+    # pass 2, BCR latent columns at a time: the context, rounded to the output dtype as the
+    # unfused path stores it, times W_UV's rows v of head h
+    acc = tl.zeros([BV], tl.float32)
+    for c0 in range(0, C, BCR):
+        c = c0 + tl.arange(0, BCR)
+        cmask = c < C
+        num = tl.zeros([BCR], tl.float32)
+        for s0 in range(0, live, RS):
+            t = s0 + tl.arange(0, RS)
+            tmask = t < live
+            wt = tl.math.exp2(tl.load(ml_ptr + (base + t) * 2, mask=tmask, other=float("-inf")) - m_run)
+            p = tl.load(part_ptr + (base + t)[:, None] * BC + c[None, :], mask=tmask[:, None] & cmask[None, :],
+                        other=0.0)  # [RS, BCR]
+            num += tl.sum(p * wt[:, None], 0)
+        o = (num / den).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + h * stride_wh + v[:, None] * stride_wv + c[None, :],
+                    mask=vmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # [BV, BCR]
+        acc += tl.sum(w * o[None, :], 1)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + v, acc.to(out_ptr.dtype.element_ty), mask=vmask)
+
+
 def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, out: torch.Tensor, seq_idx: torch.Tensor | None) -> None:
     B, H, C = q_lat.shape
@@ -197,22 +248,40 @@ def _workspace(numel: int, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, device=device)
 
 
+def latent_splits(q_lat: torch.Tensor, pool: KVPool, block_tables: torch.Tensor,
+                  config: dict | None = None) -> int:
+    """S, the splits of one sequence's context latent_decode uses: from host shapes only."""
+    B, H, _ = q_lat.shape
+    NH = triton.cdiv(H, {**LATENT_CFG, **(config or {})}["BH"])
+    return decode_splits(B, NH, block_tables.shape[1] * pool.block_size, q_lat.device)
+
+
 def latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                   num_splits: int | None = None, config: dict | None = None,
-                  seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+                  seq_idx: torch.Tensor | None = None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence: q_lat [B, H, C], q_pe [B, H, Dr] (row b = sequence b's last
     token, whose latent is already in the pool) -> latent context [B, H, C] in q_lat's dtype.
     With seq_idx [B] int32, query b reads block-table row seq_idx[b] instead of row b (the
-    prefill form: latent_prefill), over its own length seq_lens[b]."""
-    out = torch.empty_like(q_lat) if out is None else out
-    _check(q_lat, q_pe, pool, block_tables, seq_lens, out, seq_idx)
+    prefill form: latent_prefill), over its own length seq_lens[b].
+    w_uv [H, Dv, C] (MLA's value up-projection, unit column stride; S > 1): the reduce
+    launch also applies it, out[b, h] = W_UV[h] @ context[b, h] -> [B, H, Dv], with the
+    context rounded to q_lat's dtype first, as a separate product would read it."""
     B, H, C = q_lat.shape
+    if w_uv is not None:
+        assert w_uv.shape[0] == H and w_uv.shape[2] == C and w_uv.stride(-1) == 1 and w_uv.dtype == q_lat.dtype
+        out = q_lat.new_empty(B, H, w_uv.shape[1]) if out is None else out
+        assert out.shape == (B, H, w_uv.shape[1]) and out.stride(-1) == 1
+        _check(q_lat, q_pe, pool, block_tables, seq_lens, q_lat, seq_idx)
+    else:
+        out = torch.empty_like(q_lat) if out is None else out
+        _check(q_lat, q_pe, pool, block_tables, seq_lens, out, seq_idx)
     Dr = q_pe.shape[-1]
     cfg = {**LATENT_CFG, **(config or {})}
     BH, BC = cfg["BH"], max(16, triton.next_power_of_2(C))
     NH = triton.cdiv(H, BH)
-    S = num_splits or decode_splits(B, NH, block_tables.shape[1] * pool.block_size, q_lat.device)
+    S = num_splits or latent_splits(q_lat, pool, block_tables, config)
+    assert w_uv is None or S > 1, "the W_UV product rides in the reduce launch: S > 1"
     part = _workspace(B * H * S * BC if S > 1 else 1, q_lat.device)
     ml = _workspace(B * H * S * 2 if S > 1 else 1, q_lat.device)
     fp8 = pool.is_fp8
@@ -228,7 +297,13 @@ def latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_t
         BN=cfg["BN"], DIRECT=S == 1, FP8=fp8, IEEE=q_lat.dtype == torch.float32 or interpreting(),
         HAS_SEQ=seq_idx is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if S > 1:
+    if w_uv is not None:
+        Dv = w_uv.shape[1]
+        BV = min(UV_ROWS, triton.next_power_of_2(Dv))
+        launch.run(_latent_reduce_uv_kernel, (B, H, triton.cdiv(Dv, BV)), part, ml, seq_lens, w_uv, out, S,
+                   w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1), H=H, C=C, DV=Dv, BC=BC,
+                   BCR=min(BC, REDUCE_COLS), BV=BV, BN=cfg["BN"], RS=REDUCE_SPLITS, num_warps=4)
+    elif S > 1:
         BCR = min(BC, REDUCE_COLS)
         launch.run(_latent_reduce_kernel, (B, H, triton.cdiv(C, BCR)), part, ml, seq_lens, out, S,
                    out.stride(0), out.stride(1), H=H, C=C, BC=BC, BCR=BCR, BN=cfg["BN"], RS=REDUCE_SPLITS,

@@ -46,6 +46,7 @@ from lowbit.kernels.decode import (
     weight_args,
 )
 from lowbit.kernels.dequant_gemm import _gemv_codes, _gemv_kernel, gated_act, split_plan
+from lowbit.kernels.moe_layout import DenseShared
 from lowbit.kernels.moe_slots import (
     SlotSum,
     combine_slots,
@@ -103,6 +104,38 @@ def bias_refusal(x: torch.Tensor, w13: Resolved, w2: Resolved, b13: torch.Tensor
 
 MODE_DECODE = 0
 MODE_GROUPED = 1
+
+
+def dense_shared_refusal(w13: Resolved, w2: Resolved, shared: DenseShared) -> str | None:
+    """Why the shared MLP cannot ride in the routed gemv launches, or None."""
+    if not isinstance(w13, DenseWeight) or not isinstance(w2, DenseWeight):
+        return f"routed experts are {type(w13).__name__}: the in-launch shared slots read dense stacks"
+    gu, dn, n = shared.gate_up, shared.down, shared.n
+    inter = w13.n // 2
+    if gu.dtype != w13.w.dtype or dn.dtype != w2.w.dtype or gu.device != w13.w.device:
+        return f"shared weights are {gu.dtype} on {gu.device}, routed {w13.w.dtype} on {w13.w.device}"
+    if n < 1 or tuple(gu.shape) != (2 * n * inter, w13.kp) or tuple(dn.shape) != (w2.n, n * inter):
+        return f"shared gate_up {list(gu.shape)} / down {list(dn.shape)} are not {n} experts of width {inter}"
+    if not (gu.is_contiguous() and dn.is_contiguous()) or gu.element_size() != 2 or inter % 2:
+        return "shared weights must be contiguous 16-bit tensors of an even expert width"
+    return None
+
+
+def _shared_args(w: Resolved, shared: DenseShared | None, fc: int) -> tuple[int, int, int, int]:
+    """(sh_base, sh_ce, sh_cw, sh_gap) in 32-bit words for _gemv_kernel's shared slots of
+    FC `fc` (1: gate_up, 2: down); sh_base is counted from w's words (another allocation:
+    the kernel adds it to the routed pointer, as CUDA's flat address space allows)."""
+    if shared is None:
+        return 0, 0, 0, 0
+    words, _, _ = _gemv_codes(w)
+    t = shared.gate_up if fc == 1 else shared.down
+    delta = t.data_ptr() - words.data_ptr()
+    assert delta % 4 == 0, "16-bit weights start on 32-bit words"
+    inter = w.n // 2 if fc == 1 else w.kp
+    if fc == 1:  # rows: expert c's gate rows at c I, its up rows S - I further on
+        row = t.shape[1] // 2
+        return delta // 4, inter * row, row, (shared.n - 1) * inter * row
+    return delta // 4, inter // 2, t.shape[1] // 2, 0  # down: column block c
 
 
 @triton.jit
@@ -371,14 +404,18 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Re
 
 def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
              ids_flat: torch.Tensor, tw: torch.Tensor, a_top: int, cfg: dict,
-             bias: torch.Tensor | None, act: dict, order: torch.Tensor | None = None) -> None:
+             bias: torch.Tensor | None, act: dict, order: torch.Tensor | None = None,
+             shared: DenseShared | None = None) -> None:
     """One expert layer as per-slot GEMVs from rows of x (see dequant_gemm._gemv_kernel,
     MOE modes 1 and 2); bias [E, N] or None. FC1 (moe 1): y [S, N] float32; FC2 (moe 2):
     y [T, N], each token's A slots summed in order (COMBINE). order: the slots sorted by
-    expert, the launch order of the programs (None: slot order)."""
+    expert, the launch order of the programs (None: slot order). shared: each token has
+    shared.n more slots after its A routed ones (S = T * (A + n))."""
     a = weight_args(w)
     codes, stride_cw, kw = _gemv_codes(w)
-    s = ids_flat.numel()
+    nsh = 0 if shared is None else shared.n
+    assert nsh == 0 or (bias is None and order is None)
+    s = ids_flat.numel() // a_top * (a_top + nsh)
     n = y.shape[1]
     combine = moe == 2
     bn = min(cfg["BN"], 16) if a.has_offs else cfg["BN"]
@@ -392,11 +429,11 @@ def _gemv_fc(x: torch.Tensor, w: Resolved, k: int, y: torch.Tensor, moe: int,
         x, y, _bias_arg(bias, x), ws, sem, codes, a.table, a.tidx, a.ab, a.scales, a.offs,
         s, n, k, kw, w_split, x.stride(0), y.stride(0), stride_cw, a.stride_sn, a.stride_on,
         a.g, 0x3F800000, ids_flat, tw, a_top, codes.stride(0), a.stride_te, a.stride_se,
-        a.stride_oe, split, ids_flat if order is None else order, BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
+        a.stride_oe, split, ids_flat if order is None else order, *_shared_args(w, shared, moe), BITS=a.bits, DECODE=a.decode, SCALE_KIND=a.scale_kind, B=a.block,
         SROWS=a.srows, HAS_TIDX=a.has_tidx, HAS_AB=a.has_ab, HAS_OFFS=a.has_offs,
         HAS_BIAS=bias is not None, BM=1, BN=bn, G=cfg["G"], SPLIT=split > 1,
         ASM=not interpreting(), PREFETCH=cfg.get("PREFETCH", True), MOE=moe, COMBINE=combine, **act,
-        ORDER=order is not None,
+        ORDER=order is not None, NSH=nsh,
         num_warps=cfg.get("num_warps", 4), num_stages=1,
     )
 
@@ -405,20 +442,26 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
                    w2: Resolved, config: dict | None = None,
                    out: torch.Tensor | None = None, *, b13: torch.Tensor | None = None,
                    b2: torch.Tensor | None = None,
-                   activation: MoeActivation | None = None) -> torch.Tensor:
+                   activation: MoeActivation | None = None,
+                   shared: DenseShared | None = None) -> torch.Tensor:
     """Decode as per-slot GEMVs (LUT, fp8 or bf16 experts): FC1 (+ b13) [S, 2I], FC2 with the
     activation made on load, + b2, times the routing weight, each token's slots summed in
     order by FC2's last-arriving program. Two launches, no host read; an expert used by
     several tokens is read once per token (from L2 when they coincide). Config SORT_SLOTS
     (off by default: no GPU record yet): launch the slots sorted by expert (a stable
     torch.sort of the ids, no host read) so that one expert's programs run together and its
-    repeats hit L2."""
+    repeats hit L2. shared (dense experts, SiLU, no biases): the block's shared MLP as
+    shared.n more slots of every token at weight 1.0, in the same two launches (y is then
+    routed + shared; SORT_SLOTS is off for it)."""
     assert moe_refusal(x, w13, w2) is None, moe_refusal(x, w13, w2)
     assert bias_refusal(x, w13, w2, b13, b2) is None, bias_refusal(x, w13, w2, b13, b2)
     _check_routing(x, ids, weights)
+    if shared is not None:
+        assert dense_shared_refusal(w13, w2, shared) is None, dense_shared_refusal(w13, w2, shared)
+        assert b13 is None and b2 is None and (activation is None or activation.kind == "silu")
     t, h = x.shape
     a_top = ids.shape[1]
-    s = t * a_top
+    s = t * (a_top + (0 if shared is None else shared.n))
     inter = w13.n // 2
     cfg = config or launch.lookup("moe_gemv", moe_fmt_keys(w13), w13.lead[0], h, t)
     x, ids_flat, tw = flat_slots(x, ids, weights)
@@ -426,10 +469,10 @@ def fused_moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     y = moe_output(x, out)
     act = act_consts(activation)
     order = None
-    if cfg.get("SORT_SLOTS"):  # every slot stays in the order, whatever its id
+    if cfg.get("SORT_SLOTS") and shared is None:  # every slot stays in the order, whatever its id
         order = torch.sort(ids_flat, stable=True).indices.to(torch.int32)
-    _gemv_fc(x, w13, h, h1, 1, ids_flat, tw, a_top, cfg.get("fc1", cfg), b13, act, order)
-    _gemv_fc(h1, w2, inter, y, 2, ids_flat, tw, a_top, cfg.get("fc2", cfg), b2, act, order)
+    _gemv_fc(x, w13, h, h1, 1, ids_flat, tw, a_top, cfg.get("fc1", cfg), b13, act, order, shared)
+    _gemv_fc(h1, w2, inter, y, 2, ids_flat, tw, a_top, cfg.get("fc2", cfg), b2, act, order, shared)
     return y
 
 

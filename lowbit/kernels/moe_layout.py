@@ -199,6 +199,19 @@ def shared_layout(w13, w2, gate, up, down, n_shared: int) -> HybridExperts | str
     return hybrid_experts([routed, shared], [list(range(e)), list(range(e, e + n_shared))])
 
 
+@dataclass
+class DenseShared:
+    """A MoE block's shared gated MLP (DeepSeek's shared experts) as `n` extra per-slot GEMV
+    experts of width I at routing weight 1.0, read where its weights are (no copy): gate_up
+    [2S, H] with the gate rows [0, S) and the up rows [S, 2S), down [H, S], S = n * I; expert
+    c is gate / up rows [c I, (c + 1) I) and down columns [c I, (c + 1) I). Exact: a gated
+    MLP is the sum over its intermediate columns. Dense weights of the routed stacks' dtype."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    n: int
+
+
 class SharedMLP:
     """A MoE block's shared gated MLP (DeepSeek's shared experts) as the moe op takes it.
 
@@ -210,6 +223,21 @@ class SharedMLP:
     def __init__(self, mlp) -> None:
         self.mlp = mlp
         self._fused: tuple | None = None  # (the five weights it was made from, layout or reason)
+        self._dense: tuple | None = None  # (the two weights it was made from, DenseShared)
+
+    def dense(self, inter: int) -> DenseShared | None:
+        """The merged dense form (a GateUpMLP after prepare_for_serving: gate_up [2S, H] and
+        down [H, S], plain tensors, S a multiple of the routed width `inter`) as shared
+        expert slots of the routed gemv, or None."""
+        gu = getattr(self.mlp, "gate_up_proj", None)
+        down = self.mlp.down_proj.weight
+        if gu is None or gu.bias is not None or self.mlp.down_proj.bias is not None:
+            return None
+        if not isinstance(gu.weight, torch.Tensor) or not isinstance(down, torch.Tensor) or down.shape[1] % inter:
+            return None
+        if self._dense is None or self._dense[0] is not gu.weight or self._dense[1] is not down:
+            self._dense = (gu.weight, down, DenseShared(gu.weight, down, down.shape[1] // inter))
+        return self._dense[2]
 
     def fused(self, w13, w2) -> HybridExperts | str:
         """The layout of routed stacks w13 / w2 (w2 None: w13 is a HybridExperts) followed by

@@ -49,6 +49,7 @@ from lowbit.kernels.moe import (
     SILU,
     MoeActivation,
     bias_refusal,
+    dense_shared_refusal,
     fused_moe,
     fused_moe_gemv,
     moe_fmt_keys,
@@ -57,6 +58,7 @@ from lowbit.kernels.moe import (
 )
 from lowbit.kernels.moe_hybrid import fused_moe_hybrid, reference_hybrid
 from lowbit.kernels.moe_layout import (
+    DenseShared,
     HybridExperts,
     HybridTensor,
     SharedMLP,
@@ -218,20 +220,49 @@ def _gemv_fits(call: MoeCall) -> bool:
     return gemv_refusal(x1, w13) is None and gemv_refusal(x1, call.w2) is None
 
 
+def _use_gemv(call: MoeCall, slots_a_token: int) -> bool:
+    """The decode route's choice of per-slot GEMVs over tiles (see _gemv_fits)."""
+    t = call.ids.shape[0]
+    few = t * slots_a_token < 2 * call.experts or (t > DECODE_MAX_TOKENS and _nvfp4_gemv(call))
+    return few and _gemv_fits(call)
+
+
+def _dense_shared(call: MoeCall) -> DenseShared | None:
+    """The block's shared MLP as extra slots of the routed gemv launches (dense experts), or
+    None: then it runs on its own after the routed experts (_then_shared)."""
+    if call.shared is None or isinstance(call.w13, (HybridExperts, HybridTensor)):
+        return None
+    if call.b13 is not None or call.b2 is not None or call.activation.kind != "silu" or call.out is not None:
+        return None
+    sh = call.shared.dense(call.w13.n // 2)
+    if sh is None or dense_shared_refusal(call.w13, call.w2, sh) is not None:
+        return None
+    return sh
+
+
 def _run(mode: str):
     def run(call: MoeCall) -> torch.Tensor:
         if isinstance(call.w13, HybridExperts):
             return fused_moe_hybrid(call.x, call.ids, call.weights, call.w13, mode=mode)
-        t, a = call.ids.shape
         extra = dict(b13=call.b13, b2=call.b2, activation=call.activation, out=call.out)
-        few = t * a < 2 * call.experts or (t > DECODE_MAX_TOKENS and _nvfp4_gemv(call))
-        if mode == "decode" and few and _gemv_fits(call):
+        if mode == "decode" and _use_gemv(call, call.ids.shape[1]):
             return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2,
                                   config=call.config("moe_gemv"), **extra)
         return fused_moe(call.x, call.ids, call.weights, call.w13, call.w2, mode=mode,
                          config=call.config(f"moe_{mode}"), defer=call.defer, **extra)
 
     return run
+
+
+def _run_decode(call: MoeCall) -> torch.Tensor | SlotSum:
+    """The decode route: dense experts with a merged dense shared MLP run it as more slots
+    of the two gemv launches (DeepSeek bf16: 2 launches a layer where the separate MLP took
+    4: two GEMMs, the SiLU-mul and the add); otherwise routed, then the shared MLP."""
+    sh = _dense_shared(call)
+    if sh is not None and _use_gemv(call, call.ids.shape[1] + sh.n):
+        return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2,
+                              config=call.config("moe_gemv"), shared=sh)
+    return _then_shared(_run("decode"))(call)
 
 
 def _run_torch(call: MoeCall) -> torch.Tensor:
@@ -336,7 +367,7 @@ routes.register("moe", routes.Route(
 routes.register("moe", routes.Route(
     "triton_fused_moe_decode", routes.DEFAULT,
     BENCH + " (Qwen3-30B-A3B and Mixtral C1-C16: 22-1476 us, 2-277x the torch bf16 expert "
-    "loop except Mixtral C16 nvfp4, 0.96x; nvfp4 C32: 380 us against 512 for the grouped tiles)", _admit_decode, _then_shared(_run("decode"))))
+    "loop except Mixtral C16 nvfp4, 0.96x; nvfp4 C32: 380 us against 512 for the grouped tiles)", _admit_decode, _run_decode))
 routes.register("moe", routes.Route(
     "triton_moe_grouped", routes.DEFAULT,
     "docs/BENCHMARKS.md#decode-graph (batched decode and prefill through the engine; the torch "

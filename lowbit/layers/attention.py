@@ -71,8 +71,11 @@ def _call(q, k, v, batch, spec: AttnSpec, pool: KVPool | None) -> attention_op.A
 
 # -- MLA over the latent cache ------------------------------------------------------------
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                     batch, spec: AttnSpec, written: bool = False) -> torch.Tensor:
-    """MLA for a flat batch over the latent cache; returns the latent context [T, H, C].
+                     batch, spec: AttnSpec, written: bool = False,
+                     w_uv: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA for a flat batch over the latent cache; returns the latent context [T, H, C], or
+    with w_uv [H, Dv, C] the per-head values W_UV[h] @ context [T, H, Dv].
     written: the step's c_kv / k_pe are already in the paged pool (the mla_rope op wrote them)."""
-    call = attention_op.LatentCall(q_lat, q_pe, c_kv, k_pe, batch, spec.layer_idx, spec.scale, written=written)
+    call = attention_op.LatentCall(q_lat, q_pe, c_kv, k_pe, batch, spec.layer_idx, spec.scale, written=written,
+                                   w_uv=w_uv)
     return attention_op.latent_attention(call, layer=f"layers.{spec.layer_idx}.attn")

@@ -12,7 +12,7 @@ The cache holds c_kv and k_pe only (C + Dr values per token and layer, for all h
 attention runs with absorbed weights (lowbit.layers.attention.latent_attention):
   q_lat   = q_nope @ W_UK                               # [T, H, C]: per head, into latent space
   o_lat   = softmax((q_lat . c_kv + q_pe . k_pe) * scale) @ c_kv   # [T, H, C]
-  o       = o_lat @ W_UV^T                              # [T, H, Dv], then o_proj
+  o       = o_lat @ W_UV^T                              # [T, H, Dv] (the op applies it), then o_proj
 which equals attention over k = [W_UK c_kv, k_pe], v = W_UV c_kv per head. Every step runs
 this form, prefill and extend as well as decode: one code path, and the cache never holds
 per-head K/V. (Expanding the latent to per-head K/V would be cheaper for long prefills:
@@ -167,10 +167,9 @@ class MLAttention(nn.Module):
         w = self.absorbed_weight(x.dtype)  # [H, Dn + Dv, C]: w_uk = w[:, :Dn], w_uv = w[:, Dn:]
         q_nope = q.view(T, H, Dn + self.Dr)[..., :Dn].transpose(0, 1)  # [H, T, Dn], a strided view
         q_lat = torch.bmm(q_nope, w[:, :Dn]).transpose(0, 1)  # [T, H, C], stored [H, T, C]
-        o_lat = latent_attention(q_lat, q_pe, c_kv, k_pe, batch, self.spec, written=pool is not None)
-        o = x.new_empty(T, H, self.Dv)
-        torch.bmm(o_lat.transpose(0, 1), w[:, Dn:].transpose(1, 2), out=o.transpose(0, 1))  # [H, T, Dv]
-        return self.o_proj(o.view(T, H * self.Dv))
+        # [T, H, Dv]: W_UV applied by the op (small decode steps: in its reduce launch)
+        o = latent_attention(q_lat, q_pe, c_kv, k_pe, batch, self.spec, written=pool is not None, w_uv=w[:, Dn:])
+        return self.o_proj(o.reshape(T, H * self.Dv))
 
 
 class GateUpMLP(GatedMLP):

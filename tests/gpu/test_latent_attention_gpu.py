@@ -115,6 +115,27 @@ def test_latent_decode_replays_from_a_graph_at_other_lengths():
         assert _rel(out, reference_latent_decode(q_lat, q_pe, pool, tables, lens, 0.1)) < RTOL, lens
 
 
+@pytest.mark.parametrize("case", [([32768], 16, False), ([8192, 1, 4097, 8000, 17, 6000, 8191, 300], 16, True),
+                                  ([2048 - 7 * i for i in range(16)], 128, False)],
+                         ids=lambda c: f"B{len(c[0])}-max{max(c[0])}-H{c[1]}-fp8{c[2]}")
+def test_latent_decode_with_w_uv_real_sizes(case):
+    """The reduce launch with W_UV (Dv = 128, a strided view of kv_b_proj's [H, 256, C]
+    whose W_UK rows are NaN) against the twin's context times W_UV, float32."""
+    from lowbit.kernels.latent import latent_decode, reference_latent_decode
+
+    lens, H, fp8 = case
+    pool, tables = _latent_pool(lens, fp8, seed=len(lens) + 1)
+    q_lat, q_pe = _queries(len(lens), H, seed=H + 1)
+    w = torch.full((H, 256, C), float("nan"), dtype=torch.bfloat16, device="cuda")
+    w[:, 128:] = (torch.randn(H, 128, C, device="cuda") * 0.05).bfloat16()
+    out = torch.full((len(lens), H, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    scale = (128 + DR) ** -0.5
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    latent_decode(q_lat, q_pe, pool, tables, seq_lens, scale, out=out, w_uv=w[:, 128:], num_splits=32)
+    ctx = reference_latent_decode(q_lat, q_pe, pool, tables, lens, scale)
+    assert _rel(out, torch.einsum("bhc,hvc->bhv", ctx.float(), w[:, 128:].float())) < RTOL
+
+
 PREFILL_CASES = [  # (seq_lens, new tokens, H, fp8): prompts, chunks over cached prefixes, decodes
     ([2048], [2048], 16, False),
     ([3000, 700, 64, 9], [512, 100, 64, 1], 128, False),

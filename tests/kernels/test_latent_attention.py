@@ -116,6 +116,48 @@ def test_deepseek_shape_with_strided_queries():
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 
+def _w_uv(H: int, Dn: int, Dv: int, C: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """W_UV [H, Dv, C] as the model passes it: the rows Dn.. of kv_b_proj's [H, Dn + Dv, C],
+    whose W_UK rows (and the buffer's ends) are NaN, so a read outside W_UV shows."""
+    w = poisoned(H, Dn + Dv, C, dtype=dtype)
+    w[:, Dn:] = (torch.randn(H, Dv, C, generator=torch.Generator().manual_seed(seed)) * 0.2).to(dtype)
+    return w[:, Dn:]
+
+
+def _uv_reference(ctx: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """W_UV[h] @ context[t, h] in float32, from the context rounded to its dtype."""
+    return torch.einsum("thc,hvc->thv", ctx.float(), w_uv.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("splits,rs,cols", [(3, 16, 128), (8, 2, 16)])
+def test_reduce_applies_w_uv(monkeypatch, dtype, splits, rs, cols):
+    """The reduce launch with W_UV: the merged context times W_UV per head, [B, H, Dv], against
+    the twin's context and a float32 product. Dv = 20 and C = 40 are not powers of two (the
+    last value and column blocks are masked); RS = 2 / 16-column blocks make the merge loop
+    over several split tiles and column blocks; short contexts leave splits empty (their
+    partial rows NaN) and the output is NaN-poisoned."""
+    from lowbit.kernels import latent
+
+    monkeypatch.setattr(latent, "REDUCE_SPLITS", rs)
+    monkeypatch.setattr(latent, "REDUCE_COLS", cols)
+    monkeypatch.setattr(latent, "UV_ROWS", 16)  # two value blocks a head, the second masked
+    monkeypatch.setattr(latent, "_workspace", lambda n, device: poisoned(n, dtype=torch.float32, device=device))
+    lens = [1, 70, 33]
+    H, C, Dr, Dv = 3, 40, 6, 20
+    pool, tables = make_latent_pool(lens, C, Dr, dtype, dtype, seed=15)
+    g = torch.Generator().manual_seed(16)
+    q_lat = torch.randn(3, H, C, generator=g).to(dtype)
+    q_pe = torch.randn(3, H, Dr, generator=g).to(dtype)
+    w_uv = _w_uv(H, 7, Dv, C, dtype, seed=17)
+    out = poisoned(3, H, Dv, dtype=dtype)
+    latent_decode(q_lat, q_pe, pool, tables, torch.tensor(lens, dtype=torch.int32), 0.3, out=out,
+                  num_splits=splits, config=dict(BN=16), w_uv=w_uv)
+    ctx = reference_latent_decode(q_lat, q_pe, pool, tables, lens, 0.3)  # [B, H, C] in dtype
+    assert torch.isfinite(out).all()
+    assert rel_err(out, _uv_reference(ctx, w_uv)) < TOL[dtype]
+
+
 PREFILL_CASES = (([40], [40]), ([17, 40, 5, 1], [17, 1, 3, 1]), ([33, 9], [2, 9]))  # (seq_lens, new tokens)
 
 
@@ -220,6 +262,58 @@ def test_prefill_route_writes_and_reads_like_the_torch_route(kv, monkeypatch):
                 assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
 
 
+@pytest.mark.parametrize("route", ["triton_latent_decode_uv", "triton_latent_decode", "triton_latent_prefill"])
+def test_every_route_applies_w_uv_like_the_torch_route(route, monkeypatch):
+    """With W_UV given the op returns [T, H, Dv] whatever the route: the fused reduce
+    (decode), the split kernel then a batched GEMM (decode), the prefill kernel then the GEMM
+    (a mixed step), each against the torch route on a twin cache."""
+    from lowbit.kernels import latent
+
+    monkeypatch.setattr(latent, "decode_splits", lambda *a: 4)  # CPU: S = 1 would refuse the fused route
+    tables = [[5, 1, 7], [0, 3, 6]]
+    decode = route != "triton_latent_prefill"
+    steps = ((21, [(tables[0], 0, 6), (tables[1], 0, 9)]),
+             (22, [(tables[0], 6, 1), (tables[1], 9, 1 if decode else 3)]))
+    caches = {"torch": _paged_cache(torch.float32), route: _paged_cache(torch.float32)}
+    w_uv = _w_uv(H, 5, 12, C, torch.float32, seed=23)
+    for seed, entries in steps:
+        outs = {}
+        for name, cache in caches.items():
+            monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", name if seed == 22 else "torch")
+            call = _step(cache, entries, seed=seed)
+            call.w_uv = w_uv
+            routes.reset_counters()
+            outs[name] = attention_op.latent_attention(call)
+        assert outs[route].shape == (call.q_lat.shape[0], H, 12)
+    ran = {c["route"] for c in routes.counters()["route_calls"] if c["op"] == "latent_attention"}
+    assert ran == {route}
+    assert torch.isfinite(outs[route]).all()
+    assert rel_err(outs[route], outs["torch"]) < 1e-5
+
+
+def test_fused_w_uv_route_admission(monkeypatch):
+    from lowbit.kernels import latent
+
+    route = {r.name: r for r in routes.ops()["latent_attention"].routes}["triton_latent_decode_uv"]
+    cache = _paged_cache(torch.float32)
+    call = _step(cache, [([0, 1], 5, 1), ([2], 2, 1)], seed=31)
+    call.forced = True
+    assert "no W_UV given" in route.admit(call)
+    call.w_uv = _w_uv(H, 3, 8, C, torch.float32, seed=32)
+    monkeypatch.setattr(latent, "decode_splits", lambda *a: 1)
+    assert "one split" in route.admit(call)
+    monkeypatch.setattr(latent, "decode_splits", lambda *a: 4)
+    assert route.admit(call) is None
+    call.w_uv = call.w_uv[:2]
+    assert "does not fit" in route.admit(call)
+    many = _step(cache, [([b % 8], 1, 1) for b in range(attention_op.LATENT_UV_MAX_TOKENS + 1)], seed=33)
+    many.forced, many.w_uv = True, _w_uv(H, 3, 8, C, torch.float32, seed=34)
+    assert "batched GEMM reads it once a step" in route.admit(many)
+    # the op's default order puts it first, and it is graph-safe
+    assert routes.ops()["latent_attention"].routes[0].name == "triton_latent_decode_uv"
+    assert "triton_latent_decode_uv" in attention_op.GRAPH_SAFE_LATENT_DECODE
+
+
 def test_latent_route_admission_reasons(monkeypatch):
     route = {r.name: r for r in routes.ops()["latent_attention"].routes}["triton_latent_decode"]
     cache = _paged_cache(torch.float32)
@@ -244,8 +338,8 @@ def test_latent_route_admission_reasons(monkeypatch):
     assert "queries are torch.float64" in route.admit(wide)
     assert route.admit(bf16) == "KV pool is torch.float32, queries are torch.bfloat16"
     status = {r.name: r.status for r in routes.ops()["latent_attention"].routes}
-    assert status == {"triton_latent_decode": routes.DEFAULT, "triton_latent_prefill": routes.DEFAULT,
-                      "torch": routes.DEFAULT}
+    assert status == {"triton_latent_decode_uv": routes.DEFAULT, "triton_latent_decode": routes.DEFAULT,
+                      "triton_latent_prefill": routes.DEFAULT, "torch": routes.DEFAULT}
     monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "triton_latent_decode")
     with pytest.raises(LowbitError, match="not a decode step"):
         attention_op.latent_attention(prefill)

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 from lowbit.errors import LowbitError  # noqa: E402
 from lowbit.formats import get_format  # noqa: E402
 from lowbit.kernels import routes  # noqa: E402
+from lowbit.kernels.moe_layout import SharedMLP  # noqa: E402
 from lowbit.kernels.runtime import interpreting  # noqa: E402
 from lowbit.layers.moe import RouterSpec, SparseMoE, route  # noqa: E402
 from tests.kernels.cases import rel_err  # noqa: E402
@@ -90,3 +91,69 @@ def test_a_block_that_cannot_fuse_says_why(monkeypatch):
     monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "torch")
     moe(x)
     assert moe.shared._fused[0][4] is dense.weight
+
+
+DENSE_E = 16  # slots < 2 E up to 5 tokens x (top-2 + 3 shared): the decode route's gemv
+
+
+def _dense_block(n_shared: int, inter: int) -> SparseMoE:
+    """A DeepSeek MoE block in bf16 (make_mlp: the shared MLP is a GateUpMLP), its weights
+    random and its merged gate_up made as at serving (prepare_for_serving), the merged
+    weight and the down projection moved between NaN guards."""
+    from lowbit.models.deepseek_v3 import GateUpMLP
+    from tests.kernels.cases import guarded
+
+    torch.manual_seed(n_shared)
+    moe = SparseMoE(D, DENSE_E, inter, RouterSpec(top_k=2), "model.layers.0.mlp", shared_inter=n_shared * inter)
+    moe.shared_experts = GateUpMLP(D, n_shared * inter, "model.layers.0.mlp.shared_experts")
+    moe.shared = SharedMLP(moe.shared_experts)
+    moe.gate.weight.data.normal_(0, 0.5)
+    for p in (moe.experts.w13, moe.experts.w2):
+        p.data = guarded((torch.randn(p.shape) * 0.1).bfloat16())
+    sh = moe.shared_experts
+    for lin in (sh.gate_proj, sh.up_proj, sh.down_proj):
+        lin.weight.data = (torch.randn(lin.weight.shape) * 0.1).bfloat16()
+    sh.prepare_for_serving()
+    sh.gate_up_proj.weight.data = guarded(sh.gate_up_proj.weight.data)
+    sh.down_proj.weight.data = guarded(sh.down_proj.weight.data)
+    return moe
+
+
+@pytest.mark.parametrize("n_shared,inter,t", [(1, 48, 1), (2, 40, 3), (2, 64, 5), (3, 24, 2)])
+def test_dense_shared_experts_ride_in_the_routed_gemv(monkeypatch, n_shared, inter, t):
+    """bf16 experts: the decode route runs the shared MLP as n_shared more gemv slots of each
+    token (no shared GEMM, SiLU-mul or add), and matches the torch route (routed experts,
+    then the separate shared MLP, float32) on fresh random data over odd widths."""
+    moe = _dense_block(n_shared, inter)
+    x = torch.randn(t, D).bfloat16()
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "torch")
+    monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "torch")
+    want = moe(x)
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_fused_moe_decode")
+    monkeypatch.delenv("LOWBIT_ROUTE_LINEAR")
+    routes.reset_counters()
+    got = moe(x)
+    calls = routes.counters()["route_calls"]
+    assert [c["route"] for c in calls if c["op"] == "moe"] == ["triton_fused_moe_decode"]
+    assert not [c for c in calls if c["op"] in ("linear", "act")], calls  # no separate shared MLP
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < 2e-2
+    # the shared slots are the shared MLP: zero it and the result moves by its output
+    shared_out = moe.shared_experts(x)
+    assert rel_err(shared_out, torch.zeros_like(shared_out)) > 0.5
+    moe.shared_experts.gate_up_proj.weight.data.zero_()
+    assert rel_err(moe(x), want - shared_out) < 3e-2
+
+
+def test_dense_shared_needs_the_merged_mlp(monkeypatch):
+    """Without the merged gate_up (a block not prepared for serving) the decode route runs
+    the routed gemv, then the shared MLP on its own: same result."""
+    moe = _dense_block(2, 40)
+    x = torch.randn(2, D).bfloat16()
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_fused_moe_decode")
+    fused = moe(x)
+    moe.shared_experts.gate_up_proj = None
+    routes.reset_counters()
+    unfused = moe(x)
+    assert [c for c in routes.counters()["route_calls"] if c["op"] == "linear"]
+    assert rel_err(unfused, fused) < 2e-2

@@ -186,3 +186,73 @@ def test_decode_layer_launches(tmp_path, monkeypatch):
         lm(torch.tensor([7]), flat_batch([(TABLES[0], 3, 1)], cache, "cpu"))
     attn = ["linear", "_mla_rope_kernel", "bmm", "_latent_split_kernel", "bmm", "linear"]
     assert events == attn + ["linear", "_silu_mul_kernel", "linear"], events
+
+
+def test_moe_layer_decode_launches_in_the_serving_layout(tmp_path, monkeypatch):
+    """A bf16 MoE layer's decode step in the serving layout (prepare_for_serving: merged
+    projections, merged shared gate_up), Triton routes forced with a graph-wide split count
+    (4): the latent reduce applies W_UV (no bmm after it), and the routed gemv launches carry
+    the shared experts (no gate_up / down GEMM, SiLU-mul or add). The logits match the torch
+    routes'."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lowbit.kernels import latent, launch
+
+    path = tmp_path / "config.json"
+    cfg = shrink(raw_config("deepseek-ai__DeepSeek-V2-Lite"))
+    path.write_text(json.dumps({**cfg, "num_attention_heads": 18, "kv_lora_rank": 40}))
+    lm = load_model(path, random_weights=True, config=path, dtype="bfloat16").model
+    lm.prepare_for_serving()
+    monkeypatch.setattr(latent, "decode_splits", lambda *a: 4)
+    layer = lm.model.layers[1]
+    assert layer.mlp.shared_experts.gate_up_proj is not None
+
+    def step(forced: bool):
+        cache = PagedKVCache(lm.num_cache_layers, num_blocks=16, block_size=4, dtype=torch.bfloat16, device="cpu")
+        for op in ("MLA_ROPE", "ACT", "LATENT_ATTENTION", "MOE"):
+            monkeypatch.delenv(f"LOWBIT_ROUTE_{op}", raising=False)
+        with torch.inference_mode():
+            lm(torch.tensor([1, 2, 3]), flat_batch([(TABLES[0], 0, 3)], cache, "cpu"))
+        if forced:
+            for op, route in (("MLA_ROPE", "triton_mla_rope"), ("LATENT_ATTENTION", "triton_latent_decode_uv"),
+                              ("MOE", "triton_fused_moe_decode")):
+                monkeypatch.setenv(f"LOWBIT_ROUTE_{op}", route)
+        events, inside = [], [None]
+        run = launch.run
+
+        def counted(kernel, grid, *args, **kw):
+            if inside[0] is not None:
+                events.append(kernel.fn.__name__)
+            outer, inside[0] = inside[0], None
+            try:
+                return run(kernel, grid, *args, **kw)
+            finally:
+                inside[0] = outer
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                if inside[0] is not None and name in ("linear", "bmm", "mm", "addmm", "add", "mul", "silu"):
+                    events.append(name)
+                return func(*args, **(kwargs or {}))
+
+        monkeypatch.setattr(launch, "run", counted)
+        hooks = [m.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, m)) for m in
+                 (layer.self_attn, layer.mlp.experts)]
+        hooks += [m.register_forward_hook(lambda m, a, out: inside.__setitem__(0, None)) for m in
+                  (layer.self_attn, layer.mlp.experts)]
+        try:
+            with torch.inference_mode(), Ops():
+                hidden = lm(torch.tensor([7]), flat_batch([(TABLES[0], 3, 1)], cache, "cpu"))
+        finally:
+            for h in hooks:
+                h.remove()
+            monkeypatch.setattr(launch, "run", run)
+        return lm.compute_logits(hidden).float(), events
+
+    fused, events = step(True)
+    assert events == ["linear", "_mla_rope_kernel", "bmm", "_latent_split_kernel", "_latent_reduce_uv_kernel",
+                      "linear", "_gemv_kernel", "_gemv_kernel"], events
+    want, _ = step(False)
+    assert torch.isfinite(fused).all()
+    assert (fused - want).abs().max() < 5e-2 * want.abs().max()
