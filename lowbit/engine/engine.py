@@ -48,6 +48,7 @@ from lowbit.engine.expert_cache import ExpertCache, RoutingRecorder, free_device
 from lowbit.engine.metrics import EngineStats, HostSpans
 from lowbit.engine.output import append_token, take_delta
 from lowbit.engine.paged_cache import PagedKVCache, kv_bytes_per_token, parse_kv_dtype, pool_tokens
+from lowbit.engine.prefill_graphs import STARTUP_CAPTURE_SECONDS
 from lowbit.engine.request import Request, RequestDelta, RequestRejected
 from lowbit.engine.runner import NO_GRAPHS, ModelRunner, PendingOutput, RunnerOutput
 from lowbit.engine.sampling import SampleMode, SamplingParams, model_sampling_defaults
@@ -194,6 +195,9 @@ class LLMEngine:
         log.info("captured %d decode and %d prefill CUDA graphs in %.1f s (decode %.1f s, prefill %.1f s; "
                  "slowest %.2f s: %s)", r["decode"], r["prefill"], r["seconds"], r["decode_seconds"],
                  r["prefill_seconds"], *r["slowest"])
+        if r["prefill_left"]:
+            log.info("%d prefill shapes are left to their first step: the start-up capture stops after "
+                     "%.0f s", r["prefill_left"], STARTUP_CAPTURE_SECONDS)
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.loaded.generation_config.get("eos_token_id") or []) | set(self.arch.eos_token_id)

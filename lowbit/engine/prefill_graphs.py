@@ -30,7 +30,8 @@ verify's logits over each window and its acceptance run after the replay.
 A bucket is captured at its first step (a warm-up step first, with torch's sync debug
 mode set to error, as the decode graphs do), or before the engine is ready with
 --cuda-graph-capture start (`ModelRunner.capture_graphs`: padding-only steps of each shape,
-in the order of `capture_order`, up to STARTUP_GRAPHS). At most `max_graphs` are kept: past that,
+in the order of `capture_order`, up to STARTUP_GRAPHS and while the capture has taken less
+than STARTUP_CAPTURE_SECONDS). At most `max_graphs` are kept: past that,
 steps of a new shape run eagerly, with a WARNING once. Steps that need host-side work
 between layers run eagerly: prompt log-probabilities (every row's logits), speculative
 verification before HIDDEN graphs existed, an expert cache (it routes on the host), and
@@ -55,6 +56,11 @@ log = logging.getLogger("lowbit")
 MAX_GRAPHS = 160  # at the defaults (2,048 tokens, 256 sequences) there are 84 shapes a mode
 # a start-up capture stops here, leaving the rest to shapes of sampler modes it did not cover
 STARTUP_GRAPHS = 96
+# and once its decode graphs are in, it captures prefill shapes only while the capture has
+# taken less than this (seconds; the server's ready time at the Qwen3-30B-A3B shape had a
+# 49 s capture of 112 graphs behind it with a cold Triton cache, H100): the shapes left are
+# captured at their first step, as under --cuda-graph-capture lazy
+STARTUP_CAPTURE_SECONDS = 30.0
 HIDDEN = "hidden"  # the mode of a verify step's graph: hidden states out, no sampling
 # HIDDEN graphs up to this many tokens also write every row's logits and argmax (lm_head over
 # T' rows: a k = 3 verify at batch 1 runs 4; 64 rows of float32 logits at Qwen3's vocabulary

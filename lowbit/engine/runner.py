@@ -41,6 +41,7 @@ from lowbit.engine.metrics import HostSpans
 from lowbit.engine.paged_cache import PagedKVCache, SeqSlots
 from lowbit.engine.prefill_graphs import (
     HIDDEN,
+    STARTUP_CAPTURE_SECONDS,
     STARTUP_GRAPHS,
     PrefillGraphs,
     prefill_graphs_wanted,
@@ -178,14 +179,17 @@ class ModelRunner:
     def capture_graphs(self, modes: list) -> dict:
         """Capture now, before any request: every decode bucket in each sampler mode, then the
         prefill shapes (`PrefillGraphs.capture_order`) in each mode, up to STARTUP_GRAPHS of them
-        (the graph limit keeps room for the modes a start does not cover).
+        (the graph limit keeps room for the modes a start does not cover) and while the
+        capture has taken less than STARTUP_CAPTURE_SECONDS (a bounded start: the shapes left,
+        "prefill_left", are captured at their first step).
         Each capture runs on a padding-only step (every row the scratch row, block and sampler
         row: nothing a request owns is read or written), so no request later waits for a
         capture of these shapes. {"decode": n, "prefill": n, "seconds": s, "decode_seconds": s,
-        "prefill_seconds": s, "slowest": [seconds, "kind shape mode"], "skipped": why}."""
+        "prefill_seconds": s, "prefill_left": n, "slowest": [seconds, "kind shape mode"],
+        "skipped": why}."""
         t0 = time.perf_counter()
         out = {"decode": 0, "prefill": 0, "seconds": 0.0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
-               "slowest": [0.0, ""], "skipped": None}
+               "prefill_left": 0, "slowest": [0.0, ""], "skipped": None}
 
         def timed(kind: str, ready, shape, mode) -> int:
             t = time.perf_counter()
@@ -215,6 +219,9 @@ class ModelRunner:
             for t, b in pre.capture_order():
                 if len(pre.graphs) >= min(pre.max_graphs, STARTUP_GRAPHS):
                     break
+                if time.perf_counter() - t0 >= STARTUP_CAPTURE_SECONDS:
+                    out["prefill_left"] += 1
+                    continue
                 self.inputs.stage(empty, [], pad_to=b, pad_tokens=t)
                 self.inputs.upload()
                 out["prefill"] += timed("prefill", pre.ready, (t, b), mode)

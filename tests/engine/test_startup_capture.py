@@ -184,3 +184,17 @@ def test_serve_captures_at_start_and_the_others_at_first_use():
     llm = LLM("demo", device="cpu", kv_cache_tokens=512, max_num_seqs=4, cuda_graph_capture="start")
     assert llm.engine.startup_capture is None  # no graphs on the CPU: nothing to capture
     assert llm.engine.runner.capture_graphs([SampleMode()])["skipped"] == NO_GRAPHS
+
+
+def test_the_time_budget_bounds_a_startup_capture(device_read_attention, monkeypatch):
+    """Past STARTUP_CAPTURE_SECONDS the capture takes no more prefill shapes (the decode
+    buckets are always captured) and counts the ones left to their first step."""
+    from lowbit.engine import runner as runner_mod
+
+    llm = LLM("demo", device="cpu", kv_cache_tokens=512, max_num_batched_tokens=16, max_num_seqs=4)
+    h = eager_holders(llm, max_seqs=4, max_tokens=16)
+    monkeypatch.setattr(runner_mod, "STARTUP_CAPTURE_SECONDS", 0.0)
+    out = h.runner.capture_graphs([SampleMode()])
+    assert out["decode"] == len(h.dec.buckets) and out["prefill"] == 0
+    assert out["prefill_left"] == len(h.pre.capture_order()) and not h.pre.graphs
+    assert out["decode_seconds"] > 0 and out["slowest"][1].startswith("decode")
