@@ -69,9 +69,11 @@ LATENT_RECORD = ("docs/BENCHMARKS.md#decode-graph (DeepSeek-V2-Lite bf16, H200: 
 LATENT_PREFILL_RECORD = ("docs/BENCHMARKS.md#decode-graph (DeepSeek-V2-Lite bf16, H200: the torch route "
                          "loops over sequences with host lengths, prefill steps eager; this route is "
                          "what lets them be captured; its engine record is still to be taken)")
-LATENT_UV_RECORD = ("no GPU record yet: it takes the W_UV batched GEMM (a cuBLAS split-K GEMM and its "
-                    "reduce a layer at DeepSeek-V2-Lite C1, H100) into the reduce launch; checked against "
-                    "the unfused route in tests/kernels/test_latent_attention.py")
+LATENT_UV_RECORD = ("none yet: it takes the W_UV batched GEMM into the reduce launch (one launch fewer a "
+                    "layer); checked against the twin and the other routes in "
+                    "tests/kernels/test_latent_attention.py and tests/gpu/test_latent_attention_gpu.py; "
+                    "the engine A/B (bench latency --variant uv=latent_attention:triton_latent_decode_uv) "
+                    "is to be taken")
 # the fused reduce reads W_UV[h] once per (token, head): 2 MiB a token at V2-Lite / V3 (from
 # L2 after the first), where the batched GEMM reads it once a step; kept to small decode batches
 LATENT_UV_MAX_TOKENS = 16
@@ -354,7 +356,7 @@ def _run_latent_prefill(call: LatentCall) -> torch.Tensor:
 
 
 routes.register("latent_attention", routes.Route(
-    "triton_latent_decode_uv", routes.DEFAULT, LATENT_UV_RECORD, _admit_latent_decode_uv, _run_latent_decode_uv))
+    "triton_latent_decode_uv", routes.OPT_IN, LATENT_UV_RECORD, _admit_latent_decode_uv, _run_latent_decode_uv))
 routes.register("latent_attention", routes.Route(
     "triton_latent_decode", routes.DEFAULT, LATENT_RECORD, _admit_latent_decode, _run_latent_decode))
 routes.register("latent_attention", routes.Route(

@@ -21,6 +21,10 @@ Routes, in selection order (status and record in docs/ROUTES.md):
                             vq4, SiLU, no biases), T <= 64 tokens: per-slot CUDA-core GEMVs
                             over the codebook (lowbit.kernels.vq_moe), three launches,
                             graph-safe; without it vq experts run the torch route
+  triton_moe_dense_shared   (OPT_IN: no GPU record yet) the decode route's per-slot gemv with a
+                            block's merged dense shared MLP (DeepSeek bf16 after
+                            prepare_for_serving) as n_shared more slots of every token at
+                            weight 1.0, read in place (moe_layout.DenseShared): two launches
   triton_fused_moe_decode   T <= 16 tokens (nvfp4: 32), T * A <= 256 slots: LUT / fp8 / bf16
                             experts as per-slot GEMVs (expert id read on the device) while
                             slots < 2 E (fewer than two tokens per expert on average; nvfp4:
@@ -254,15 +258,27 @@ def _run(mode: str):
     return run
 
 
-def _run_decode(call: MoeCall) -> torch.Tensor | SlotSum:
-    """The decode route: dense experts with a merged dense shared MLP run it as more slots
-    of the two gemv launches (DeepSeek bf16: 2 launches a layer where the separate MLP took
-    4: two GEMMs, the SiLU-mul and the add); otherwise routed, then the shared MLP."""
+def _admit_dense_shared(call: MoeCall) -> str | None:
+    if call.shared is None:
+        return "no shared experts"
+    reason = _admit_decode(call)
+    if reason is not None:
+        return reason
     sh = _dense_shared(call)
-    if sh is not None and _use_gemv(call, call.ids.shape[1] + sh.n):
-        return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2,
-                              config=call.config("moe_gemv"), shared=sh)
-    return _then_shared(_run("decode"))(call)
+    if sh is None:
+        return ("the shared MLP is not a merged dense gate_up / down pair of the routed stacks' "
+                "dtype (quantized, or not prepared for serving)")
+    if not _use_gemv(call, call.ids.shape[1] + sh.n):
+        return "the decode route's tiles, not its per-slot gemv, at this many slots"
+    return None
+
+
+def _run_dense_shared(call: MoeCall) -> torch.Tensor:
+    """Routed and shared experts in the two gemv launches (DeepSeek bf16: 2 launches a layer
+    where the shared MLP on its own takes 5: gate_up, SiLU-mul, down and its split-K
+    reduce, the add)."""
+    return fused_moe_gemv(call.x, call.ids, call.weights, call.w13, call.w2,
+                          config=call.config("moe_gemv"), shared=_dense_shared(call))
 
 
 def _run_torch(call: MoeCall) -> torch.Tensor:
@@ -365,9 +381,16 @@ routes.register("moe", routes.Route(
     "(tests/gpu/test_vq_gemv_gpu.py); timing: python scripts/bench_vq_gemv.py --moe",
     _admit_vq, _then_shared(_run_vq)))
 routes.register("moe", routes.Route(
+    "triton_moe_dense_shared", routes.OPT_IN,
+    "none yet: the shared MLP as extra slots of the decode route's gemv (DeepSeek bf16), checked "
+    "against the torch route in tests/kernels/test_moe_shared.py and tests/gpu/test_moe_shared_gpu.py; "
+    "the engine A/B (bench latency --variant shared=moe:triton_moe_dense_shared) is to be taken",
+    _admit_dense_shared, _run_dense_shared))
+routes.register("moe", routes.Route(
     "triton_fused_moe_decode", routes.DEFAULT,
     BENCH + " (Qwen3-30B-A3B and Mixtral C1-C16: 22-1476 us, 2-277x the torch bf16 expert "
-    "loop except Mixtral C16 nvfp4, 0.96x; nvfp4 C32: 380 us against 512 for the grouped tiles)", _admit_decode, _run_decode))
+    "loop except Mixtral C16 nvfp4, 0.96x; nvfp4 C32: 380 us against 512 for the grouped tiles)", _admit_decode,
+    _then_shared(_run("decode"))))
 routes.register("moe", routes.Route(
     "triton_moe_grouped", routes.DEFAULT,
     "docs/BENCHMARKS.md#decode-graph (batched decode and prefill through the engine; the torch "

@@ -1,4 +1,4 @@
-"""DeepSeek-V2-Lite's bf16 MoE block on the GPU: the decode route's gemv launches with the
+"""DeepSeek-V2-Lite's bf16 MoE block on the GPU: triton_moe_dense_shared's gemv launches with the
 shared experts as extra slots, read in place from the merged gate_up and down weights (a
 pointer offset from the routed stack), against the float32 reference of the routed experts
 plus the shared MLP. Sizes: H = 2048, I = 1408, E = 64, top-6, 2 shared experts."""
@@ -18,7 +18,7 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("t", [1, 4, 15])
-def test_shared_slots_in_the_gemv_at_v2_lite_sizes(t):
+def test_shared_slots_in_the_gemv_at_v2_lite_sizes(t, monkeypatch):
     from lowbit.kernels import routes
     from lowbit.kernels.moe import reference_moe
     from lowbit.kernels.moe_layout import SharedMLP
@@ -37,10 +37,11 @@ def test_shared_slots_in_the_gemv_at_v2_lite_sizes(t):
     x = torch.randn(t, H, generator=g, device="cuda").bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:A] for _ in range(t)]).to(torch.int32)
     w = torch.rand(t, A, generator=g, device="cuda")
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_moe_dense_shared")  # OPT_IN until its engine record
     routes.reset_counters()
     y = moe_experts(x, ids, w, w13, w2, shared=SharedMLP(mlp), layer="shared-gpu")
     calls = routes.counters()["route_calls"]
-    assert [c["route"] for c in calls if c["op"] == "moe"] == ["triton_fused_moe_decode"]
+    assert [c["route"] for c in calls if c["op"] == "moe"] == ["triton_moe_dense_shared"]
     assert not [c for c in calls if c["op"] in ("linear", "act")]  # the shared MLP rode in the gemv
     gate, up = mlp.gate_up_proj.weight.float().chunk(2)
     shared = (torch.nn.functional.silu(x.float() @ gate.t()) * (x.float() @ up.t())) @ mlp.down_proj.weight.float().t()

@@ -309,8 +309,10 @@ def test_fused_w_uv_route_admission(monkeypatch):
     many = _step(cache, [([b % 8], 1, 1) for b in range(attention_op.LATENT_UV_MAX_TOKENS + 1)], seed=33)
     many.forced, many.w_uv = True, _w_uv(H, 3, 8, C, torch.float32, seed=34)
     assert "batched GEMM reads it once a step" in route.admit(many)
-    # the op's default order puts it first, and it is graph-safe
+    # first in selection order (an A/B's --variant makes it the first choice), OPT_IN until
+    # its engine record, and graph-safe
     assert routes.ops()["latent_attention"].routes[0].name == "triton_latent_decode_uv"
+    assert route.status == routes.OPT_IN
     assert "triton_latent_decode_uv" in attention_op.GRAPH_SAFE_LATENT_DECODE
 
 
@@ -338,7 +340,7 @@ def test_latent_route_admission_reasons(monkeypatch):
     assert "queries are torch.float64" in route.admit(wide)
     assert route.admit(bf16) == "KV pool is torch.float32, queries are torch.bfloat16"
     status = {r.name: r.status for r in routes.ops()["latent_attention"].routes}
-    assert status == {"triton_latent_decode_uv": routes.DEFAULT, "triton_latent_decode": routes.DEFAULT,
+    assert status == {"triton_latent_decode_uv": routes.OPT_IN, "triton_latent_decode": routes.DEFAULT,
                       "triton_latent_prefill": routes.DEFAULT, "torch": routes.DEFAULT}
     monkeypatch.setenv("LOWBIT_ROUTE_LATENT_ATTENTION", "triton_latent_decode")
     with pytest.raises(LowbitError, match="not a decode step"):

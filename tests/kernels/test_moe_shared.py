@@ -121,20 +121,20 @@ def _dense_block(n_shared: int, inter: int) -> SparseMoE:
 
 @pytest.mark.parametrize("n_shared,inter,t", [(1, 48, 1), (2, 40, 3), (2, 64, 5), (3, 24, 2)])
 def test_dense_shared_experts_ride_in_the_routed_gemv(monkeypatch, n_shared, inter, t):
-    """bf16 experts: the decode route runs the shared MLP as n_shared more gemv slots of each
-    token (no shared GEMM, SiLU-mul or add), and matches the torch route (routed experts,
-    then the separate shared MLP, float32) on fresh random data over odd widths."""
+    """bf16 experts: triton_moe_dense_shared runs the shared MLP as n_shared more gemv slots
+    of each token (no shared GEMM, SiLU-mul or add), and matches the torch route (routed
+    experts, then the separate shared MLP, float32) on fresh random data over odd widths."""
     moe = _dense_block(n_shared, inter)
     x = torch.randn(t, D).bfloat16()
     monkeypatch.setenv("LOWBIT_ROUTE_MOE", "torch")
     monkeypatch.setenv("LOWBIT_ROUTE_LINEAR", "torch")
     want = moe(x)
-    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_fused_moe_decode")
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_moe_dense_shared")
     monkeypatch.delenv("LOWBIT_ROUTE_LINEAR")
     routes.reset_counters()
     got = moe(x)
     calls = routes.counters()["route_calls"]
-    assert [c["route"] for c in calls if c["op"] == "moe"] == ["triton_fused_moe_decode"]
+    assert [c["route"] for c in calls if c["op"] == "moe"] == ["triton_moe_dense_shared"]
     assert not [c for c in calls if c["op"] in ("linear", "act")], calls  # no separate shared MLP
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < 2e-2
@@ -145,15 +145,26 @@ def test_dense_shared_experts_ride_in_the_routed_gemv(monkeypatch, n_shared, int
     assert rel_err(moe(x), want - shared_out) < 3e-2
 
 
-def test_dense_shared_needs_the_merged_mlp(monkeypatch):
-    """Without the merged gate_up (a block not prepared for serving) the decode route runs
-    the routed gemv, then the shared MLP on its own: same result."""
+def test_dense_shared_route_admission(monkeypatch):
+    """The route is OPT_IN (no GPU record yet). It refuses a block whose shared MLP is not
+    merged (not prepared for serving) and a step the decode route gives to its tiles; then
+    triton_fused_moe_decode runs the routed gemv and the shared MLP on its own, with the
+    same result."""
     moe = _dense_block(2, 40)
     x = torch.randn(2, D).bfloat16()
-    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_fused_moe_decode")
+    route = routes.ops()["moe"].get("triton_moe_dense_shared")
+    assert route.status == routes.OPT_IN
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_moe_dense_shared")
     fused = moe(x)
-    moe.shared_experts.gate_up_proj = None
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_fused_moe_decode")
     routes.reset_counters()
     unfused = moe(x)
     assert [c for c in routes.counters()["route_calls"] if c["op"] == "linear"]
     assert rel_err(unfused, fused) < 2e-2
+    moe.shared_experts.gate_up_proj = None
+    monkeypatch.setenv("LOWBIT_ROUTE_MOE", "triton_moe_dense_shared")
+    with pytest.raises(LowbitError, match="not prepared for serving"):
+        moe(x)
+    moe = _dense_block(2, 40)
+    with pytest.raises(LowbitError, match="tiles, not its per-slot gemv"):
+        moe(torch.randn(8, D).bfloat16())  # 8 x (top-2 + 2 shared) slots, not < 2 E = 32

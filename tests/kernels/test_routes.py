@@ -106,8 +106,8 @@ def test_every_real_route_cites_a_record():
                                "triton_lut_gemm", "triton_fp8_w8a16", "triton_fp8_w8a8", "torch_scaled_mm",
                                "triton_vq_gemv",
                                "torch"]
-    assert names["moe"] == ["triton_moe_shared_slots", "triton_tc_moe", "triton_vq_moe", "triton_fused_moe_decode",
-                            "triton_moe_grouped", "torch"]
+    assert names["moe"] == ["triton_moe_shared_slots", "triton_tc_moe", "triton_vq_moe", "triton_moe_dense_shared",
+                            "triton_fused_moe_decode", "triton_moe_grouped", "torch"]
     for row in routes.route_table():
         if row["op"] in ("linear", "moe") and row["status"] == DEFAULT and row["route"] != "torch":
             assert "docs/BENCHMARKS.md#" in row["record"], row

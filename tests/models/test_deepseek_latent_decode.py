@@ -190,10 +190,10 @@ def test_decode_layer_launches(tmp_path, monkeypatch):
 
 def test_moe_layer_decode_launches_in_the_serving_layout(tmp_path, monkeypatch):
     """A bf16 MoE layer's decode step in the serving layout (prepare_for_serving: merged
-    projections, merged shared gate_up), Triton routes forced with a graph-wide split count
-    (4): the latent reduce applies W_UV (no bmm after it), and the routed gemv launches carry
-    the shared experts (no gate_up / down GEMM, SiLU-mul or add). The logits match the torch
-    routes'."""
+    projections, merged shared gate_up), the fused routes forced (both OPT_IN until their
+    engine record) with a graph-wide split count (4): the latent reduce applies W_UV (no bmm
+    after it), and the routed gemv launches carry the shared experts (no gate_up / down GEMM,
+    SiLU-mul or add): 8 launches. The logits match the torch routes'."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lowbit.kernels import latent, launch
@@ -215,7 +215,7 @@ def test_moe_layer_decode_launches_in_the_serving_layout(tmp_path, monkeypatch):
             lm(torch.tensor([1, 2, 3]), flat_batch([(TABLES[0], 0, 3)], cache, "cpu"))
         if forced:
             for op, route in (("MLA_ROPE", "triton_mla_rope"), ("LATENT_ATTENTION", "triton_latent_decode_uv"),
-                              ("MOE", "triton_fused_moe_decode")):
+                              ("MOE", "triton_moe_dense_shared")):
                 monkeypatch.setenv(f"LOWBIT_ROUTE_{op}", route)
         events, inside = [], [None]
         run = launch.run
