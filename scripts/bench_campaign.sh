@@ -16,7 +16,8 @@
 # CONCURRENCY (1,2,4,8,16,32), LONG_CONTEXT (32768),
 # INPUT_LEN (128), OUTPUT_LEN (32), DEVICE (empty: cuda when present), DTYPE (auto: bf16 on a GPU),
 # SERVE_FLAGS (more flags for lowbit serve, e.g. "--cuda-graph-capture lazy" for the A/B of the
-# start-up capture).
+# start-up capture), SERVE_RESTART (0; 1: a second server start and a C1 level, its start-up
+# with the Triton cache the first start filled).
 # LONG_CONTEXT=0 skips the long-context serving level; the server's --max-num-seqs is the
 # largest CONCURRENCY level, its KV pool KV_TOKENS tokens (empty, the default: sized from
 # --gpu-memory-utilization, as a user's; records before e03c42b used 262144, which bf16
@@ -86,12 +87,15 @@ if [[ "${LATENCY:-1}" != 0 ]]; then
     stage latency-bf16 "${T_LATENCY:-170}" "${LB[@]}" bench latency x "${COMMON[@]}" "${CELLS[@]}" -r "$REPEATS" "${REC[@]}"
 fi
 
-# 2. serving: one server, two context levels, each with its own time limit.
-if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
-    say "start lowbit serve on port $PORT"
+# 2. serving: one server, two context levels, each with its own time limit. SERVE_RESTART=1:
+#    then a second server start of the same flags (its Triton cache warm from the first) and
+#    one C1 level, so that the record holds both start-up times.
+serve_run() {  # serve_run TAG CONCURRENCY LONG
+    local tag=$1 conc=$2 long=$3
+    say "start lowbit serve on port $PORT ($tag)"
     "${LB[@]}" serve x "${COMMON[@]}" --port "$PORT" --served-model-name campaign-random \
         --max-num-seqs "$MAX_SEQS" ${KV_TOKENS:+--kv-cache-tokens "$KV_TOKENS"} ${SERVE_FLAGS:-} \
-        > "$WORK/logs/serve.log" 2>&1 &
+        > "$WORK/logs/serve$tag.log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 180); do
         healthy && break
@@ -99,18 +103,24 @@ if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
         sleep 1
     done
     if healthy; then
-        say "server ready"
-        LOAD=(--base-url "http://127.0.0.1:$PORT" --concurrency "$CONCURRENCY" --input-len "${INPUT_LEN:-128}"
+        say "server ready ($tag)"
+        LOAD=(--base-url "http://127.0.0.1:$PORT" --concurrency "$conc" --input-len "${INPUT_LEN:-128}"
               --output-len "${OUTPUT_LEN:-32}" --prompts-per-slot 2 --ignore-eos --timeout 150)
-        stage serve-ctx0 150 "${LB[@]}" bench serve "${LOAD[@]}" --context 0 --time-limit 110 "${REC[@]}"
-        if (( LONG_CONTEXT > 0 )); then
-            stage serve-ctx-long 190 "${LB[@]}" bench serve "${LOAD[@]}" --context "$LONG_CONTEXT" --time-limit 120 "${REC[@]}"
+        stage "serve-ctx0$tag" 150 "${LB[@]}" bench serve "${LOAD[@]}" --context 0 --time-limit 110 "${REC[@]}"
+        if (( long > 0 )); then
+            stage "serve-ctx-long$tag" 190 "${LB[@]}" bench serve "${LOAD[@]}" --context "$long" --time-limit 120 "${REC[@]}"
         fi
     else
-        say "lowbit serve did not come up; see logs/serve.log in records.tar.gz"
-        tail -20 "$WORK/logs/serve.log" >> "$LOG"
+        say "lowbit serve did not come up; see logs/serve$tag.log in records.tar.gz"
+        tail -20 "$WORK/logs/serve$tag.log" >> "$LOG"
     fi
     kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; SERVER_PID=""
+}
+if python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+    serve_run "" "$CONCURRENCY" "$LONG_CONTEXT"
+    if [[ "${SERVE_RESTART:-0}" == 1 ]] && (( $(left) > 60 )); then
+        serve_run "-restart" 1 0
+    fi
 else
     say "skip serving: fastapi/uvicorn are not importable (carry their wheels in .whl/)"
 fi
