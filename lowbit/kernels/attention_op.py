@@ -332,8 +332,7 @@ def _admit_latent_decode_uv(call: LatentCall) -> str | None:
     if w.dtype != call.q_lat.dtype or w.stride(-1) != 1 or w.shape[0] != call.q_lat.shape[1] \
             or w.shape[2] != call.q_lat.shape[2]:
         return f"W_UV {list(w.shape)} {w.dtype} does not fit queries {list(call.q_lat.shape)} {call.q_lat.dtype}"
-    pool = KVPool(*call.batch.kv_cache.layer_pool(call.layer_idx, call.c_kv[:, None], call.k_pe[:, None]))
-    if latent_splits(call.q_lat, pool, call.batch.block_tables) == 1:
+    if latent_splits(call.q_lat, call.batch.kv_cache.block_size, call.batch.block_tables) == 1:
         return "one split: the split kernel writes the context itself (W_UV as a batched GEMM)"
     return None
 

@@ -221,15 +221,16 @@ def _latent_reduce_uv_kernel(part_ptr, ml_ptr, lens_ptr, w_ptr, out_ptr, S, stri
 
 
 def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, out: torch.Tensor, seq_idx: torch.Tensor | None) -> None:
+           seq_lens: torch.Tensor, out: torch.Tensor | None, seq_idx: torch.Tensor | None) -> None:
+    """The inputs' layout; out (the latent context's buffer) unless None (W_UV's output)."""
     B, H, C = q_lat.shape
     R = pool.k.shape[0]
     assert pool.k.shape == (R, 1, C) and pool.v.shape[:2] == (R, 1), "one latent 'head': k [R, 1, C], v [R, 1, Dr]"
     assert q_pe.shape == (B, H, pool.v.shape[-1]) and q_pe.dtype == q_lat.dtype
     assert R % pool.block_size == 0 and C <= MAX_LATENT and q_pe.shape[-1] <= MAX_ROPE_DIM
-    assert q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1 and out.stride(-1) == 1
+    assert q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1
+    assert out is None or (out.stride(-1) == 1 and out.shape == q_lat.shape and out.dtype == q_lat.dtype)
     assert pool.k.stride(-1) == 1 and pool.v.stride(-1) == 1
-    assert out.shape == q_lat.shape and out.dtype == q_lat.dtype
     assert q_lat.dtype in (torch.bfloat16, torch.float16, torch.float32)
     assert pool.k.dtype in (q_lat.dtype, FP8) and pool.v.dtype == pool.k.dtype
     if pool.is_fp8:
@@ -248,12 +249,12 @@ def _workspace(numel: int, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.float32, device=device)
 
 
-def latent_splits(q_lat: torch.Tensor, pool: KVPool, block_tables: torch.Tensor,
+def latent_splits(q_lat: torch.Tensor, block_size: int, block_tables: torch.Tensor,
                   config: dict | None = None) -> int:
     """S, the splits of one sequence's context latent_decode uses: from host shapes only."""
     B, H, _ = q_lat.shape
     NH = triton.cdiv(H, {**LATENT_CFG, **(config or {})}["BH"])
-    return decode_splits(B, NH, block_tables.shape[1] * pool.block_size, q_lat.device)
+    return decode_splits(B, NH, block_tables.shape[1] * block_size, q_lat.device)
 
 
 def latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_tables: torch.Tensor,
@@ -268,19 +269,18 @@ def latent_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, pool: KVPool, block_t
     launch also applies it, out[b, h] = W_UV[h] @ context[b, h] -> [B, H, Dv], with the
     context rounded to q_lat's dtype first, as a separate product would read it."""
     B, H, C = q_lat.shape
-    if w_uv is not None:
+    if w_uv is None:
+        out = torch.empty_like(q_lat) if out is None else out
+    else:
         assert w_uv.shape[0] == H and w_uv.shape[2] == C and w_uv.stride(-1) == 1 and w_uv.dtype == q_lat.dtype
         out = q_lat.new_empty(B, H, w_uv.shape[1]) if out is None else out
-        assert out.shape == (B, H, w_uv.shape[1]) and out.stride(-1) == 1
-        _check(q_lat, q_pe, pool, block_tables, seq_lens, q_lat, seq_idx)
-    else:
-        out = torch.empty_like(q_lat) if out is None else out
-        _check(q_lat, q_pe, pool, block_tables, seq_lens, out, seq_idx)
+        assert out.shape == (B, H, w_uv.shape[1]) and out.stride(-1) == 1 and out.dtype == q_lat.dtype
+    _check(q_lat, q_pe, pool, block_tables, seq_lens, None if w_uv is not None else out, seq_idx)
     Dr = q_pe.shape[-1]
     cfg = {**LATENT_CFG, **(config or {})}
     BH, BC = cfg["BH"], max(16, triton.next_power_of_2(C))
     NH = triton.cdiv(H, BH)
-    S = num_splits or latent_splits(q_lat, pool, block_tables, config)
+    S = num_splits or latent_splits(q_lat, pool.block_size, block_tables, config)
     assert w_uv is None or S > 1, "the W_UV product rides in the reduce launch: S > 1"
     part = _workspace(B * H * S * BC if S > 1 else 1, q_lat.device)
     ml = _workspace(B * H * S * 2 if S > 1 else 1, q_lat.device)

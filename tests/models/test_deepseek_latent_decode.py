@@ -133,26 +133,14 @@ def test_fused_layer_matches_the_torch_routes(tmp_path, monkeypatch, name, kv):
         news, ids = [1, 1, 1], want.argmax(-1)
 
 
-def test_decode_layer_launches(tmp_path, monkeypatch):
-    """What one MLA attention block and one gate_up MLP of the serving layout launch in a
-    decode step, Triton routes forced (on the GPU they are the defaults): the merged
-    projection, mla_rope, the absorbed q product, the latent split kernel (S = 1 here: no
-    reduce), the absorbed o product, o_proj; gate_up, silu_mul, down. Views and empty
-    allocations launch nothing and are left out."""
+def _launches(monkeypatch, modules, forward):
+    """(forward(), the launches made inside `modules`' forwards): Triton kernels through
+    launch.run by name, torch ops by their aten name. Views and empty allocations launch
+    nothing and are left out, and so are the interpreter's own tensor ops."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from lowbit.kernels import launch
-    from lowbit.models.deepseek_v3 import GateUpMLP, MLAttention
 
-    lm = tiny(tmp_path, "deepseek-ai__DeepSeek-V2-Lite")
-    lm.prepare_for_serving()
-    cache = PagedKVCache(lm.num_cache_layers, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
-    for op, route in (("MLA_ROPE", "triton_mla_rope"), ("ACT", "triton_silu_mul"),
-                      ("LATENT_ATTENTION", "triton_latent_prefill")):
-        monkeypatch.setenv(f"LOWBIT_ROUTE_{op}", route)
-    with torch.inference_mode():
-        lm(torch.tensor([1, 2, 3]), flat_batch([(TABLES[0], 0, 3)], cache, "cpu"))
-    monkeypatch.setenv(ENV, "triton_latent_decode")
     events, inside = [], [None]
     free = {"view", "_unsafe_view", "transpose", "split", "split_with_sizes", "slice", "select", "t",
             "unsqueeze", "squeeze", "as_strided", "permute", "alias", "detach", "detach_", "empty",
@@ -170,20 +158,46 @@ def test_decode_layer_launches(tmp_path, monkeypatch):
     def counted(kernel, grid, *args, **kw):
         if inside[0] is not None:
             events.append(kernel.fn.__name__)
-        outer, inside[0] = inside[0], None  # the interpreter's own tensor ops are not launches
+        outer, inside[0] = inside[0], None
         try:
             return run(kernel, grid, *args, **kw)
         finally:
             inside[0] = outer
 
     monkeypatch.setattr(launch, "run", counted)
+    hooks = [h for m in modules for h in (m.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, m)),
+                                          m.register_forward_hook(lambda m, a, out: inside.__setitem__(0, None)))]
+    try:
+        with torch.inference_mode(), Ops():
+            out = forward()
+    finally:
+        for h in hooks:
+            h.remove()
+        monkeypatch.setattr(launch, "run", run)
+    return out, events
+
+
+def test_decode_layer_launches(tmp_path, monkeypatch):
+    """What one MLA attention block and one gate_up MLP of the serving layout launch in a
+    decode step, Triton routes forced (on the GPU they are the defaults): the merged
+    projection, mla_rope, the absorbed q product, the latent split kernel (S = 1 here: no
+    reduce), the absorbed o product, o_proj; gate_up, silu_mul, down. Views and empty
+    allocations launch nothing and are left out."""
+    from lowbit.models.deepseek_v3 import GateUpMLP, MLAttention
+
+    lm = tiny(tmp_path, "deepseek-ai__DeepSeek-V2-Lite")
+    lm.prepare_for_serving()
+    cache = PagedKVCache(lm.num_cache_layers, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
+    for op, route in (("MLA_ROPE", "triton_mla_rope"), ("ACT", "triton_silu_mul"),
+                      ("LATENT_ATTENTION", "triton_latent_prefill")):
+        monkeypatch.setenv(f"LOWBIT_ROUTE_{op}", route)
+    with torch.inference_mode():
+        lm(torch.tensor([1, 2, 3]), flat_batch([(TABLES[0], 0, 3)], cache, "cpu"))
+    monkeypatch.setenv(ENV, "triton_latent_decode")
     layer = lm.model.layers[1]
-    for mod in (layer.self_attn, layer.mlp.shared_experts):
-        assert isinstance(mod, (MLAttention, GateUpMLP))
-        mod.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, m))
-        mod.register_forward_hook(lambda m, a, out: inside.__setitem__(0, None))
-    with torch.inference_mode(), Ops():
-        lm(torch.tensor([7]), flat_batch([(TABLES[0], 3, 1)], cache, "cpu"))
+    assert isinstance(layer.self_attn, MLAttention) and isinstance(layer.mlp.shared_experts, GateUpMLP)
+    _, events = _launches(monkeypatch, (layer.self_attn, layer.mlp.shared_experts),
+                          lambda: lm(torch.tensor([7]), flat_batch([(TABLES[0], 3, 1)], cache, "cpu")))
     attn = ["linear", "_mla_rope_kernel", "bmm", "_latent_split_kernel", "bmm", "linear"]
     assert events == attn + ["linear", "_silu_mul_kernel", "linear"], events
 
@@ -194,9 +208,7 @@ def test_moe_layer_decode_launches_in_the_serving_layout(tmp_path, monkeypatch):
     engine record) with a graph-wide split count (4): the latent reduce applies W_UV (no bmm
     after it), and the routed gemv launches carry the shared experts (no gate_up / down GEMM,
     SiLU-mul or add): 8 launches. The logits match the torch routes'."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from lowbit.kernels import latent, launch
+    from lowbit.kernels import latent
 
     path = tmp_path / "config.json"
     cfg = shrink(raw_config("deepseek-ai__DeepSeek-V2-Lite"))
@@ -217,39 +229,13 @@ def test_moe_layer_decode_launches_in_the_serving_layout(tmp_path, monkeypatch):
             for op, route in (("MLA_ROPE", "triton_mla_rope"), ("LATENT_ATTENTION", "triton_latent_decode_uv"),
                               ("MOE", "triton_moe_dense_shared")):
                 monkeypatch.setenv(f"LOWBIT_ROUTE_{op}", route)
-        events, inside = [], [None]
-        run = launch.run
-
-        def counted(kernel, grid, *args, **kw):
-            if inside[0] is not None:
-                events.append(kernel.fn.__name__)
-            outer, inside[0] = inside[0], None
-            try:
-                return run(kernel, grid, *args, **kw)
-            finally:
-                inside[0] = outer
-
-        class Ops(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func.__name__.split(".")[0]
-                if inside[0] is not None and name in ("linear", "bmm", "mm", "addmm", "add", "mul", "silu"):
-                    events.append(name)
-                return func(*args, **(kwargs or {}))
-
-        monkeypatch.setattr(launch, "run", counted)
-        hooks = [m.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, m)) for m in
-                 (layer.self_attn, layer.mlp.experts)]
-        hooks += [m.register_forward_hook(lambda m, a, out: inside.__setitem__(0, None)) for m in
-                  (layer.self_attn, layer.mlp.experts)]
-        try:
-            with torch.inference_mode(), Ops():
-                hidden = lm(torch.tensor([7]), flat_batch([(TABLES[0], 3, 1)], cache, "cpu"))
-        finally:
-            for h in hooks:
-                h.remove()
-            monkeypatch.setattr(launch, "run", run)
+        hidden, events = _launches(monkeypatch, (layer.self_attn, layer.mlp.experts),
+                                   lambda: lm(torch.tensor([7]), flat_batch([(TABLES[0], 3, 1)], cache, "cpu")))
         return lm.compute_logits(hidden).float(), events
 
+    from lowbit.kernels.runtime import semaphore
+
+    semaphore(torch.device("cpu"), 1)  # the split-K counters: allocated once a process, not a step's launch
     fused, events = step(True)
     assert events == ["linear", "_mla_rope_kernel", "bmm", "_latent_split_kernel", "_latent_reduce_uv_kernel",
                       "linear", "_gemv_kernel", "_gemv_kernel"], events
