@@ -4,7 +4,8 @@
     python scripts/bench_vq_gemv.py --moe [--tokens 1,4,16]
 
 For each weight shape N x K and M: vq2 / vq3 / vq4 through `vq_gemv` (random indices and
-scales, the shipped codebooks), nf4 through the LUT gemv (`lut_gemv`), bf16 through
+scales, the shipped codebooks; the packed block kernel at its default config, at BB 2, with
+no split-K, and the float32-gather kernel), nf4 through the LUT gemv (`lut_gemv`), bf16 through
 `F.linear`; each checked against its torch twin first, then timed by
 `triton.testing.do_bench` (median, microseconds), with the achieved weight bandwidth
 (payload bytes / time). Prints a markdown table for docs/BENCHMARKS.md.
@@ -57,9 +58,11 @@ def main() -> None:
         n, k = (int(v) for v in shape.split("x"))
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         weights = {}
-        for name in ("vq2", "vq3", "vq4"):  # packed codebook at three row tiles, then the float32 gathers
+        for name in ("vq2", "vq3", "vq4"):  # the packed block kernel: default, BB 2, no split; float32 gathers
             w = vq_weight(name, n, k)
-            weights |= {f"{name} BN {bn}": (w, {"BN": bn}) for bn in (8, 16, 32)}
+            weights[f"{name}"] = (w, {})
+            weights[f"{name} BB 2"] = (w, {"BB": 2})
+            weights[f"{name} SPLIT_K 1"] = (w, {"SPLIT_K": 1})
             weights[f"{name} f32 gathers"] = (w, {"PACKED": False})
         weights["nf4 (lut gemv)"] = resolve(get_format("nf4").quantize(dense))
         weights["bf16 F.linear"] = dense

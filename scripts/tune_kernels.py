@@ -53,7 +53,7 @@ GEMV_CANDIDATES = [
     dict(BN=32, G=64, SPLIT_K=0, num_warps=8),
 ]
 TORCH_TO_TRITON = {
-    torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64", torch.bfloat16: "*bf16",
+    torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64", torch.bfloat16: "*bf16",
     torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64", torch.float8_e4m3fn: "*fp8e4nv",
 }
 

@@ -22,8 +22,10 @@ on S, I and H only):
 A slot whose id is outside 0..E-1 (placed nowhere) reads expert 0 and writes zeros, and the
 combine never reads it. Each slot reads its expert's weights once: T tokens routed to one
 expert read it T times (a decode kernel: the route takes T <= VQ_MOE_MAX_TOKENS).
-With a packed codebook (VqWeight.packed) a group is one int64 gather, as in
-lowbit.kernels.vq_gemv (config PACKED: False keeps the float32 gathers).
+With a packed codebook (VqWeight.packed) FC1 and FC2 run the packed K step of
+lowbit.kernels.vq_gemv (`_vq_block_rows`: BB scale blocks a step, one int64 gather a group,
+elementwise float32 accumulators reduced once after the loop; config BB, BN, num_warps);
+config PACKED: False, or a codebook that is not float16-valued, keeps the float32 gathers.
 Reference twin: lowbit.kernels.moe.reference_moe (vq_decode per expert, float32).
 """
 
@@ -34,17 +36,102 @@ import torch
 from lowbit.formats.views import VqWeight
 from lowbit.kernels.moe_slots import combine_slots, flat_slots, moe_output
 from lowbit.kernels.runtime import tl, triton
-from lowbit.kernels.vq_gemv import _vq_groups, _vq_packed_rows
+from lowbit.kernels.vq_gemv import _vq_block_dot, _vq_block_idx, _vq_groups
 
 VQ_MOE_MAX_TOKENS = 64  # per-slot reads: prefill would read each expert once per routed token
-DEFAULT_CONFIG = {"BN": 32, "BG": 32, "num_warps": 4}
+DEFAULT_CONFIG = {"BN": 32, "BG": 32, "num_warps": 4}  # the float32-gather kernels
+BLOCKS_CONFIG = {"BN": 32, "BB": 4, "num_warps": 4}  # the packed kernels: BB scale blocks a K step
+
+
+@triton.jit
+def _vq_block_rows(x_row, crow, srow, cbp_ptr, b0, K, NB, rmask, D: tl.constexpr, IB: tl.constexpr,
+                   BB: tl.constexpr, EVEN: tl.constexpr):
+    """One K step of the packed schedule (lowbit.kernels.vq_gemv) for one activation row:
+    float32 [BN, BB, GPB], the scaled group dots of blocks b0 .. b0 + BB of the rows at crow /
+    srow ([BN, 1, 1] / [BN, 1] pointers) with x_row's columns."""
+    GPB: tl.constexpr = 64 // D
+    bi = b0 + tl.arange(0, BB)
+    gi = bi[:, None] * GPB + tl.arange(0, GPB)[None, :]  # [BB, GPB]
+    col = gi[:, :, None] * D + tl.arange(0, D)[None, None, :]  # [BB, GPB, D]
+    if EVEN:
+        idx = _vq_block_idx(crow, gi, None, IB)
+        sbits = tl.load(srow + bi[None, :])
+        xg = tl.load(x_row + col[None]).to(tl.float32)
+        part = _vq_block_dot(cbp_ptr, idx, None, xg, 1, BB, GPB, D)
+    else:
+        bmask = bi < NB
+        m3 = rmask[:, None, None] & bmask[None, :, None]
+        idx = _vq_block_idx(crow, gi, m3, IB)
+        sbits = tl.load(srow + bi[None, :], mask=rmask[:, None] & bmask[None, :], other=0)
+        xg = tl.load(x_row + col[None], mask=(bmask[:, None, None] & (col < K))[None], other=0.0).to(tl.float32)
+        part = _vq_block_dot(cbp_ptr, idx, m3, xg, 1, BB, GPB, D)
+    sc = ((sbits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)  # [BN, BB]
+    return tl.sum(part, 0) * sc[:, :, None]
+
+
+@triton.jit
+def _vq_moe_fc1_blocks_kernel(
+    x_ptr, h_ptr, ids_ptr, codes_ptr, scales_ptr, cbp_ptr,
+    K, NB, NI, E, A, stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_h,
+    D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr, EVEN: tl.constexpr,
+):
+    """FC1 in the packed schedule: program (p, s) holds the gate and up rows p * BN.. of
+    expert ids[s] as elementwise float32 [BN, BB, GPB] sums over the K steps, reduced once
+    after the loop. EVEN: NI % BN, NB % BB are 0 and K = 64 NB."""
+    GPB: tl.constexpr = 64 // D
+    s = tl.program_id(1)
+    e = tl.load(ids_ptr + s)
+    valid = (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0).to(tl.int64)
+    t = s // A
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nmask = n < NI
+    gate_c = codes_ptr + e * stride_ce + n[:, None, None].to(tl.int64) * stride_cn
+    gate_s = scales_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    acc_g = tl.zeros([BN, BB, GPB], tl.float32)
+    acc_u = tl.zeros([BN, BB, GPB], tl.float32)
+    for b0 in range(0, NB, BB):
+        acc_g += _vq_block_rows(x_row, gate_c, gate_s, cbp_ptr, b0, K, NB, nmask, D, IB, BB, EVEN)
+        acc_u += _vq_block_rows(x_row, gate_c + NI * stride_cn, gate_s + NI * stride_sn, cbp_ptr, b0, K, NB,
+                                nmask, D, IB, BB, EVEN)
+    g = tl.sum(tl.sum(acc_g, 2), 1)
+    u = tl.sum(tl.sum(acc_u, 2), 1)
+    h = tl.where(valid, g / (1.0 + tl.exp(-g)) * u, 0.0)
+    tl.store(h_ptr + s.to(tl.int64) * stride_h + n, h, mask=nmask)
+
+
+@triton.jit
+def _vq_moe_fc2_blocks_kernel(
+    h_ptr, ys_ptr, ids_ptr, w_ptr, codes_ptr, scales_ptr, cbp_ptr,
+    K, NB, N, E, stride_h, stride_ce, stride_cn, stride_se, stride_sn, stride_ys,
+    D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BB: tl.constexpr, EVEN: tl.constexpr,
+):
+    """FC2 in the packed schedule: ys[s, n] = weights[s] * (h[s] . W2_e[n]). EVEN: N % BN,
+    NB % BB are 0 and K = 64 NB."""
+    GPB: tl.constexpr = 64 // D
+    s = tl.program_id(1)
+    e = tl.load(ids_ptr + s)
+    valid = (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0).to(tl.int64)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nmask = n < N
+    row_c = codes_ptr + e * stride_ce + n[:, None, None].to(tl.int64) * stride_cn
+    row_s = scales_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
+    h_row = h_ptr + s.to(tl.int64) * stride_h
+    acc = tl.zeros([BN, BB, GPB], tl.float32)
+    for b0 in range(0, NB, BB):
+        acc += _vq_block_rows(h_row, row_c, row_s, cbp_ptr, b0, K, NB, nmask, D, IB, BB, EVEN)
+    y = tl.sum(tl.sum(acc, 2), 1)
+    y = tl.where(valid, y * tl.load(w_ptr + s), 0.0)
+    tl.store(ys_ptr + s.to(tl.int64) * stride_ys + n, y, mask=nmask)
 
 
 @triton.jit
 def _vq_moe_fc1_kernel(
     x_ptr, h_ptr, ids_ptr, codes_ptr, scales_ptr, cb_ptr,
     K, G, NI, E, A, stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_h,
-    D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, PACKED: tl.constexpr,
+    D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
 ):
     s = tl.program_id(1)
     e = tl.load(ids_ptr + s)
@@ -64,19 +151,13 @@ def _vq_moe_fc1_kernel(
         m2 = nmask[:, None] & (gi < G)[None, :]
         ig, sg = _vq_groups(gate_c, gate_s, gi, m2, D, IB)
         iu, su = _vq_groups(up_c, up_s, gi, m2, D, IB)
-        if PACKED:
-            col = tl.reshape(gi[:, None] * D + tl.arange(0, D)[None, :], [BG * D])
-            xv = tl.load(x_ptr + t * stride_xt + col, mask=col < K, other=0.0).to(tl.float32)  # [BG * D]
-            acc_g += tl.sum(_vq_packed_rows(cb_ptr, ig, sg, m2, D, BN, BG) * xv[None, :], 1)
-            acc_u += tl.sum(_vq_packed_rows(cb_ptr, iu, su, m2, D, BN, BG) * xv[None, :], 1)
-        else:
-            for j in tl.static_range(D):
-                col = gi * D + j
-                xv = tl.load(x_ptr + t * stride_xt + col, mask=col < K, other=0.0).to(tl.float32)  # [BG]
-                wg = tl.load(cb_ptr + ig * D + j, mask=m2, other=0.0) * sg
-                wu = tl.load(cb_ptr + iu * D + j, mask=m2, other=0.0) * su
-                acc_g += tl.sum(wg * xv[None, :], 1)
-                acc_u += tl.sum(wu * xv[None, :], 1)
+        for j in tl.static_range(D):
+            col = gi * D + j
+            xv = tl.load(x_ptr + t * stride_xt + col, mask=col < K, other=0.0).to(tl.float32)  # [BG]
+            wg = tl.load(cb_ptr + ig * D + j, mask=m2, other=0.0) * sg
+            wu = tl.load(cb_ptr + iu * D + j, mask=m2, other=0.0) * su
+            acc_g += tl.sum(wg * xv[None, :], 1)
+            acc_u += tl.sum(wu * xv[None, :], 1)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     h = tl.where(valid, h, 0.0)
     tl.store(h_ptr + s.to(tl.int64) * stride_h + n, h, mask=nmask)
@@ -86,7 +167,7 @@ def _vq_moe_fc1_kernel(
 def _vq_moe_fc2_kernel(
     h_ptr, ys_ptr, ids_ptr, w_ptr, codes_ptr, scales_ptr, cb_ptr,
     K, G, N, E, stride_h, stride_ce, stride_cn, stride_se, stride_sn, stride_ys,
-    D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr, PACKED: tl.constexpr,
+    D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
 ):
     s = tl.program_id(1)
     e = tl.load(ids_ptr + s)
@@ -101,16 +182,11 @@ def _vq_moe_fc2_kernel(
         gi = g0 + tl.arange(0, BG)
         m2 = nmask[:, None] & (gi < G)[None, :]
         idx, sc = _vq_groups(row_c, row_s, gi, m2, D, IB)
-        if PACKED:
-            col = tl.reshape(gi[:, None] * D + tl.arange(0, D)[None, :], [BG * D])
-            hv = tl.load(h_ptr + s.to(tl.int64) * stride_h + col, mask=col < K, other=0.0)  # [BG * D]
-            acc += tl.sum(_vq_packed_rows(cb_ptr, idx, sc, m2, D, BN, BG) * hv[None, :], 1)
-        else:
-            for j in tl.static_range(D):
-                col = gi * D + j
-                hv = tl.load(h_ptr + s.to(tl.int64) * stride_h + col, mask=col < K, other=0.0)  # [BG]
-                wv = tl.load(cb_ptr + idx * D + j, mask=m2, other=0.0) * sc
-                acc += tl.sum(wv * hv[None, :], 1)
+        for j in tl.static_range(D):
+            col = gi * D + j
+            hv = tl.load(h_ptr + s.to(tl.int64) * stride_h + col, mask=col < K, other=0.0)  # [BG]
+            wv = tl.load(cb_ptr + idx * D + j, mask=m2, other=0.0) * sc
+            acc += tl.sum(wv * hv[None, :], 1)
     acc = tl.where(valid, acc * tl.load(w_ptr + s), 0.0)
     tl.store(ys_ptr + s.to(tl.int64) * stride_ys + n, acc, mask=nmask)
 
@@ -146,7 +222,6 @@ def vq_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: VqWei
     reason = vq_moe_refusal(x, ids, w13, w2)
     if reason is not None:
         raise ValueError(f"vq_moe: {reason}")
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
     x, ids_flat, tw = flat_slots(x, ids, weights)
     y = moe_output(x, out)
     t, hid = x.shape
@@ -154,17 +229,35 @@ def vq_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: VqWei
     s, e, inter = t * a, w13.lead[0], w13.n // 2
     h = torch.empty(s, inter, dtype=torch.float32, device=x.device)
     ys = torch.empty(s, hid, dtype=torch.float32, device=x.device)
-    bn, bg, warps = cfg["BN"], cfg["BG"], cfg["num_warps"]
-    p13 = w13.packed is not None and cfg.get("PACKED", True)
-    p2 = w2.packed is not None and cfg.get("PACKED", True)
-    _vq_moe_fc1_kernel[(triton.cdiv(inter, bn), s)](
-        x, h, ids_flat, w13.codes, w13.scales.view(torch.int16), w13.packed if p13 else w13.codebook,
-        hid, w13.kp // w13.dim, inter, e, a, x.stride(0), w13.codes.stride(0), w13.codes.stride(1),
-        w13.scales.stride(0), w13.scales.stride(1), h.stride(0),
-        D=w13.dim, IB=w13.index_bits, BN=bn, BG=bg, PACKED=p13, num_warps=warps)
-    _vq_moe_fc2_kernel[(triton.cdiv(hid, bn), s)](
-        h, ys, ids_flat, tw, w2.codes, w2.scales.view(torch.int16), w2.packed if p2 else w2.codebook,
-        inter, w2.kp // w2.dim, hid, e, h.stride(0), w2.codes.stride(0), w2.codes.stride(1),
-        w2.scales.stride(0), w2.scales.stride(1), ys.stride(0),
-        D=w2.dim, IB=w2.index_bits, BN=bn, BG=bg, PACKED=p2, num_warps=warps)
+    packed = (config or {}).get("PACKED", True)
+    if w13.packed is not None and packed:
+        cfg = {**BLOCKS_CONFIG, **(config or {})}
+        bn, bb, nb = cfg["BN"], cfg["BB"], w13.kp // 64
+        _vq_moe_fc1_blocks_kernel[(triton.cdiv(inter, bn), s)](
+            x, h, ids_flat, w13.codes, w13.scales.view(torch.int16), w13.packed,
+            hid, nb, inter, e, a, x.stride(0), w13.codes.stride(0), w13.codes.stride(1),
+            w13.scales.stride(0), w13.scales.stride(1), h.stride(0), D=w13.dim, IB=w13.index_bits,
+            BN=bn, BB=bb, EVEN=inter % bn == 0 and nb % bb == 0 and hid == 64 * nb, num_warps=cfg["num_warps"])
+    else:
+        cfg = {**DEFAULT_CONFIG, **(config or {})}
+        _vq_moe_fc1_kernel[(triton.cdiv(inter, cfg["BN"]), s)](
+            x, h, ids_flat, w13.codes, w13.scales.view(torch.int16), w13.codebook,
+            hid, w13.kp // w13.dim, inter, e, a, x.stride(0), w13.codes.stride(0), w13.codes.stride(1),
+            w13.scales.stride(0), w13.scales.stride(1), h.stride(0),
+            D=w13.dim, IB=w13.index_bits, BN=cfg["BN"], BG=cfg["BG"], num_warps=cfg["num_warps"])
+    if w2.packed is not None and packed:
+        cfg = {**BLOCKS_CONFIG, **(config or {})}
+        bn, bb, nb = cfg["BN"], cfg["BB"], w2.kp // 64
+        _vq_moe_fc2_blocks_kernel[(triton.cdiv(hid, bn), s)](
+            h, ys, ids_flat, tw, w2.codes, w2.scales.view(torch.int16), w2.packed,
+            inter, nb, hid, e, h.stride(0), w2.codes.stride(0), w2.codes.stride(1),
+            w2.scales.stride(0), w2.scales.stride(1), ys.stride(0), D=w2.dim, IB=w2.index_bits,
+            BN=bn, BB=bb, EVEN=hid % bn == 0 and nb % bb == 0 and inter == 64 * nb, num_warps=cfg["num_warps"])
+    else:
+        cfg = {**DEFAULT_CONFIG, **(config or {})}
+        _vq_moe_fc2_kernel[(triton.cdiv(hid, cfg["BN"]), s)](
+            h, ys, ids_flat, tw, w2.codes, w2.scales.view(torch.int16), w2.codebook,
+            inter, w2.kp // w2.dim, hid, e, h.stride(0), w2.codes.stride(0), w2.codes.stride(1),
+            w2.scales.stride(0), w2.scales.stride(1), ys.stride(0),
+            D=w2.dim, IB=w2.index_bits, BN=cfg["BN"], BG=cfg["BG"], num_warps=cfg["num_warps"])
     return combine_slots(ys, x, a, ids_flat, e, out=y)

@@ -12,9 +12,9 @@ from lowbit.formats.views import VqWeight
 from lowbit.formats.vq import pack_codebook
 from lowbit.kernels import routes
 from lowbit.kernels.linear_op import linear
-from lowbit.kernels.vq_gemv import reference_vq_linear, vq_gemv
+from lowbit.kernels.vq_gemv import blocks_split_plan, reference_vq_linear, vq_gemv
 from lowbit.kernels.weights import resolve
-from tests.kernels.cases import guarded, rel_err
+from tests.kernels.cases import compile_offline, guarded, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small ops: one thread (conftest)
 
@@ -52,16 +52,67 @@ def test_gemv_matches_twin(geo, m, n, k):
 
 
 @pytest.mark.parametrize("geo", list(GEOMETRIES))
-@pytest.mark.parametrize("m,n,k", [(1, 17, 64), (2, 33, 100), (5, 70, 200), (16, 9, 130)])
-def test_packed_gemv_matches_twin_and_the_float32_gathers(geo, m, n, k):
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (1, 17, 64, {"BN": 16}),  # one block: BB 4 steps past NB, masked
+    (2, 33, 100, {"BN": 16, "BB": 1, "SPLIT_K": 2}),  # K < Kp, split in two
+    (5, 70, 200, {"BN": 16, "BB": 2, "SPLIT_K": 3}),  # M tail of a BM 4 program, 4 blocks in 2 splits
+    (16, 9, 130, {"BN": 16, "BB": 1, "SPLIT_K": 3}),  # 3 blocks, one a split
+    (4, 64, 256, {"BN": 32, "BB": 2, "SPLIT_K": 2}),  # EVEN: no masks, two splits
+    (1, 32, 512, {"BN": 16, "BB": 4}),  # EVEN at BM 1, the default split count
+])
+def test_packed_gemv_matches_twin_and_the_float32_gathers(geo, m, n, k, cfg):
+    """The packed block kernel (split-K, masked and EVEN forms) against the twin and the
+    float32-gather kernel."""
     dim, bits = GEOMETRIES[geo]
     w = random_vq(n, k, dim, bits, seed=m * 1000 + n + k + 7, packed=True)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + 1))
     bias = guarded(torch.randn(n)) if m % 2 else None
-    y = vq_gemv(x, w, bias, out=torch.full((m, n), float("nan")), config={"BN": 16, "BG": 8})
+    y = vq_gemv(x, w, bias, out=torch.full((m, n), float("nan")), config=cfg)
     assert rel_err(y, reference_vq_linear(x, w, bias)) < 1e-5
     unpacked = vq_gemv(x, w, bias, config={"BN": 16, "BG": 8, "PACKED": False})
     assert rel_err(y, unpacked) < 1e-6
+
+
+def test_blocks_split_plan_covers_k_in_whole_steps():
+    for nb, bb, split, tiles in ((32, 4, 0, 4), (3, 1, 3, 1), (4, 2, 3, 2), (1, 4, 8, 1), (224, 4, 0, 448)):
+        got, bps = blocks_split_plan({"BB": bb, "SPLIT_K": split}, nb, tiles)
+        assert bps % bb == 0 and 1 <= got <= max(1, split or 8)
+        assert (got - 1) * bps < nb <= got * bps  # every split has blocks, together all of them
+
+
+_STATIC = """
+import json, sys
+sys.path.insert(0, "scripts")
+import torch
+from tune_kernels import compile_static
+from lowbit.formats import get_format
+from lowbit.kernels import vq_gemv as V
+from lowbit.kernels.weights import resolve
+out = {}
+for fmt in ("vq2", "vq3", "vq4"):
+    w = resolve(get_format(fmt).quantize(torch.randn(64, 256)))
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    y = torch.empty(1, 64, dtype=torch.bfloat16)
+    ws, sem = torch.empty(1), torch.zeros(4, dtype=torch.int32)
+    args = (x, y, x, ws, sem, w.codes, w.scales.view(torch.int16), w.packed, 1, 4096, 4096, 64, 16, 4,
+            4096, 4096, 4096, 64)
+    kw = dict(D=w.dim, IB=w.index_bits, HAS_BIAS=False, BM=1, BN=32, BB=4, EVEN=True, SPLIT=True,
+              num_warps=4)
+    st = compile_static(V._vq_gemv_blocks_kernel, args, kw, 90)
+    out[fmt] = {"local": st["local"], "regs": st["regs"], "per_weight": st["loop"] * 32 * 4 / (32 * 4 * 64),
+                "shfl": st["ops"].get("SHFL", 0)}
+print(json.dumps(out))
+"""
+
+
+def test_packed_kernel_main_loop_for_sm90():
+    """Offline sm_90 compile (no GPU) of the default M = 1 config: no spills, no warp shuffle
+    in the K loop (the sum over groups waits for the end), and at most 7 lane instructions a
+    weight in it (5.2 / 6.6 / 6.6 when written; the first packed form took 25-30)."""
+    stats = compile_offline(_STATIC)
+    for fmt, st in stats.items():
+        assert st["local"] == "0" and st["regs"] <= 255, (fmt, st)
+        assert st["shfl"] == 0 and st["per_weight"] <= 7.0, (fmt, st)
 
 
 def test_pack_codebook_lanes_and_refusal():

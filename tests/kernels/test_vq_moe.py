@@ -34,16 +34,17 @@ def routing(t: int, a: int, seed: int, nowhere: bool = False):
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("fc1,fc2", [("d4_ib8", "d2_ib8"), ("d4_ib12", "d4_ib12"), ("d2_ib8", "d4_ib12")])
-@pytest.mark.parametrize("t,h,inter", [(1, 64, 32), (3, 100, 48), (4, 70, 33)])
-def test_vq_moe_matches_twin(fc1, fc2, t, h, inter, packed):
-    """Float32 codebook gathers, and the packed codebooks (float16 entries) of the shipped formats."""
+@pytest.mark.parametrize("t,h,inter,bb", [(1, 64, 32, 4), (3, 100, 48, 1), (4, 70, 33, 2), (2, 128, 64, 2)])
+def test_vq_moe_matches_twin(fc1, fc2, t, h, inter, bb, packed):
+    """Float32 codebook gathers, and the packed codebooks (float16 entries) of the shipped
+    formats through the block kernels: masked steps, and EVEN ones (H 128, I 64, BB 2)."""
     (d1, b1), (d2, b2) = GEOMETRIES[fc1], GEOMETRIES[fc2]
     w13 = random_vq(2 * inter, h, d1, b1, seed=t * 100 + h, lead=(E,), packed=packed)
     w2 = random_vq(h, inter, d2, b2, seed=t * 100 + inter + 1, lead=(E,), packed=packed)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(h)) * 0.5
     ids, w = routing(t, 2, seed=t + h, nowhere=t > 1)
     out = torch.full((t, h), float("nan"))
-    y = vq_moe(x, ids, w, w13, w2, config={"BN": 16, "BG": 8}, out=out)
+    y = vq_moe(x, ids, w, w13, w2, config={"BN": 16, "BG": 8, "BB": bb}, out=out)
     assert y.data_ptr() == out.data_ptr()
     assert rel_err(y, reference_moe(x, ids, w, w13, w2)) < 1e-5
 
