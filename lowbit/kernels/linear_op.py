@@ -236,8 +236,10 @@ routes.register("linear", routes.Route(
     "(per-token activation scales), as triton_fp8_w8a8", _admit_scaled_mm,
     lambda call: scaled_mm_w8a8(call.x, call.weight, call.bias)))
 routes.register("linear", routes.Route(
-    "triton_vq_gemv", routes.OPT_IN, "no GPU record yet (vector codebook gemv, M <= 4; "
-    "M <= 16 when forced; tested against its twin in the interpreter)", _admit_vq_gemv,
+    "triton_vq_gemv", routes.OPT_IN, "H100 (call series 7c30aaf-9cea5a0): the first packed form "
+    "6.5-10.6x slower than nf4 at M = 1; the block kernel that replaced it (5.2-6.6 lane "
+    "instructions a weight offline, from 25-30) is not yet timed (STAGES=vq); M <= 4, M <= 16 "
+    "when forced", _admit_vq_gemv,
     lambda call: vq_gemv(call.x, call.weight, call.bias)))
 routes.register("linear", routes.Route(
     "torch", routes.DEFAULT, "reference (admits every call)", lambda call: None, _run_torch),

@@ -17,7 +17,7 @@ Routes, in selection order (status and record in docs/ROUTES.md):
                             tensor-core GEMVs (lowbit.kernels.tc_moe) per slot, or from the
                             device config's GROUPED_FROM tokens per expert (each expert read
                             once for all its tokens)
-  triton_vq_moe             (OPT_IN: no GPU record yet) vector codebook stacks (vq2 / vq3 /
+  triton_vq_moe             (OPT_IN: block kernels not yet timed) vector codebook stacks (vq2 / vq3 /
                             vq4, SiLU, no biases), T <= 64 tokens: per-slot CUDA-core GEMVs
                             over the codebook (lowbit.kernels.vq_moe), three launches,
                             graph-safe; without it vq experts run the torch route
@@ -376,9 +376,9 @@ def _run_vq(call: MoeCall) -> torch.Tensor:
 
 routes.register("moe", routes.Route(
     "triton_vq_moe", routes.OPT_IN,
-    "none yet: vector codebook experts (vq2 / vq3 / vq4) as per-slot CUDA-core GEMVs, checked "
-    "against the twin in the interpreter (tests/kernels/test_vq_moe.py) and on the GPU "
-    "(tests/gpu/test_vq_gemv_gpu.py); timing: python scripts/bench_vq_gemv.py --moe",
+    "H100 (call series 7c30aaf-9cea5a0), first packed form: Qwen3-30B-A3B layer at T = 1 222 us "
+    "(vq3), about 10x nvfp4; the block kernels that replaced it (5.4-7.4 lane instructions a "
+    "weight offline, from 24-30) are not yet timed: python scripts/bench_vq_gemv.py --moe",
     _admit_vq, _then_shared(_run_vq)))
 routes.register("moe", routes.Route(
     "triton_moe_dense_shared", routes.OPT_IN,

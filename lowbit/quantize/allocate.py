@@ -15,6 +15,12 @@ The choice minimises the summed error subject to sum(bytes) * 8 <= B * (weights 
 tensors), as a multiple-choice knapsack solved exactly over bytes rounded up to cells of
 `unit` bytes (so the budget holds exactly by the true byte count; the cell size depends on
 the candidates only, so more budget never gives a larger error).
+
+One constraint keeps every plan runnable on the GPU routes: the two expert stacks of a layer
+(`P.w13`, `P.w2`) are both vector-codebook formats or neither, because the fused MoE routes
+read scalar / fp8 / dense stacks in any mix and the vq MoE kernels read vq stacks only (a
+mixed layer would run the torch route: host reads, no decode graph). The knapsack takes such
+a pair as one item whose candidates are the allowed (w13, w2) combinations.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from torch import Tensor, nn
 
 from lowbit.checkpoint.quant_plan import plan_quantization, swappable
 from lowbit.errors import LowbitError
-from lowbit.formats import Format, QuantizedTensor
+from lowbit.formats import Format, QuantizedTensor, get_format
+from lowbit.formats.vq import VqFormat
 from lowbit.quantize.calibrate import HessianSums
 from lowbit.quantize.gptq_vq import calibrated_rounding, has_calibrated_rounding
 from lowbit.quantize.sensitivity import KLProbe
@@ -66,15 +73,64 @@ def proxy_error(w: Tensor, qt: QuantizedTensor, h: Tensor | None, share: Tensor 
     return float(per.double().sum() if share is None else (per.double() * share.to(per.device)).sum())
 
 
+def kernel_family(fmt: str) -> str:
+    """"vq" for a vector-codebook format, else "lut" (scalar, fp8, dense: what the fused MoE
+    routes read in any mix)."""
+    try:
+        return "vq" if isinstance(get_format(fmt), VqFormat) else "lut"
+    except (KeyError, LowbitError):  # `dense` and names outside the registry
+        return "lut"
+
+
+def _paired(tensors: list[TensorChoices]) -> tuple[list[TensorChoices], dict[str, tuple[str, str]]]:
+    """The knapsack's items: each layer's w13 and w2 merged into one item of the allowed
+    (w13, w2) candidate pairs (named "w13 format|w2 format"); other tensors as they are."""
+    by_name = {t.name: t for t in tensors}
+    items, pairs = [], {}
+    for t in tensors:
+        if t.name.endswith(".w2") and t.name[:-2] + "w13" in by_name:
+            continue  # taken with its w13
+        mate = by_name.get(t.name[:-3] + "w2") if t.name.endswith(".w13") else None
+        if mate is None:
+            items.append(t)
+            continue
+        key = f"{t.name}+w2"
+        cands = [Candidate(f"{a.format}|{b.format}", a.nbytes + b.nbytes, a.error + b.error)
+                 for a in t.candidates for b in mate.candidates
+                 if kernel_family(a.format) == kernel_family(b.format)]
+        if not cands:
+            raise LowbitError(f"{t.name} and {mate.name}: no candidate pair of one kernel family (both vector "
+                              "codebook formats or neither); add a format both take to --formats.")
+        items.append(TensorChoices(key, t.weights + mate.weights, cands))
+        pairs[key] = (t.name, mate.name)
+    return items, pairs
+
+
 def allocate(tensors: list[TensorChoices], bpw: float) -> dict[str, Candidate]:
-    """The choice of least summed error with sum(nbytes) * 8 <= bpw * sum(weights)."""
+    """The choice of least summed error with sum(nbytes) * 8 <= bpw * sum(weights), each
+    layer's expert stacks in one kernel family (module docstring)."""
+    items, pairs = _paired(tensors)
+    chosen = _knapsack(items, bpw)
+    out: dict[str, Candidate] = {}
+    for name, cand in chosen.items():
+        if name not in pairs:
+            out[name] = cand
+            continue
+        (n13, n2), (f13, f2) = pairs[name], cand.format.split("|")
+        by_fmt = {t.name: {c.format: c for c in t.candidates} for t in tensors if t.name in pairs[name]}
+        out[n13], out[n2] = by_fmt[n13][f13], by_fmt[n2][f2]
+    return dict(sorted(out.items()))
+
+
+def _knapsack(tensors: list[TensorChoices], bpw: float) -> dict[str, Candidate]:
+    """The multiple-choice knapsack over `tensors` (items), exact over `unit`-byte cells."""
     if not tensors:
         raise LowbitError("no tensor to quantize: the model has no Linear or expert weight a format takes.")
     weights = sum(t.weights for t in tensors)
     budget = math.floor(bpw * weights / 8)
     cheapest = sum(min(c.nbytes for c in t.candidates) for t in tensors)
     if cheapest > budget:
-        names = sorted({min(t.candidates, key=lambda c: c.nbytes).format for t in tensors})
+        names = sorted({f for t in tensors for f in min(t.candidates, key=lambda c: c.nbytes).format.split("|")})
         raise LowbitError(f"--bpw {bpw}: the cheapest candidates ({', '.join(names)}) already take "
                           f"{8 * cheapest / weights:.3f} bits per weight; raise --bpw or add a cheaper "
                           "format to --formats.")

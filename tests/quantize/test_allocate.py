@@ -13,7 +13,7 @@ from lowbit.checkpoint.tokenizer import Tokenizer
 from lowbit.cli import main
 from lowbit.errors import LowbitError
 from lowbit.formats import get_format
-from lowbit.quantize.allocate import Candidate, TensorChoices, allocate, proxy_error
+from lowbit.quantize.allocate import Candidate, TensorChoices, allocate, kernel_family, proxy_error
 from lowbit.quantize.calibrate import collect_hessians
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 40
@@ -57,6 +57,35 @@ def test_allocation_is_deterministic_and_prefers_sensitive_tensors():
     by_scale = sorted(tensors, key=lambda t: t.candidates[0].error / t.weights)
     bits = [8 * chosen[t.name].nbytes / t.weights for t in by_scale]
     assert sum(bits[-10:]) > sum(bits[:10])  # the most sensitive quarter gets more bits
+
+
+
+def test_a_layers_expert_stacks_share_a_kernel_family():
+    """w13 / w2 of one layer: both vector-codebook formats or neither (the GPU MoE routes read
+    one family a layer), while unpaired tensors choose freely; the pairs' bytes and errors are
+    the members' own, and the budget still holds."""
+    def stack(name, vq_err, lut_err, weights=4096):
+        # vq3 is cheap and good for this tensor, nf4 dearer; vq4 / nf3 the other way round
+        return TensorChoices(name, weights, [
+            Candidate("vq3", weights * 13 // 32, vq_err), Candidate("nf4", weights * 17 // 32, lut_err),
+            Candidate("nf3", weights * 13 // 32, lut_err * 1.5), Candidate("vq4", weights * 17 // 32, vq_err * 0.5)])
+    tensors = [stack("layers.0.mlp.experts.w13", 1.0, 5.0), stack("layers.0.mlp.experts.w2", 5.0, 1.0),
+               stack("layers.1.mlp.experts.w13", 1.0, 5.0), stack("layers.1.q_proj.weight", 1.0, 5.0),
+               stack("layers.1.o_proj.weight", 5.0, 1.0)]
+    free = {t.name: min(t.candidates[:1] + t.candidates[2:3], key=lambda c: c.error).format for t in tensors}
+    assert free["layers.0.mlp.experts.w13"] == "vq3" and free["layers.0.mlp.experts.w2"] == "nf3"  # mixed if free
+    chosen = allocate(tensors, 3.25)
+    w13, w2 = chosen["layers.0.mlp.experts.w13"], chosen["layers.0.mlp.experts.w2"]
+    assert kernel_family(w13.format) == kernel_family(w2.format), (w13, w2)
+    assert chosen["layers.1.q_proj.weight"].format == "vq3" and chosen["layers.1.o_proj.weight"].format == "nf3"
+    assert chosen["layers.1.mlp.experts.w13"].format == "vq3"  # no w2 in that layer: unpaired
+    by = {t.name: {c.format: c for c in t.candidates} for t in tensors}
+    assert all(c == by[n][c.format] for n, c in chosen.items())  # members' own bytes and errors
+    assert 8 * sum(c.nbytes for c in chosen.values()) <= 3.25 * sum(t.weights for t in tensors)
+    assert [kernel_family(f) for f in ("vq2", "vq3", "vq4", "nf4", "nvfp4", "fp8", "dense")] == ["vq"] * 3 + ["lut"] * 4
+    with pytest.raises(LowbitError, match="no candidate pair of one kernel family"):
+        allocate([TensorChoices("e.w13", 64, [Candidate("vq3", 26, 1.0)]),
+                  TensorChoices("e.w2", 64, [Candidate("nf4", 34, 1.0)])], 8.0)
 
 
 def test_budget_below_the_cheapest_candidates_is_a_sentence():
