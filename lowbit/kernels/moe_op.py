@@ -377,7 +377,7 @@ def _run_vq(call: MoeCall) -> torch.Tensor:
 routes.register("moe", routes.Route(
     "triton_vq_moe", routes.OPT_IN,
     "H100 (call series 7c30aaf-9cea5a0), first packed form: Qwen3-30B-A3B layer at T = 1 222 us "
-    "(vq3), about 10x nvfp4; the block kernels that replaced it (5.4-7.4 lane instructions a "
+    "(vq3), about 10x nvfp4; the block kernels that replaced it (5.0-6.7 lane instructions a "
     "weight offline, from 24-30) are not yet timed: python scripts/bench_vq_gemv.py --moe",
     _admit_vq, _then_shared(_run_vq)))
 routes.register("moe", routes.Route(

@@ -118,6 +118,35 @@ def _vq_block_dot(cbp_ptr, idx, mask, xg, BM: tl.constexpr, BB: tl.constexpr, GP
 
 
 @triton.jit
+def _vq_block_step(xrow, mmask, crow, srow, rmask, cbp_ptr, b0, kb1, K, D: tl.constexpr, IB: tl.constexpr,
+                   BM: tl.constexpr, BB: tl.constexpr, EVEN: tl.constexpr):
+    """One K step of the packed schedule: float32 [BM, BN, BB, GPB], the scaled group dots of
+    blocks b0 .. b0 + BB (those below kb1) of the rows whose code / scale rows start at crow
+    [BN, 1, 1] / srow [BN, 1] (rows outside rmask [BN] masked) with the activation rows at
+    xrow ([BM, 1, 1, 1] pointers, or one pointer; rows outside mmask [BM] read 0, columns
+    from K on too). EVEN: nothing to mask."""
+    GPB: tl.constexpr = 64 // D
+    bi = b0 + tl.arange(0, BB)  # [BB]
+    gi = bi[:, None] * GPB + tl.arange(0, GPB)[None, :]  # [BB, GPB]
+    col = gi[:, :, None] * D + tl.arange(0, D)[None, None, :]  # [BB, GPB, D]
+    if EVEN:
+        idx = _vq_block_idx(crow, gi, None, IB)
+        sbits = tl.load(srow + bi[None, :])
+        xg = tl.load(xrow + col[None]).to(tl.float32)
+        part = _vq_block_dot(cbp_ptr, idx, None, xg, BM, BB, GPB, D)
+    else:
+        bmask = bi < kb1
+        m3 = rmask[:, None, None] & bmask[None, :, None]  # [BN, BB, 1]
+        idx = _vq_block_idx(crow, gi, m3, IB)
+        sbits = tl.load(srow + bi[None, :], mask=rmask[:, None] & bmask[None, :], other=0)
+        xm = mmask[:, None, None, None] & (bmask[:, None, None] & (col < K))[None]
+        xg = tl.load(xrow + col[None], mask=xm, other=0.0).to(tl.float32)  # [BM, BB, GPB, D]
+        part = _vq_block_dot(cbp_ptr, idx, m3, xg, BM, BB, GPB, D)
+    sc = ((sbits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)  # [BN, BB]
+    return part * sc[None, :, :, None]
+
+
+@triton.jit
 def _vq_gemv_blocks_kernel(
     x_ptr, y_ptr, bias_ptr, ws_ptr, sem_ptr, codes_ptr, scales_ptr, cbp_ptr,
     M, N, K, NB, bps, SPLIT_K, stride_xm, stride_ym, stride_cn, stride_sn,
@@ -138,29 +167,11 @@ def _vq_gemv_blocks_kernel(
     crow = codes_ptr + rows[:, None, None].to(tl.int64) * stride_cn  # [BN, 1, 1]
     srow = scales_ptr + rows[:, None].to(tl.int64) * stride_sn  # [BN, 1]
     xrow = x_ptr + ms[:, None, None, None].to(tl.int64) * stride_xm  # [BM, 1, 1, 1]
-    lanes = tl.arange(0, D)
     kb0 = pid_k * bps
     kb1 = tl.minimum(kb0 + bps, NB)
     acc = tl.zeros([BM, BN, BB, GPB], dtype=tl.float32)
     for b0 in range(kb0, kb1, BB):
-        bi = b0 + tl.arange(0, BB)  # [BB]
-        gi = bi[:, None] * GPB + tl.arange(0, GPB)[None, :]  # [BB, GPB]
-        col = gi[:, :, None] * D + lanes[None, None, :]  # [BB, GPB, D]
-        if EVEN:
-            idx = _vq_block_idx(crow, gi, None, IB)
-            sbits = tl.load(srow + bi[None, :])
-            xg = tl.load(xrow + col[None]).to(tl.float32)
-            part = _vq_block_dot(cbp_ptr, idx, None, xg, BM, BB, GPB, D)
-        else:
-            bmask = bi < kb1
-            m3 = rmask[:, None, None] & bmask[None, :, None]  # [BN, BB, 1]
-            idx = _vq_block_idx(crow, gi, m3, IB)
-            sbits = tl.load(srow + bi[None, :], mask=rmask[:, None] & bmask[None, :], other=0)
-            xm = mmask[:, None, None, None] & (bmask[:, None, None] & (col < K))[None]
-            xg = tl.load(xrow + col[None], mask=xm, other=0.0).to(tl.float32)  # [BM, BB, GPB, D]
-            part = _vq_block_dot(cbp_ptr, idx, m3, xg, BM, BB, GPB, D)
-        s = ((sbits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)  # [BN, BB]
-        acc += part * s[None, :, :, None]
+        acc += _vq_block_step(xrow, mmask, crow, srow, rmask, cbp_ptr, b0, kb1, K, D, IB, BM, BB, EVEN)
     y = tl.sum(tl.sum(acc, 3), 2)  # [BM, BN]
     ymask = mmask[:, None] & rmask[None, :]
     yoff = ms[:, None] * stride_ym + rows[None, :]

@@ -23,7 +23,7 @@ A slot whose id is outside 0..E-1 (placed nowhere) reads expert 0 and writes zer
 combine never reads it. Each slot reads its expert's weights once: T tokens routed to one
 expert read it T times (a decode kernel: the route takes T <= VQ_MOE_MAX_TOKENS).
 With a packed codebook (VqWeight.packed) FC1 and FC2 run the packed K step of
-lowbit.kernels.vq_gemv (`_vq_block_rows`: BB scale blocks a step, one int64 gather a group,
+lowbit.kernels.vq_gemv (`_vq_block_step`: BB scale blocks a step, one int64 gather a group,
 elementwise float32 accumulators reduced once after the loop; config BB, BN, num_warps);
 config PACKED: False, or a codebook that is not float16-valued, keeps the float32 gathers.
 Reference twin: lowbit.kernels.moe.reference_moe (vq_decode per expert, float32).
@@ -36,7 +36,7 @@ import torch
 from lowbit.formats.views import VqWeight
 from lowbit.kernels.moe_slots import combine_slots, flat_slots, moe_output
 from lowbit.kernels.runtime import tl, triton
-from lowbit.kernels.vq_gemv import _vq_block_dot, _vq_block_idx, _vq_groups
+from lowbit.kernels.vq_gemv import _vq_block_step, _vq_groups
 
 VQ_MOE_MAX_TOKENS = 64  # per-slot reads: prefill would read each expert once per routed token
 DEFAULT_CONFIG = {"BN": 32, "BG": 32, "num_warps": 4}  # the float32-gather kernels
@@ -44,29 +44,13 @@ BLOCKS_CONFIG = {"BN": 32, "BB": 4, "num_warps": 4}  # the packed kernels: BB sc
 
 
 @triton.jit
-def _vq_block_rows(x_row, crow, srow, cbp_ptr, b0, K, NB, rmask, D: tl.constexpr, IB: tl.constexpr,
-                   BB: tl.constexpr, EVEN: tl.constexpr):
-    """One K step of the packed schedule (lowbit.kernels.vq_gemv) for one activation row:
-    float32 [BN, BB, GPB], the scaled group dots of blocks b0 .. b0 + BB of the rows at crow /
-    srow ([BN, 1, 1] / [BN, 1] pointers) with x_row's columns."""
-    GPB: tl.constexpr = 64 // D
-    bi = b0 + tl.arange(0, BB)
-    gi = bi[:, None] * GPB + tl.arange(0, GPB)[None, :]  # [BB, GPB]
-    col = gi[:, :, None] * D + tl.arange(0, D)[None, None, :]  # [BB, GPB, D]
-    if EVEN:
-        idx = _vq_block_idx(crow, gi, None, IB)
-        sbits = tl.load(srow + bi[None, :])
-        xg = tl.load(x_row + col[None]).to(tl.float32)
-        part = _vq_block_dot(cbp_ptr, idx, None, xg, 1, BB, GPB, D)
-    else:
-        bmask = bi < NB
-        m3 = rmask[:, None, None] & bmask[None, :, None]
-        idx = _vq_block_idx(crow, gi, m3, IB)
-        sbits = tl.load(srow + bi[None, :], mask=rmask[:, None] & bmask[None, :], other=0)
-        xg = tl.load(x_row + col[None], mask=(bmask[:, None, None] & (col < K))[None], other=0.0).to(tl.float32)
-        part = _vq_block_dot(cbp_ptr, idx, m3, xg, 1, BB, GPB, D)
-    sc = ((sbits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)  # [BN, BB]
-    return tl.sum(part, 0) * sc[:, :, None]
+def _slot_expert(ids_ptr, E):
+    """This program's slot s (grid axis 1), its expert id as int64 (0 for an id outside
+    0..E-1, a slot placed nowhere) and whether the id was valid."""
+    s = tl.program_id(1)
+    e = tl.load(ids_ptr + s)
+    valid = (e >= 0) & (e < E)
+    return s, tl.where(valid, e, 0).to(tl.int64), valid
 
 
 @triton.jit
@@ -79,24 +63,22 @@ def _vq_moe_fc1_blocks_kernel(
     expert ids[s] as elementwise float32 [BN, BB, GPB] sums over the K steps, reduced once
     after the loop. EVEN: NI % BN, NB % BB are 0 and K = 64 NB."""
     GPB: tl.constexpr = 64 // D
-    s = tl.program_id(1)
-    e = tl.load(ids_ptr + s)
-    valid = (e >= 0) & (e < E)
-    e = tl.where(valid, e, 0).to(tl.int64)
+    s, e, valid = _slot_expert(ids_ptr, E)
     t = s // A
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = n < NI
     gate_c = codes_ptr + e * stride_ce + n[:, None, None].to(tl.int64) * stride_cn
     gate_s = scales_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
     x_row = x_ptr + t.to(tl.int64) * stride_xt
-    acc_g = tl.zeros([BN, BB, GPB], tl.float32)
-    acc_u = tl.zeros([BN, BB, GPB], tl.float32)
+    one = tl.full([1], 1, tl.int1)
+    acc_g = tl.zeros([1, BN, BB, GPB], tl.float32)
+    acc_u = tl.zeros([1, BN, BB, GPB], tl.float32)
     for b0 in range(0, NB, BB):
-        acc_g += _vq_block_rows(x_row, gate_c, gate_s, cbp_ptr, b0, K, NB, nmask, D, IB, BB, EVEN)
-        acc_u += _vq_block_rows(x_row, gate_c + NI * stride_cn, gate_s + NI * stride_sn, cbp_ptr, b0, K, NB,
-                                nmask, D, IB, BB, EVEN)
-    g = tl.sum(tl.sum(acc_g, 2), 1)
-    u = tl.sum(tl.sum(acc_u, 2), 1)
+        acc_g += _vq_block_step(x_row, one, gate_c, gate_s, nmask, cbp_ptr, b0, NB, K, D, IB, 1, BB, EVEN)
+        acc_u += _vq_block_step(x_row, one, gate_c + NI * stride_cn, gate_s + NI * stride_sn, nmask, cbp_ptr, b0,
+                                NB, K, D, IB, 1, BB, EVEN)
+    g = tl.sum(tl.sum(tl.sum(acc_g, 3), 2), 0)
+    u = tl.sum(tl.sum(tl.sum(acc_u, 3), 2), 0)
     h = tl.where(valid, g / (1.0 + tl.exp(-g)) * u, 0.0)
     tl.store(h_ptr + s.to(tl.int64) * stride_h + n, h, mask=nmask)
 
@@ -110,19 +92,17 @@ def _vq_moe_fc2_blocks_kernel(
     """FC2 in the packed schedule: ys[s, n] = weights[s] * (h[s] . W2_e[n]). EVEN: N % BN,
     NB % BB are 0 and K = 64 NB."""
     GPB: tl.constexpr = 64 // D
-    s = tl.program_id(1)
-    e = tl.load(ids_ptr + s)
-    valid = (e >= 0) & (e < E)
-    e = tl.where(valid, e, 0).to(tl.int64)
+    s, e, valid = _slot_expert(ids_ptr, E)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = n < N
     row_c = codes_ptr + e * stride_ce + n[:, None, None].to(tl.int64) * stride_cn
     row_s = scales_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
     h_row = h_ptr + s.to(tl.int64) * stride_h
-    acc = tl.zeros([BN, BB, GPB], tl.float32)
+    acc = tl.zeros([1, BN, BB, GPB], tl.float32)
     for b0 in range(0, NB, BB):
-        acc += _vq_block_rows(h_row, row_c, row_s, cbp_ptr, b0, K, NB, nmask, D, IB, BB, EVEN)
-    y = tl.sum(tl.sum(acc, 2), 1)
+        acc += _vq_block_step(h_row, tl.full([1], 1, tl.int1), row_c, row_s, nmask, cbp_ptr, b0, NB, K, D, IB, 1,
+                              BB, EVEN)
+    y = tl.sum(tl.sum(tl.sum(acc, 3), 2), 0)
     y = tl.where(valid, y * tl.load(w_ptr + s), 0.0)
     tl.store(ys_ptr + s.to(tl.int64) * stride_ys + n, y, mask=nmask)
 
@@ -133,10 +113,7 @@ def _vq_moe_fc1_kernel(
     K, G, NI, E, A, stride_xt, stride_ce, stride_cn, stride_se, stride_sn, stride_h,
     D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
 ):
-    s = tl.program_id(1)
-    e = tl.load(ids_ptr + s)
-    valid = (e >= 0) & (e < E)
-    e = tl.where(valid, e, 0).to(tl.int64)
+    s, e, valid = _slot_expert(ids_ptr, E)
     t = s // A
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = n < NI
@@ -169,10 +146,7 @@ def _vq_moe_fc2_kernel(
     K, G, N, E, stride_h, stride_ce, stride_cn, stride_se, stride_sn, stride_ys,
     D: tl.constexpr, IB: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
 ):
-    s = tl.program_id(1)
-    e = tl.load(ids_ptr + s)
-    valid = (e >= 0) & (e < E)
-    e = tl.where(valid, e, 0).to(tl.int64)
+    s, e, valid = _slot_expert(ids_ptr, E)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = n < N
     row_c = codes_ptr + e * stride_ce + n[:, None].to(tl.int64) * stride_cn
