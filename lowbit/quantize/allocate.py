@@ -185,6 +185,7 @@ def plan_record(tensors: list[TensorChoices], chosen: dict[str, Candidate], bpw:
     w, b = sum(sizes.values()), sum(c.nbytes for c in chosen.values())
     return {"bpw_budget": bpw, "bits_per_weight": round(8 * b / w, 6), "weights": w, "bytes": b,
             "formats": candidates, "sensitivity": sensitivity,
+            "expert_pairs": "a layer's w13 and w2 in one kernel family (both vq or neither)",
             "tensors": {n: {"format": c.format, "bits": round(8 * c.nbytes / sizes[n], 6),
                             "bytes": c.nbytes, "error": c.error} for n, c in chosen.items()},
             "candidates": {t.name: {c.format: [c.nbytes, c.error] for c in t.candidates} for t in tensors}}

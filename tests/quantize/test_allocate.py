@@ -146,6 +146,7 @@ def test_bpw_artifact_stores_the_planned_bytes_and_generates(tiny_moe_dir, tmp_p
     manifest = json.loads((art / "lowbit.json").read_text())
     plan = manifest["allocation"]
     assert plan["bpw_budget"] == 6 and 8 * plan["bytes"] <= 6 * plan["weights"]
+    assert "one kernel family" in plan["expert_pairs"]
     assert plan["sensitivity"]["method"] == "proxy"  # asked for: kl is the default with --calib
     assert plan["sensitivity"]["error"].startswith("trace" if calib else "||W-Q||")
     assert len({e["format"] for e in plan["tensors"].values()}) >= 2  # a real mix at 6 bits
