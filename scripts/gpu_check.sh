@@ -261,8 +261,8 @@ fi
 if has vq; then
   echo "== vq kernels" | tee -a "$OUT/vq.log"
   timeout "${T_VQ_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_vq_gemv_gpu.py 2>&1 | tail -15 | tee -a "$OUT/vq.log"
-  timeout "${T_VQ:-120}" python3 scripts/bench_vq_gemv.py 2>&1 | tail -30 | tee -a "$OUT/vq.log"
-  timeout "${T_VQ:-120}" python3 scripts/bench_vq_gemv.py --moe 2>&1 | tail -20 | tee -a "$OUT/vq.log"
+  timeout "${T_VQ:-200}" python3 scripts/bench_vq_gemv.py 2>&1 | tee -a "$OUT/vq.log" | tail -100
+  timeout "${T_VQ_MOE:-120}" python3 scripts/bench_vq_gemv.py --moe 2>&1 | tee -a "$OUT/vq.log" | tail -30
 fi
 
 if has mla; then
