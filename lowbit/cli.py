@@ -144,7 +144,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                               tune_steps=args.tune_scales, tune_text=args.tune_text,
                               tune_tokens=args.tune_tokens, tune_norms=args.tune_norms,
                               tune_topk=args.tune_teacher_topk, tune_codes=args.tune_codes,
-                              sequential=args.sequential, tune_schedule=args.tune_schedule)
+                              sequential=args.sequential, tune_schedule=args.tune_schedule,
+                              expert_pairs=args.expert_pairs)
     print(summary_table(manifest))
     print(f"wrote {args.out}")
     return 0
@@ -223,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--sensitivity-from", default=None, metavar="ARTIFACT",
                    help="with --bpw: reuse the candidate scores of an earlier --bpw artifact of the same model, "
                         "--calib and --damp instead of scoring again")
+    q.add_argument("--expert-pairs", default=None, choices=["family", "free"],
+                   help="with --bpw: a layer's two expert stacks both vector-codebook formats or neither, so that "
+                        "the GPU MoE routes take every layer (family, the default), or each chosen alone (free: "
+                        "mixed layers run the torch MoE route on a GPU)")
     q.add_argument("--out", required=True, help="artifact directory to create")
     q.add_argument("--quantize-lm-head", action="store_true", help="quantize lm_head too (kept dense by default)")
     q.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (e.g. 2GB, 500MB)")

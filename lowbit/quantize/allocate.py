@@ -82,6 +82,9 @@ def kernel_family(fmt: str) -> str:
         return "lut"
 
 
+EXPERT_PAIRS = ("family", "free")  # --expert-pairs: one kernel family a layer (default), or each stack alone
+
+
 def _paired(tensors: list[TensorChoices]) -> tuple[list[TensorChoices], dict[str, tuple[str, str]]]:
     """The knapsack's items: each layer's w13 and w2 merged into one item of the allowed
     (w13, w2) candidate pairs (named "w13 format|w2 format"); other tensors as they are."""
@@ -106,10 +109,13 @@ def _paired(tensors: list[TensorChoices]) -> tuple[list[TensorChoices], dict[str
     return items, pairs
 
 
-def allocate(tensors: list[TensorChoices], bpw: float) -> dict[str, Candidate]:
+def allocate(tensors: list[TensorChoices], bpw: float, expert_pairs: str = "family") -> dict[str, Candidate]:
     """The choice of least summed error with sum(nbytes) * 8 <= bpw * sum(weights), each
-    layer's expert stacks in one kernel family (module docstring)."""
-    items, pairs = _paired(tensors)
+    layer's expert stacks in one kernel family (module docstring); expert_pairs "free": every
+    tensor alone (a plan whose mixed layers run the torch MoE route on a GPU)."""
+    if expert_pairs not in EXPERT_PAIRS:
+        raise LowbitError(f"--expert-pairs {expert_pairs}: give one of {', '.join(EXPERT_PAIRS)}.")
+    items, pairs = _paired(tensors) if expert_pairs == "family" else (tensors, {})
     chosen = _knapsack(items, bpw)
     out: dict[str, Candidate] = {}
     for name, cand in chosen.items():
@@ -179,13 +185,14 @@ def plan_table(tensors: list[TensorChoices], chosen: dict[str, Candidate], bpw: 
 
 
 def plan_record(tensors: list[TensorChoices], chosen: dict[str, Candidate], bpw: float,
-                candidates: list[str], sensitivity: dict) -> dict:
+                candidates: list[str], sensitivity: dict, expert_pairs: str = "family") -> dict:
     """What lowbit.json keeps under "allocation"."""
     sizes = {t.name: t.weights for t in tensors}
     w, b = sum(sizes.values()), sum(c.nbytes for c in chosen.values())
     return {"bpw_budget": bpw, "bits_per_weight": round(8 * b / w, 6), "weights": w, "bytes": b,
             "formats": candidates, "sensitivity": sensitivity,
-            "expert_pairs": "a layer's w13 and w2 in one kernel family (both vq or neither)",
+            "expert_pairs": ("a layer's w13 and w2 in one kernel family (both vq or neither)"
+                             if expert_pairs == "family" else "free: each expert stack chosen alone"),
             "tensors": {n: {"format": c.format, "bits": round(8 * c.nbytes / sizes[n], 6),
                             "bytes": c.nbytes, "error": c.error} for n, c in chosen.items()},
             "candidates": {t.name: {c.format: [c.nbytes, c.error] for c in t.candidates} for t in tensors}}

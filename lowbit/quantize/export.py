@@ -77,7 +77,7 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
                    tune_steps: int = 0, tune_text: str | Path | None = None,
                    tune_tokens: int = TUNE_TOKENS, tune_norms: bool = False,
                    tune_topk: int | None = None, tune_codes: float = 0.0, sequential: bool = False,
-                   tune_schedule: str = "constant") -> dict:
+                   tune_schedule: str = "constant", expert_pairs: str | None = None) -> dict:
     """Write the artifact for `model` in format `fmt` (or, with `bpw`, a format per weight
     from `formats` under that budget) at `out`; return its manifest with the run's wall
     time added under totals.seconds. With `calib` (a text file) every weight is rounded by
@@ -92,9 +92,14 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
     and with `tune_codes` (a rate) the codes as well
     (lowbit.quantize.tune). `sequential` (with `calib`) rounds layer by layer, each decoder
     layer on Hessians from the model whose earlier layers are rounded
-    (lowbit.quantize.calibrate.round_sequentially)."""
+    (lowbit.quantize.calibrate.round_sequentially). `expert_pairs` ("family", the default, or
+    "free"; with `bpw` only) is the allocator's rule for a layer's two expert stacks
+    (lowbit.quantize.allocate)."""
     t0 = time.perf_counter()
     candidates = _check_budget_args(fmt, bpw, formats)
+    if expert_pairs is not None and bpw is None:
+        raise LowbitError("--expert-pairs is how --bpw plans a layer's expert stacks; give --bpw B too.")
+    expert_pairs = expert_pairs or "family"
     sensitivity = _check_sensitivity(sensitivity, bpw, calib, sensitivity_from)
     calibration = Calibration.read(calib) if calib is not None else None  # fails before loading
     tuning = _check_tuning(tune_steps, tune_text, tune_tokens, tune_topk, calibration, fmt)
@@ -140,7 +145,8 @@ def quantize_model(model: str, fmt: str | None, out: str | Path, *, quantize_lm_
             table, sensitivity = _earlier_scores(Path(sensitivity_from), provenance["source_digest"], calibration,
                                                  damp, sensitivity)
         loaded, plan, rounding, extra = _budgeted(path, bpw, candidates, calibration, device, dtype,
-                                                  quantize_lm_head, damp, sensitivity, table, tuning, sequential)
+                                                  quantize_lm_head, damp, sensitivity, table, tuning, sequential,
+                                                  expert_pairs)
         if table is not None:
             extra["allocation"]["sensitivity"]["scores_from"] = str(sensitivity_from)
         fmt = "mixed"
@@ -262,7 +268,8 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
               device: str, dtype: str, quantize_lm_head: bool, damp: float,
               sensitivity: str, table: dict | None,
               tuning: Tuning | None = None,
-              sequential: bool = False) -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
+              sequential: bool = False,
+              expert_pairs: str = "family") -> tuple[LoadedModel, QuantPlan, dict | None, dict]:
     """Load the dense model in float32, round every planned weight in every candidate
     format (GPTQ with --calib) and score it (or take the scores of `table`), allocate the
     budget, install the chosen roundings."""
@@ -281,7 +288,7 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
     dense_bits = target.itemsize * 8 if DENSE in candidates else None
     choices, dense = tensor_choices(loaded.model, formats, sums, damp, quantize_lm_head, probe, dense_bits, table)
     scored = time.perf_counter() - t0
-    chosen = allocate(choices, bpw)
+    chosen = allocate(choices, bpw, expert_pairs)
     print(plan_table(choices, chosen, bpw))
     targets = swappable(loaded.model)
     for pname, c in chosen.items():
@@ -306,7 +313,7 @@ def _budgeted(path: Path, bpw: float, candidates: list[str], calibration: Calibr
     if rounding is not None:
         rounding["rounding_seconds"] = round(time.perf_counter() - t0, 2)
     plan = QuantPlan({n: get_format(c.format) for n, c in chosen.items() if c.format != DENSE}, dense)
-    return loaded, plan, rounding, {"allocation": plan_record(choices, chosen, bpw, candidates, record)}
+    return loaded, plan, rounding, {"allocation": plan_record(choices, chosen, bpw, candidates, record, expert_pairs)}
 
 
 def _sensitivity_record(method: str, sums: HessianSums | None, probe: KLProbe | None,

@@ -83,6 +83,11 @@ def test_a_layers_expert_stacks_share_a_kernel_family():
     assert all(c == by[n][c.format] for n, c in chosen.items())  # members' own bytes and errors
     assert 8 * sum(c.nbytes for c in chosen.values()) <= 3.25 * sum(t.weights for t in tensors)
     assert [kernel_family(f) for f in ("vq2", "vq3", "vq4", "nf4", "nvfp4", "fp8", "dense")] == ["vq"] * 3 + ["lut"] * 4
+    free = allocate(tensors, 3.25, "free")  # each stack alone: layer 0 mixes the families
+    assert (free["layers.0.mlp.experts.w13"].format, free["layers.0.mlp.experts.w2"].format) == ("vq3", "nf3")
+    assert sum(c.error for c in free.values()) < sum(c.error for c in chosen.values())
+    with pytest.raises(LowbitError, match="--expert-pairs any: give one of family, free"):
+        allocate(tensors, 3.25, "any")
     with pytest.raises(LowbitError, match="no candidate pair of one kernel family"):
         allocate([TensorChoices("e.w13", 64, [Candidate("vq3", 26, 1.0)]),
                   TensorChoices("e.w2", 64, [Candidate("nf4", 34, 1.0)])], 8.0)
@@ -125,7 +130,8 @@ def test_bpw_with_format_or_formats_alone_is_refused(tmp_path, capsys):
     cases = [(["--format", "nf4", "--bpw", "4"], "--bpw chooses a format per weight"),
              (["--formats", "nf4,nf3"], "--formats lists the candidates of --bpw"),
              ([], "give --format F"),
-             (["--bpw", "4", "--formats", "nf4,nope"], "nope")]
+             (["--bpw", "4", "--formats", "nf4,nope"], "nope"),
+             (["--format", "nf4", "--expert-pairs", "free"], "--expert-pairs is how --bpw plans")]
     for flags, msg in cases:
         assert main(["quantize", str(tmp_path / "no-model"), "--out", str(tmp_path / "a"), *flags]) == 2
         err = capsys.readouterr().err
