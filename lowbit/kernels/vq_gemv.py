@@ -53,15 +53,30 @@ BLOCKS_CONFIG = {"BN": 32, "BB": 0, "SPLIT_K": 0, "num_warps": 4}
 
 
 @triton.jit
+def _vq_load(ptr, mask):
+    """tl.load with masked entries 0; mask None: no mask (the EVEN case)."""
+    if mask is None:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0)
+
+
+@triton.jit
+def _vq_idx12(pb, low, mask):
+    """12-bit indices of groups whose pair starts at byte pointers pb: the low 12 bits of the
+    pair's 24 (low: the pair's first group) or the high 12; masked entries read 0."""
+    v = _vq_load(pb, mask).to(tl.int32)
+    v = v | (_vq_load(pb + 1, mask).to(tl.int32) << 8)
+    v = v | (_vq_load(pb + 2, mask).to(tl.int32) << 16)
+    return tl.where(low, v & 0xFFF, v >> 12)
+
+
+@triton.jit
 def _vq_groups(row_codes, row_scales, gi, m2, D: tl.constexpr, IB: tl.constexpr):
     """Indices int32 [BN, BG] and float32 scales [BN, BG] of groups gi of the rows whose code
     and scale rows start at row_codes / row_scales [BN, 1] (pointers)."""
     if IB == 12:
-        pb = row_codes + 3 * (gi // 2)[None, :]
-        v = tl.load(pb, mask=m2, other=0).to(tl.int32)
-        v = v | (tl.load(pb + 1, mask=m2, other=0).to(tl.int32) << 8)
-        v = v | (tl.load(pb + 2, mask=m2, other=0).to(tl.int32) << 16)
-        idx = tl.where((gi % 2 == 0)[None, :], v & 0xFFF, v >> 12)
+        idx = _vq_idx12(row_codes + 3 * (gi // 2)[None, :], (gi % 2 == 0)[None, :], m2)
     else:
         idx = tl.load(row_codes + gi[None, :], mask=m2, other=0).to(tl.int32)
     sbits = tl.load(row_scales + (gi * D // 64)[None, :], mask=m2, other=0).to(tl.int32) & 0xFFFF
@@ -75,24 +90,11 @@ def _vq_half(v, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _vq_load(ptr, mask):
-    """tl.load with masked entries 0; mask None: no mask (the EVEN case)."""
-    if mask is None:
-        return tl.load(ptr)
-    else:
-        return tl.load(ptr, mask=mask, other=0)
-
-
-@triton.jit
 def _vq_block_idx(crow, gi, mask, IB: tl.constexpr):
     """Indices int32 [BN, BB, GPB] of groups gi [BB, GPB] of the rows whose code rows start
     at crow [BN, 1, 1] (pointers); masked entries read index 0."""
     if IB == 12:
-        pb = crow + 3 * (gi // 2)[None, :, :]
-        v = _vq_load(pb, mask).to(tl.int32)
-        v = v | (_vq_load(pb + 1, mask).to(tl.int32) << 8)
-        v = v | (_vq_load(pb + 2, mask).to(tl.int32) << 16)
-        return tl.where((gi % 2 == 0)[None, :, :], v & 0xFFF, v >> 12)
+        return _vq_idx12(crow + 3 * (gi // 2)[None, :, :], (gi % 2 == 0)[None, :, :], mask)
     else:
         return _vq_load(crow + gi[None, :, :], mask).to(tl.int32)
 

@@ -70,7 +70,7 @@ def _vq_moe_fc1_blocks_kernel(
     gate_c = codes_ptr + e * stride_ce + n[:, None, None].to(tl.int64) * stride_cn
     gate_s = scales_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
     x_row = x_ptr + t.to(tl.int64) * stride_xt
-    one = tl.full([1], 1, tl.int1)
+    one = tl.full([1], 1, tl.int1)  # the one activation row's mask
     acc_g = tl.zeros([1, BN, BB, GPB], tl.float32)
     acc_u = tl.zeros([1, BN, BB, GPB], tl.float32)
     for b0 in range(0, NB, BB):
@@ -98,10 +98,10 @@ def _vq_moe_fc2_blocks_kernel(
     row_c = codes_ptr + e * stride_ce + n[:, None, None].to(tl.int64) * stride_cn
     row_s = scales_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
     h_row = h_ptr + s.to(tl.int64) * stride_h
+    one = tl.full([1], 1, tl.int1)  # the one activation row's mask
     acc = tl.zeros([1, BN, BB, GPB], tl.float32)
     for b0 in range(0, NB, BB):
-        acc += _vq_block_step(h_row, tl.full([1], 1, tl.int1), row_c, row_s, nmask, cbp_ptr, b0, NB, K, D, IB, 1,
-                              BB, EVEN)
+        acc += _vq_block_step(h_row, one, row_c, row_s, nmask, cbp_ptr, b0, NB, K, D, IB, 1, BB, EVEN)
     y = tl.sum(tl.sum(tl.sum(acc, 3), 2), 0)
     y = tl.where(valid, y * tl.load(w_ptr + s), 0.0)
     tl.store(ys_ptr + s.to(tl.int64) * stride_ys + n, y, mask=nmask)

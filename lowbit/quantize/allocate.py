@@ -85,7 +85,7 @@ def kernel_family(fmt: str) -> str:
 EXPERT_PAIRS = ("family", "free")  # --expert-pairs: one kernel family a layer (default), or each stack alone
 
 
-def _paired(tensors: list[TensorChoices]) -> tuple[list[TensorChoices], dict[str, tuple[str, str]]]:
+def _paired(tensors: list[TensorChoices]) -> tuple[list[TensorChoices], dict[str, tuple[TensorChoices, TensorChoices]]]:
     """The knapsack's items: each layer's w13 and w2 merged into one item of the allowed
     (w13, w2) candidate pairs (named "w13 format|w2 format"); other tensors as they are."""
     by_name = {t.name: t for t in tensors}
@@ -105,7 +105,7 @@ def _paired(tensors: list[TensorChoices]) -> tuple[list[TensorChoices], dict[str
             raise LowbitError(f"{t.name} and {mate.name}: no candidate pair of one kernel family (both vector "
                               "codebook formats or neither); add a format both take to --formats.")
         items.append(TensorChoices(key, t.weights + mate.weights, cands))
-        pairs[key] = (t.name, mate.name)
+        pairs[key] = (t, mate)
     return items, pairs
 
 
@@ -122,9 +122,8 @@ def allocate(tensors: list[TensorChoices], bpw: float, expert_pairs: str = "fami
         if name not in pairs:
             out[name] = cand
             continue
-        (n13, n2), (f13, f2) = pairs[name], cand.format.split("|")
-        by_fmt = {t.name: {c.format: c for c in t.candidates} for t in tensors if t.name in pairs[name]}
-        out[n13], out[n2] = by_fmt[n13][f13], by_fmt[n2][f2]
+        for member, fmt in zip(pairs[name], cand.format.split("|")):
+            out[member.name] = next(c for c in member.candidates if c.format == fmt)
     return dict(sorted(out.items()))
 
 
